@@ -1,0 +1,190 @@
+//! Row-wise kernels: normalisation, rotary embedding, activation, residual adds.
+//!
+//! Each works on one row at a time with a fixed order of operations, so a row's result does
+//! not depend on how many rows are processed together.
+
+use super::SharedPtr;
+use crate::pool::ThreadPool;
+
+/// Rows below this many elements in all are not worth waking the other threads for.
+const PARALLEL_MIN_ELEMENTS: usize = 1 << 15;
+
+fn for_rows(pool: &ThreadPool, rows: usize, row_len: usize, f: impl Fn(usize) + Sync) {
+    if rows * row_len < PARALLEL_MIN_ELEMENTS || rows == 1 {
+        (0..rows).for_each(f);
+    } else {
+        pool.for_each_range(rows, |range| range.for_each(&f));
+    }
+}
+
+/// `out[r] = x[r] / rms(x[r]) * weight` for each row of `weight.len()` values.
+pub fn rms_norm(pool: &ThreadPool, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let d = weight.len();
+    let rows = x.len() / d;
+    assert!(out.len() >= rows * d);
+    let out_ptr = SharedPtr(out.as_mut_ptr());
+    for_rows(pool, rows, d, |r| {
+        let row = &x[r * d..(r + 1) * d];
+        // SAFETY: each row index is visited by one thread only.
+        let dst = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(r * d), d) };
+        norm_row(row, weight, eps, dst);
+    });
+}
+
+/// [`rms_norm`] over rows of `weight.len()` values, in place (per-head q/k norms).
+pub fn rms_norm_in_place(pool: &ThreadPool, x: &mut [f32], weight: &[f32], eps: f32) {
+    let d = weight.len();
+    let rows = x.len() / d;
+    let ptr = SharedPtr(x.as_mut_ptr());
+    for_rows(pool, rows, d, |r| {
+        // SAFETY: each row index is visited by one thread only.
+        let row = unsafe { std::slice::from_raw_parts_mut(ptr.get().add(r * d), d) };
+        let scale = inv_rms(row, eps);
+        for (v, w) in row.iter_mut().zip(weight) {
+            *v = *w * (*v * scale);
+        }
+    });
+}
+
+#[inline]
+fn inv_rms(row: &[f32], eps: f32) -> f32 {
+    // Eight partial sums: vectorisable, and the same order for every row length split.
+    let mut partial = [0f32; 8];
+    let chunks = row.chunks_exact(8);
+    let tail = chunks.remainder();
+    for chunk in chunks {
+        for (p, v) in partial.iter_mut().zip(chunk) {
+            *p += v * v;
+        }
+    }
+    for (p, v) in partial.iter_mut().zip(tail) {
+        *p += v * v;
+    }
+    let sum: f32 = partial.iter().sum();
+    1.0 / (sum / row.len() as f32 + eps).sqrt()
+}
+
+#[inline]
+fn norm_row(row: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let scale = inv_rms(row, eps);
+    for ((o, v), w) in out.iter_mut().zip(row).zip(weight) {
+        *o = *w * (*v * scale);
+    }
+}
+
+/// Rotary embedding, "rotate half" layout (as in HF Llama/Qwen): within each head of
+/// `head_dim`, element `i` pairs with `i + head_dim/2`. Row `r` is at position
+/// `pos0 + r`; `cos`/`sin` hold `head_dim/2` values per position.
+pub fn rope_in_place(
+    pool: &ThreadPool,
+    x: &mut [f32],
+    n_heads: usize,
+    head_dim: usize,
+    pos0: usize,
+    cos: &[f32],
+    sin: &[f32],
+) {
+    let half = head_dim / 2;
+    let row_len = n_heads * head_dim;
+    let rows = x.len() / row_len;
+    assert!((pos0 + rows) * half <= cos.len(), "rope: positions beyond the table");
+    let ptr = SharedPtr(x.as_mut_ptr());
+    for_rows(pool, rows, row_len, |r| {
+        let pos = pos0 + r;
+        let (c, s) = (&cos[pos * half..(pos + 1) * half], &sin[pos * half..(pos + 1) * half]);
+        // SAFETY: each row index is visited by one thread only.
+        let row = unsafe { std::slice::from_raw_parts_mut(ptr.get().add(r * row_len), row_len) };
+        for head in row.chunks_exact_mut(head_dim) {
+            let (a, b) = head.split_at_mut(half);
+            for i in 0..half {
+                let (x1, x2) = (a[i], b[i]);
+                a[i] = x1 * c[i] - x2 * s[i];
+                b[i] = x2 * c[i] + x1 * s[i];
+            }
+        }
+    });
+}
+
+/// `gate[i] = silu(gate[i]) * up[i]`, the SwiGLU activation.
+pub fn silu_mul(pool: &ThreadPool, gate: &mut [f32], up: &[f32]) {
+    let n = gate.len();
+    assert!(up.len() >= n);
+    const CHUNK: usize = 4096;
+    let ptr = SharedPtr(gate.as_mut_ptr());
+    for_rows(pool, n.div_ceil(CHUNK), CHUNK, |c| {
+        let range = c * CHUNK..((c + 1) * CHUNK).min(n);
+        // SAFETY: each chunk is visited by one thread only.
+        let g = unsafe { std::slice::from_raw_parts_mut(ptr.get().add(range.start), range.len()) };
+        for (g, u) in g.iter_mut().zip(&up[range]) {
+            *g = *g / (1.0 + (-*g).exp()) * u;
+        }
+    });
+}
+
+/// `x += y`.
+pub fn add_assign(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+/// Adds `bias` to each row of `bias.len()` values.
+pub fn add_bias(x: &mut [f32], bias: &[f32]) {
+    for row in x.chunks_exact_mut(bias.len()) {
+        add_assign(row, bias);
+    }
+}
+
+/// Softmax of one row, in place (max-subtracted).
+pub fn softmax_in_place(x: &mut [f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0f32;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rms_norm_matches_definition() {
+        let pool = ThreadPool::new(2);
+        let x = [1.0f32, -2.0, 3.0, 0.5, 4.0, 4.0, 4.0, 4.0];
+        let w = [1.0f32, 2.0, 0.5, 1.0];
+        let mut out = [0f32; 8];
+        rms_norm(&pool, &x, &w, 1e-6, &mut out);
+        let rms = ((1.0 + 4.0 + 9.0 + 0.25) / 4.0f32 + 1e-6).sqrt();
+        assert!((out[1] - (-2.0 / rms * 2.0)).abs() < 1e-6);
+        assert!((out[4] - 1.0).abs() < 1e-5);
+        let mut y = x;
+        rms_norm_in_place(&pool, &mut y, &w, 1e-6);
+        assert_eq!(y, out);
+    }
+
+    #[test]
+    fn rope_rotates_pairs_half_apart() {
+        let pool = ThreadPool::new(1);
+        let mut x = [1.0f32, 2.0, 3.0, 4.0];
+        let (c, s) = ([0.0f32, 1.0, 0.5, 0.5], [1.0f32, 0.0, 0.5, 0.5]);
+        rope_in_place(&pool, &mut x, 1, 4, 0, &c, &s);
+        assert_eq!(x, [1.0 * 0.0 - 3.0 * 1.0, 2.0, 3.0 * 0.0 + 1.0, 4.0]);
+    }
+
+    #[test]
+    fn silu_and_softmax() {
+        let pool = ThreadPool::new(2);
+        let mut g = vec![0.0f32, 1.0, -1.0];
+        silu_mul(&pool, &mut g, &[2.0, 2.0, 2.0]);
+        assert!((g[1] - 2.0 * 0.731_058_6).abs() < 1e-6 && g[0] == 0.0);
+        let mut p = vec![1.0f32, 2.0, 3.0];
+        softmax_in_place(&mut p);
+        assert!((p.iter().sum::<f32>() - 1.0).abs() < 1e-6 && p[2] > p[1]);
+    }
+}

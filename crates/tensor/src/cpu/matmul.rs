@@ -1,0 +1,314 @@
+//! `y = x · Wᵀ` for weights stored F32, BF16 or F16 (row-major `[n, k]`, as in a HF Linear).
+//!
+//! Each output element is a dot product accumulated lane-wise over `k` in order, with one
+//! fused multiply-add per lane and step and a masked tail, then summed by the fixed tree of
+//! [`Simd::hsum`]. Decode (few rows) reads the stored weights directly, converting in
+//! registers, so weight bandwidth is the only cost; prefill converts a small panel of weight
+//! rows to f32 once and reuses it across a block of activation rows, so it runs at the FMA
+//! units' rate. Both compute every element identically, which is what makes prefill and
+//! decode, batched and alone, agree to the bit.
+
+use super::simd::{Bf16, F16, Simd, WeightElem};
+use super::{Isa, SharedPtr, simd_dispatch};
+use crate::dtype::DType;
+use crate::pool::{ThreadPool, split_range};
+
+/// Weight rows computed together: each activation vector loaded feeds this many FMAs.
+const NR: usize = 4;
+/// Activation rows computed together in prefill.
+const MR: usize = 4;
+/// Bytes of activation rows a prefill block keeps in a core's L2 while panels stream past.
+const ACTIVATION_BLOCK_BYTES: usize = 768 * 1024;
+
+/// A read-only matrix of stored weights, `rows × cols`, row-major.
+#[derive(Clone, Copy, Debug)]
+pub struct MatRef<'a> {
+    pub dtype: DType,
+    pub data: &'a [u8],
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl<'a> MatRef<'a> {
+    pub fn new(dtype: DType, data: &'a [u8], rows: usize, cols: usize) -> Self {
+        assert_eq!(data.len(), rows * cols * dtype.size_in_bytes(), "matrix bytes must match its shape");
+        assert_eq!(data.as_ptr() as usize % dtype.size_in_bytes(), 0, "matrix data must be aligned to its element");
+        MatRef { dtype, data, rows, cols }
+    }
+
+    /// Rows `start..end` as a matrix of their own.
+    pub fn slice_rows(&self, start: usize, end: usize) -> MatRef<'a> {
+        let row_bytes = self.cols * self.dtype.size_in_bytes();
+        MatRef { dtype: self.dtype, data: &self.data[start * row_bytes..end * row_bytes], rows: end - start, cols: self.cols }
+    }
+}
+
+/// f32 elements of scratch [`matmul`] needs for `k` columns on `n_threads` threads.
+pub fn matmul_scratch_len(n_threads: usize, k: usize) -> usize {
+    n_threads * NR * k
+}
+
+/// `y[i, j] = Σ_p x[i, p] · w[j, p]` for `i < m`, `j < w.rows`, `p < w.cols`.
+///
+/// `scratch` holds at least [`matmul_scratch_len`] f32s (used when `m > MR`).
+pub fn matmul(pool: &ThreadPool, x: &[f32], m: usize, w: &MatRef<'_>, y: &mut [f32], scratch: &mut [f32]) {
+    let (n, k) = (w.rows, w.cols);
+    assert!(x.len() >= m * k, "matmul: x has {} values, needs {m}×{k}", x.len());
+    assert!(y.len() >= m * n, "matmul: y has {} values, needs {m}×{n}", y.len());
+    if m == 0 || n == 0 {
+        return;
+    }
+    if m > MR {
+        assert!(scratch.len() >= matmul_scratch_len(pool.n_threads(), k), "matmul: scratch too small");
+    }
+    let isa = Isa::detect();
+    let x_ptr = SharedPtr(x.as_ptr() as *mut f32);
+    let y_ptr = SharedPtr(y.as_mut_ptr());
+    let scratch_ptr = SharedPtr(scratch.as_mut_ptr());
+    let w_ptr = SharedPtr(w.data.as_ptr() as *mut u8);
+    let dtype = w.dtype;
+    let blocks = n.div_ceil(NR);
+    let parts = pool.n_threads().min(blocks);
+    pool.broadcast(&|thread| {
+        if thread >= parts {
+            return;
+        }
+        let blocks = split_range(blocks, parts, thread);
+        let rows = blocks.start * NR..(blocks.end * NR).min(n);
+        let panel = SharedPtr(unsafe { scratch_ptr.get().add(thread * NR * k) });
+        let job = Job { x: x_ptr, m, k, w: w_ptr, n, y: y_ptr, rows_start: rows.start, rows_end: rows.end, panel };
+        match dtype {
+            DType::F32 => matmul_rows_f32(isa, job),
+            DType::BF16 => matmul_rows_bf16(isa, job),
+            DType::F16 => matmul_rows_f16(isa, job),
+        }
+    });
+}
+
+/// One thread's share: weight rows `rows_start..rows_end` against every activation row.
+#[derive(Clone, Copy)]
+struct Job {
+    x: SharedPtr<f32>,
+    m: usize,
+    k: usize,
+    w: SharedPtr<u8>,
+    n: usize,
+    y: SharedPtr<f32>,
+    rows_start: usize,
+    rows_end: usize,
+    panel: SharedPtr<f32>,
+}
+
+simd_dispatch!(fn matmul_rows_f32(job: Job) => rows_f32);
+simd_dispatch!(fn matmul_rows_bf16(job: Job) => rows_bf16);
+simd_dispatch!(fn matmul_rows_f16(job: Job) => rows_f16);
+
+#[inline(always)]
+unsafe fn rows_f32<S: Simd>(job: Job) {
+    unsafe { matmul_rows::<S, f32>(job) }
+}
+#[inline(always)]
+unsafe fn rows_bf16<S: Simd>(job: Job) {
+    unsafe { matmul_rows::<S, Bf16>(job) }
+}
+#[inline(always)]
+unsafe fn rows_f16<S: Simd>(job: Job) {
+    unsafe { matmul_rows::<S, F16>(job) }
+}
+
+#[inline(always)]
+unsafe fn matmul_rows<S: Simd, W: WeightElem>(job: Job) {
+    let Job { m, k, n, .. } = job;
+    let x = job.x.get() as *const f32;
+    let w = job.w.get() as *const W;
+    let y = job.y.get();
+    let x_row = |i: usize| unsafe { x.add(i.min(m - 1) * k) };
+    // A tile past the last row repeats it and its result is dropped: no extra code for edges.
+    let w_row = |j: usize| unsafe { w.add(j.min(job.rows_end - 1) * k) };
+    unsafe {
+        if m == 1 {
+            let mut j = job.rows_start;
+            while j < job.rows_end {
+                let out = tile::<S, W, 1, NR>([x_row(0)], [w_row(j), w_row(j + 1), w_row(j + 2), w_row(j + 3)], k);
+                store_tile::<1, NR>(&out, y, n, 0, 1, j, job.rows_end);
+                j += NR;
+            }
+        } else if m <= MR {
+            let mut j = job.rows_start;
+            while j < job.rows_end {
+                let xs = [x_row(0), x_row(1), x_row(2), x_row(3)];
+                let out = tile::<S, W, MR, NR>(xs, [w_row(j), w_row(j + 1), w_row(j + 2), w_row(j + 3)], k);
+                store_tile::<MR, NR>(&out, y, n, 0, m, j, job.rows_end);
+                j += NR;
+            }
+        } else {
+            let panel = job.panel.get();
+            let block_rows = (ACTIVATION_BLOCK_BYTES / (k * 4)).max(MR) / MR * MR;
+            let mut i0 = 0;
+            while i0 < m {
+                let i_end = (i0 + block_rows).min(m);
+                let mut j = job.rows_start;
+                while j < job.rows_end {
+                    // Convert NR weight rows to f32 once per activation block.
+                    for r in 0..NR {
+                        let src = w_row(j + r);
+                        let dst = panel.add(r * k);
+                        for p in 0..k {
+                            *dst.add(p) = (*src.add(p)).to_f32();
+                        }
+                    }
+                    let ws = [panel as *const f32, panel.add(k), panel.add(2 * k), panel.add(3 * k)];
+                    let mut i = i0;
+                    while i < i_end {
+                        let xs = [x_row(i), x_row(i + 1), x_row(i + 2), x_row(i + 3)];
+                        let out = tile::<S, f32, MR, NR>(xs, ws, k);
+                        store_tile::<MR, NR>(&out, y, n, i, i_end, j, job.rows_end);
+                        i += MR;
+                    }
+                    j += NR;
+                }
+                i0 = i_end;
+            }
+        }
+    }
+}
+
+/// Writes the part of a tile that lies inside `rows < row_end`, `cols < col_end`.
+#[inline(always)]
+unsafe fn store_tile<const R: usize, const C: usize>(
+    out: &[[f32; C]; R],
+    y: *mut f32,
+    n: usize,
+    row: usize,
+    row_end: usize,
+    col: usize,
+    col_end: usize,
+) {
+    for (r, values) in out.iter().enumerate() {
+        if row + r >= row_end {
+            break;
+        }
+        for (c, &value) in values.iter().enumerate() {
+            if col + c < col_end {
+                unsafe { *y.add((row + r) * n + col + c) = value };
+            }
+        }
+    }
+}
+
+/// Dot products of `R` activation rows with `C` weight rows, `k` long.
+#[inline(always)]
+unsafe fn tile<S: Simd, W: WeightElem, const R: usize, const C: usize>(
+    x: [*const f32; R],
+    w: [*const W; C],
+    k: usize,
+) -> [[f32; C]; R] {
+    unsafe {
+        let mut acc = [[S::zero(); C]; R];
+        let mut wv = [S::zero(); C];
+        let full = k / S::LANES * S::LANES;
+        let mut p = 0;
+        while p < full {
+            for c in 0..C {
+                wv[c] = W::load::<S>(w[c].add(p));
+            }
+            for r in 0..R {
+                let xv = S::load(x[r].add(p));
+                for c in 0..C {
+                    acc[r][c] = S::fma(xv, wv[c], acc[r][c]);
+                }
+            }
+            p += S::LANES;
+        }
+        if p < k {
+            let rest = k - p;
+            for c in 0..C {
+                wv[c] = W::load_partial::<S>(w[c].add(p), rest);
+            }
+            for r in 0..R {
+                let xv = S::load_partial(x[r].add(p), rest);
+                for c in 0..C {
+                    acc[r][c] = S::fma(xv, wv[c], acc[r][c]);
+                }
+            }
+        }
+        let mut out = [[0f32; C]; R];
+        for r in 0..R {
+            for c in 0..C {
+                out[r][c] = S::hsum(acc[r][c]);
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lcg(seed: &mut u64) -> f32 {
+        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    fn encode(values: &[f32], dtype: DType) -> Vec<u8> {
+        match dtype {
+            DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            DType::BF16 => values.iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect(),
+            DType::F16 => values.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect(),
+        }
+    }
+
+    fn decode(bytes: &[u8], dtype: DType) -> Vec<f32> {
+        match dtype {
+            DType::F32 => bytes.chunks(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect(),
+            DType::BF16 => bytes.chunks(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            DType::F16 => bytes.chunks(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+        }
+    }
+
+    /// A 4-aligned copy, since `Vec<u8>` makes no alignment promise.
+    fn aligned(bytes: &[u8]) -> Vec<u32> {
+        let mut words = vec![0u32; bytes.len().div_ceil(4)];
+        bytemuck::cast_slice_mut::<u32, u8>(&mut words)[..bytes.len()].copy_from_slice(bytes);
+        words
+    }
+
+    fn check(m: usize, n: usize, k: usize, dtype: DType, threads: usize) {
+        let mut seed = (m * 1000 + n * 10 + k) as u64;
+        let x: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
+        let w_values: Vec<f32> = (0..n * k).map(|_| lcg(&mut seed)).collect();
+        let w_bytes = encode(&w_values, dtype);
+        let w_words = aligned(&w_bytes);
+        let w_stored = &bytemuck::cast_slice::<u32, u8>(&w_words)[..w_bytes.len()];
+        let w_exact = decode(w_stored, dtype);
+        let pool = ThreadPool::new(threads);
+        let mut scratch = vec![0f32; matmul_scratch_len(threads, k)];
+        let mut y = vec![f32::NAN; m * n];
+        matmul(&pool, &x, m, &MatRef::new(dtype, w_stored, n, k), &mut y, &mut scratch);
+        for i in 0..m {
+            for j in 0..n {
+                let want: f64 = (0..k).map(|p| x[i * k + p] as f64 * w_exact[j * k + p] as f64).sum();
+                let got = y[i * n + j] as f64;
+                assert!((got - want).abs() <= 1e-4 * (k as f64).sqrt(), "m={m} n={n} k={k} {dtype}: y[{i},{j}] = {got}, want {want}");
+            }
+        }
+        // Row independence: each row alone gives the very same bits as inside the batch.
+        for i in [0, m / 2, m - 1] {
+            let mut y1 = vec![0f32; n];
+            matmul(&pool, &x[i * k..(i + 1) * k], 1, &MatRef::new(dtype, w_stored, n, k), &mut y1, &mut scratch);
+            assert_eq!(y1, &y[i * n..(i + 1) * n], "row {i} alone differs from row {i} in a batch of {m}");
+        }
+    }
+
+    #[test]
+    fn matches_f64_reference_and_is_batch_invariant() {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            for &(m, n, k) in &[(1, 1, 1), (1, 7, 33), (3, 9, 16), (4, 4, 64), (5, 13, 100), (37, 21, 200), (9, 64, 17)] {
+                for threads in [1, 2, 3] {
+                    check(m, n, k, dtype, threads);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,373 @@
+//! The vector operations the CPU kernels are written in, once per instruction set.
+//!
+//! Kernels are generic over [`Simd`] and monomorphised inside `#[target_feature]` entry points,
+//! so one kernel source serves AVX-512, AVX2 and a portable fallback. Every horizontal sum
+//! uses one fixed tree (lane `l` with `l + LANES/2`, then `l + LANES/4`, …), which is what
+//! makes a dot product's result independent of the kernel that computed it.
+
+/// A SIMD register of f32 lanes and the operations the kernels need.
+///
+/// # Safety
+/// Implementations use instructions of one target feature set; callers must only use an
+/// implementation when [`super::Isa::detect`] found that set, and every pointer must be valid
+/// for the lanes read or written (`n` lanes for the `_partial` forms).
+pub(crate) unsafe trait Simd: Copy {
+    const LANES: usize;
+    type V: Copy;
+    unsafe fn zero() -> Self::V;
+    unsafe fn splat(x: f32) -> Self::V;
+    unsafe fn load(p: *const f32) -> Self::V;
+    /// Loads `n < LANES` values; the other lanes are zero.
+    unsafe fn load_partial(p: *const f32, n: usize) -> Self::V;
+    unsafe fn store(p: *mut f32, v: Self::V);
+    unsafe fn store_partial(p: *mut f32, v: Self::V, n: usize);
+    unsafe fn load_bf16(p: *const u16) -> Self::V;
+    unsafe fn load_bf16_partial(p: *const u16, n: usize) -> Self::V;
+    unsafe fn load_f16(p: *const u16) -> Self::V;
+    unsafe fn load_f16_partial(p: *const u16, n: usize) -> Self::V;
+    /// `a * b + c`.
+    unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
+    unsafe fn add(a: Self::V, b: Self::V) -> Self::V;
+    unsafe fn mul(a: Self::V, b: Self::V) -> Self::V;
+    unsafe fn hsum(v: Self::V) -> f32;
+}
+
+/// How a stored weight element becomes f32 lanes.
+pub(crate) trait WeightElem: Copy + Send + Sync + 'static {
+    unsafe fn load<S: Simd>(p: *const Self) -> S::V;
+    unsafe fn load_partial<S: Simd>(p: *const Self, n: usize) -> S::V;
+    fn to_f32(self) -> f32;
+}
+
+impl WeightElem for f32 {
+    #[inline(always)]
+    unsafe fn load<S: Simd>(p: *const f32) -> S::V {
+        unsafe { S::load(p) }
+    }
+    #[inline(always)]
+    unsafe fn load_partial<S: Simd>(p: *const f32, n: usize) -> S::V {
+        unsafe { S::load_partial(p, n) }
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+/// bf16 weights, stored as raw bits.
+#[derive(Clone, Copy)]
+#[repr(transparent)]
+pub(crate) struct Bf16(pub u16);
+
+/// f16 weights, stored as raw bits.
+#[derive(Clone, Copy)]
+#[repr(transparent)]
+pub(crate) struct F16(pub u16);
+
+impl WeightElem for Bf16 {
+    #[inline(always)]
+    unsafe fn load<S: Simd>(p: *const Bf16) -> S::V {
+        unsafe { S::load_bf16(p.cast()) }
+    }
+    #[inline(always)]
+    unsafe fn load_partial<S: Simd>(p: *const Bf16, n: usize) -> S::V {
+        unsafe { S::load_bf16_partial(p.cast(), n) }
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        crate::dtype::bf16_to_f32(self.0)
+    }
+}
+
+impl WeightElem for F16 {
+    #[inline(always)]
+    unsafe fn load<S: Simd>(p: *const F16) -> S::V {
+        unsafe { S::load_f16(p.cast()) }
+    }
+    #[inline(always)]
+    unsafe fn load_partial<S: Simd>(p: *const F16, n: usize) -> S::V {
+        unsafe { S::load_f16_partial(p.cast(), n) }
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        crate::dtype::f16_to_f32(self.0)
+    }
+}
+
+/// Plain Rust over 16 lanes; compilers vectorise it to whatever the baseline target offers.
+#[derive(Clone, Copy)]
+pub(crate) struct Portable;
+
+const PORTABLE_LANES: usize = 16;
+
+unsafe impl Simd for Portable {
+    const LANES: usize = PORTABLE_LANES;
+    type V = [f32; PORTABLE_LANES];
+
+    #[inline(always)]
+    unsafe fn zero() -> Self::V {
+        [0.0; PORTABLE_LANES]
+    }
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> Self::V {
+        [x; PORTABLE_LANES]
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self::V {
+        unsafe { p.cast::<Self::V>().read_unaligned() }
+    }
+    #[inline(always)]
+    unsafe fn load_partial(p: *const f32, n: usize) -> Self::V {
+        let mut v = [0.0; PORTABLE_LANES];
+        for (i, lane) in v.iter_mut().enumerate().take(n) {
+            *lane = unsafe { *p.add(i) };
+        }
+        v
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, v: Self::V) {
+        unsafe { p.cast::<Self::V>().write_unaligned(v) }
+    }
+    #[inline(always)]
+    unsafe fn store_partial(p: *mut f32, v: Self::V, n: usize) {
+        for (i, lane) in v.iter().enumerate().take(n) {
+            unsafe { *p.add(i) = *lane };
+        }
+    }
+    #[inline(always)]
+    unsafe fn load_bf16(p: *const u16) -> Self::V {
+        let raw = unsafe { p.cast::<[u16; PORTABLE_LANES]>().read_unaligned() };
+        raw.map(crate::dtype::bf16_to_f32)
+    }
+    #[inline(always)]
+    unsafe fn load_bf16_partial(p: *const u16, n: usize) -> Self::V {
+        let mut v = [0.0; PORTABLE_LANES];
+        for (i, lane) in v.iter_mut().enumerate().take(n) {
+            *lane = crate::dtype::bf16_to_f32(unsafe { *p.add(i) });
+        }
+        v
+    }
+    #[inline(always)]
+    unsafe fn load_f16(p: *const u16) -> Self::V {
+        let raw = unsafe { p.cast::<[u16; PORTABLE_LANES]>().read_unaligned() };
+        raw.map(crate::dtype::f16_to_f32)
+    }
+    #[inline(always)]
+    unsafe fn load_f16_partial(p: *const u16, n: usize) -> Self::V {
+        let mut v = [0.0; PORTABLE_LANES];
+        for (i, lane) in v.iter_mut().enumerate().take(n) {
+            *lane = crate::dtype::f16_to_f32(unsafe { *p.add(i) });
+        }
+        v
+    }
+    #[inline(always)]
+    unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V {
+        std::array::from_fn(|i| a[i] * b[i] + c[i])
+    }
+    #[inline(always)]
+    unsafe fn add(a: Self::V, b: Self::V) -> Self::V {
+        std::array::from_fn(|i| a[i] + b[i])
+    }
+    #[inline(always)]
+    unsafe fn mul(a: Self::V, b: Self::V) -> Self::V {
+        std::array::from_fn(|i| a[i] * b[i])
+    }
+    #[inline(always)]
+    unsafe fn hsum(v: Self::V) -> f32 {
+        let mut w = v;
+        let mut half = PORTABLE_LANES / 2;
+        while half > 0 {
+            for i in 0..half {
+                w[i] += w[i + half];
+            }
+            half /= 2;
+        }
+        w[0]
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) use x86::{Avx2, Avx512};
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::Simd;
+    use std::arch::x86_64::*;
+
+    /// AVX-512 F/BW/VL: 16 f32 lanes, masked loads for tails.
+    #[derive(Clone, Copy)]
+    pub(crate) struct Avx512;
+
+    #[inline(always)]
+    fn mask16(n: usize) -> __mmask16 {
+        ((1u32 << n) - 1) as __mmask16
+    }
+
+    unsafe impl Simd for Avx512 {
+        const LANES: usize = 16;
+        type V = __m512;
+
+        #[inline(always)]
+        unsafe fn zero() -> __m512 {
+            unsafe { _mm512_setzero_ps() }
+        }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> __m512 {
+            unsafe { _mm512_set1_ps(x) }
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> __m512 {
+            unsafe { _mm512_loadu_ps(p) }
+        }
+        #[inline(always)]
+        unsafe fn load_partial(p: *const f32, n: usize) -> __m512 {
+            unsafe { _mm512_maskz_loadu_ps(mask16(n), p) }
+        }
+        #[inline(always)]
+        unsafe fn store(p: *mut f32, v: __m512) {
+            unsafe { _mm512_storeu_ps(p, v) }
+        }
+        #[inline(always)]
+        unsafe fn store_partial(p: *mut f32, v: __m512, n: usize) {
+            unsafe { _mm512_mask_storeu_ps(p, mask16(n), v) }
+        }
+        #[inline(always)]
+        unsafe fn load_bf16(p: *const u16) -> __m512 {
+            unsafe {
+                let raw = _mm256_loadu_si256(p.cast());
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(raw)))
+            }
+        }
+        #[inline(always)]
+        unsafe fn load_bf16_partial(p: *const u16, n: usize) -> __m512 {
+            unsafe {
+                let raw = _mm256_maskz_loadu_epi16(mask16(n), p.cast());
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(raw)))
+            }
+        }
+        #[inline(always)]
+        unsafe fn load_f16(p: *const u16) -> __m512 {
+            unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
+        }
+        #[inline(always)]
+        unsafe fn load_f16_partial(p: *const u16, n: usize) -> __m512 {
+            unsafe { _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask16(n), p.cast())) }
+        }
+        #[inline(always)]
+        unsafe fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
+            unsafe { _mm512_fmadd_ps(a, b, c) }
+        }
+        #[inline(always)]
+        unsafe fn add(a: __m512, b: __m512) -> __m512 {
+            unsafe { _mm512_add_ps(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn mul(a: __m512, b: __m512) -> __m512 {
+            unsafe { _mm512_mul_ps(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn hsum(v: __m512) -> f32 {
+            unsafe {
+                let lo = _mm512_castps512_ps256(v);
+                let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+                hsum8(_mm256_add_ps(lo, hi))
+            }
+        }
+    }
+
+    /// The tree shared by both x86 sets: (l, l+4), (l, l+2), (l, l+1) over 8 lanes.
+    #[inline(always)]
+    unsafe fn hsum8(v: __m256) -> f32 {
+        unsafe {
+            let s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+            let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+            let s1 = _mm_add_ss(s2, _mm_shuffle_ps::<0b01>(s2, s2));
+            _mm_cvtss_f32(s1)
+        }
+    }
+
+    /// AVX2 + FMA + F16C: 8 f32 lanes; tails go through a zero-padded copy.
+    #[derive(Clone, Copy)]
+    pub(crate) struct Avx2;
+
+    unsafe impl Simd for Avx2 {
+        const LANES: usize = 8;
+        type V = __m256;
+
+        #[inline(always)]
+        unsafe fn zero() -> __m256 {
+            unsafe { _mm256_setzero_ps() }
+        }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> __m256 {
+            unsafe { _mm256_set1_ps(x) }
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> __m256 {
+            unsafe { _mm256_loadu_ps(p) }
+        }
+        #[inline(always)]
+        unsafe fn load_partial(p: *const f32, n: usize) -> __m256 {
+            let mut tmp = [0f32; 8];
+            unsafe {
+                std::ptr::copy_nonoverlapping(p, tmp.as_mut_ptr(), n);
+                _mm256_loadu_ps(tmp.as_ptr())
+            }
+        }
+        #[inline(always)]
+        unsafe fn store(p: *mut f32, v: __m256) {
+            unsafe { _mm256_storeu_ps(p, v) }
+        }
+        #[inline(always)]
+        unsafe fn store_partial(p: *mut f32, v: __m256, n: usize) {
+            let mut tmp = [0f32; 8];
+            unsafe {
+                _mm256_storeu_ps(tmp.as_mut_ptr(), v);
+                std::ptr::copy_nonoverlapping(tmp.as_ptr(), p, n);
+            }
+        }
+        #[inline(always)]
+        unsafe fn load_bf16(p: *const u16) -> __m256 {
+            unsafe {
+                let raw = _mm_loadu_si128(p.cast());
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(raw)))
+            }
+        }
+        #[inline(always)]
+        unsafe fn load_bf16_partial(p: *const u16, n: usize) -> __m256 {
+            let mut tmp = [0u16; 8];
+            unsafe {
+                std::ptr::copy_nonoverlapping(p, tmp.as_mut_ptr(), n);
+                Self::load_bf16(tmp.as_ptr())
+            }
+        }
+        #[inline(always)]
+        unsafe fn load_f16(p: *const u16) -> __m256 {
+            unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+        }
+        #[inline(always)]
+        unsafe fn load_f16_partial(p: *const u16, n: usize) -> __m256 {
+            let mut tmp = [0u16; 8];
+            unsafe {
+                std::ptr::copy_nonoverlapping(p, tmp.as_mut_ptr(), n);
+                Self::load_f16(tmp.as_ptr())
+            }
+        }
+        #[inline(always)]
+        unsafe fn fma(a: __m256, b: __m256, c: __m256) -> __m256 {
+            unsafe { _mm256_fmadd_ps(a, b, c) }
+        }
+        #[inline(always)]
+        unsafe fn add(a: __m256, b: __m256) -> __m256 {
+            unsafe { _mm256_add_ps(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn mul(a: __m256, b: __m256) -> __m256 {
+            unsafe { _mm256_mul_ps(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn hsum(v: __m256) -> f32 {
+            unsafe { hsum8(v) }
+        }
+    }
+}
