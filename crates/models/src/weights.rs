@@ -1,0 +1,117 @@
+//! Weights as views into the mapped checkpoint, checked against the shapes the model expects.
+
+use std::sync::Arc;
+
+use ember_checkpoint::{SafetensorsSet, TensorRef};
+use ember_tensor::cpu::MatRef;
+use ember_tensor::{Buffer, BufferKind, BufferOwner, DType};
+
+use crate::error::Result;
+
+/// A `rows × cols` weight matrix, read in place from its file (or from a repacked copy when
+/// the file stores it misaligned for its element type).
+pub struct Matrix {
+    buffer: Arc<Buffer>,
+    offset: usize,
+    pub dtype: DType,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl Matrix {
+    pub fn as_mat(&self) -> MatRef<'_> {
+        let len = self.rows * self.cols * self.dtype.size_in_bytes();
+        MatRef::new(self.dtype, &self.buffer.bytes()[self.offset..self.offset + len], self.rows, self.cols)
+    }
+
+    /// Rows `start..end` as a matrix of their own (one expert of a stacked tensor).
+    pub fn rows(&self, start: usize, end: usize) -> Matrix {
+        let row_bytes = self.cols * self.dtype.size_in_bytes();
+        Matrix {
+            buffer: Arc::clone(&self.buffer),
+            offset: self.offset + start * row_bytes,
+            dtype: self.dtype,
+            rows: end - start,
+            cols: self.cols,
+        }
+    }
+
+    pub fn size_in_bytes(&self) -> usize {
+        self.rows * self.cols * self.dtype.size_in_bytes()
+    }
+
+    /// One row converted to f32 (an embedding lookup).
+    pub fn row_to_f32(&self, row: usize, out: &mut [f32]) {
+        let m = self.as_mat();
+        let size = self.dtype.size_in_bytes();
+        let bytes = &m.data[row * self.cols * size..(row + 1) * self.cols * size];
+        match self.dtype {
+            DType::F32 => out.copy_from_slice(bytemuck::cast_slice(bytes)),
+            DType::BF16 => {
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = ember_tensor::dtype::bf16_to_f32(u16::from_le_bytes([b[0], b[1]]));
+                }
+            }
+            DType::F16 => {
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = ember_tensor::dtype::f16_to_f32(u16::from_le_bytes([b[0], b[1]]));
+                }
+            }
+        }
+    }
+}
+
+/// A small f32 parameter (norm weight, bias), converted once at load.
+pub struct Vector(Buffer);
+
+impl Vector {
+    pub fn as_slice(&self) -> &[f32] {
+        self.0.as_slice()
+    }
+}
+
+/// Reads tensors out of a checkpoint by name, checking shapes.
+pub struct WeightLoader<'a> {
+    pub set: &'a SafetensorsSet,
+    pub owner: &'a BufferOwner,
+}
+
+impl WeightLoader<'_> {
+    pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix> {
+        let t = self.set.get_shaped(name, &[rows, cols])?;
+        self.place(&t, rows, cols)
+    }
+
+    /// A 3-d tensor `[experts, rows, cols]`, as one `experts·rows × cols` matrix.
+    pub fn stacked(&self, name: &str, experts: usize, rows: usize, cols: usize) -> Result<Matrix> {
+        let t = self.set.get_shaped(name, &[experts, rows, cols])?;
+        self.place(&t, experts * rows, cols)
+    }
+
+    fn place(&self, t: &TensorRef<'_>, rows: usize, cols: usize) -> Result<Matrix> {
+        let aligned = t.bytes.as_ptr() as usize % t.dtype.size_in_bytes() == 0;
+        let (buffer, offset) = if aligned {
+            (Arc::clone(t.buffer), t.offset)
+        } else {
+            let copy = self.owner.alloc_copy(BufferKind::Repacked, format!("{} (realigned)", t.name), t.bytes)?;
+            (Arc::new(copy), 0)
+        };
+        Ok(Matrix { buffer, offset, dtype: t.dtype, rows, cols })
+    }
+
+    pub fn vector(&self, name: &str, len: usize) -> Result<Vector> {
+        let t = self.set.get_shaped(name, &[len])?;
+        let mut buf = self.owner.alloc(BufferKind::Repacked, name, len * 4)?;
+        let out = buf.as_mut_slice::<f32>();
+        let size = t.dtype.size_in_bytes();
+        for (i, o) in out.iter_mut().enumerate() {
+            let b = &t.bytes[i * size..(i + 1) * size];
+            *o = match t.dtype {
+                DType::F32 => f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+                DType::BF16 => ember_tensor::dtype::bf16_to_f32(u16::from_le_bytes([b[0], b[1]])),
+                DType::F16 => ember_tensor::dtype::f16_to_f32(u16::from_le_bytes([b[0], b[1]])),
+            };
+        }
+        Ok(Vector(buf))
+    }
+}
