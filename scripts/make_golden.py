@@ -23,13 +23,15 @@ greedy top1-top2 log-prob margin is >= MIN_MARGIN at every recorded step
 
 Rerun (needs `pip install torch transformers`; no network / HF hub needed):
 
-    python3 scripts/make_golden.py
+    python3 scripts/make_golden.py              # all eight fixtures (~10 s on CPU)
+    python3 scripts/make_golden.py qwen3moe     # only fixtures whose name contains an argument
 
-Existing fixture directories are deleted and rewritten.
+Existing fixture directories are deleted and rewritten.  Output is byte-for-byte
+reproducible with the same transformers / torch / tokenizers versions (the
+versions used are recorded in every expected.json).
 """
 
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -42,6 +44,7 @@ from tokenizers import (
     Tokenizer,
     decoders,
     models,
+    normalizers,
     pre_tokenizers,
     processors,
     trainers,
@@ -65,8 +68,10 @@ OUT_DIR = ROOT / "crates" / "engine" / "tests" / "fixtures" / "golden"
 NEW_TOKENS = 12  # greedy tokens generated per completion prompt
 TOP_K = 5  # top log-probs recorded per step
 MIN_MARGIN = 2e-3  # min top1-top2 log-prob margin accepted at any step
-MIN_ROUTER_MARGIN = 1e-3  # min gap between k-th and (k+1)-th router prob (MoE)
+MIN_ROUTER_MARGIN = 1e-3  # min gap between k-th and (k+1)-th router logit (MoE)
 MAX_SEED_TRIES = 200
+LEARNED_VOCAB = 400  # BPE vocab (256 bytes + merges); specials are appended after
+QWEN_CONFIG_VOCAB = 416  # Qwen configs pad vocab_size past len(tokenizer)
 
 torch.use_deterministic_algorithms(True)
 torch.set_num_threads(1)  # reproducible reductions on CPU
@@ -95,16 +100,25 @@ CORPUS = [
     "def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n",
     "user: What is the capital of France?\nassistant: The capital of France is Paris.",
     "A system prompt tells the assistant how to behave. Be helpful, honest and brief.",
+    "The weather was cold and grey, so they stayed inside and read their books. "
+    "Later in the afternoon the rain stopped, the sun came out, and the children "
+    "ran outside to play in the garden with the dog.",
+    "To make bread, mix flour, water, salt and yeast. Let the dough rest for two "
+    "hours, then shape it and bake it in a hot oven for about forty minutes.",
+    "The small model has three layers, four heads and a tiny vocabulary. It is not "
+    "trained, so its answers are random, but they are the same every time.",
+    "Numbers and dates: 2024-01-15, 3.14159, 1,000,000, #42, 50/50, v1.2.3.",
+    "Questions? Answers! Lists: apples, oranges, pears; colours: red, green, blue.",
+    "He walked to the station, bought a ticket and waited for the train. When it "
+    "finally arrived, it was full, so he stood by the door all the way home.",
 ]
 
 PROMPTS = [
     "The quick brown fox",
     "Hello, world! 123",
-    "We met at a café in 日本 🙂 naïve",
+    "We met at a café in 日本 🙂 naïve, cafe\u0301",  # last é is decomposed (NFC test)
     "Once upon a time, in a small village by the sea, there lived an old "
-    "fisherman and his wife. Every morning he went out in his little boat, and "
-    "every evening he came back with the day's catch. Language models read text "
-    "as a sequence of tokens.",
+    "fisherman and his wife. Every morning he went out in his little boat.",
     "<think>\nAdd the numbers.\n</think>\n\nThe answer is",
 ]
 
@@ -117,6 +131,10 @@ LLAMA_SPECIALS = [
     "<|end_header_id|>",
     "<|eot_id|>",
 ]
+QWEN2_SPLIT_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 LLAMA3_SPLIT_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -236,7 +254,8 @@ QWEN3_CHATS = [
         "chat_template_kwargs": {"enable_thinking": False},
     },
     {
-        # Assistant turn after the last user query keeps its reasoning.
+        # Assistant turn after the last user query keeps its reasoning
+        # (reasoning_content field, stripped of surrounding newlines).
         "messages": [
             {"role": "system", "content": "Think first."},
             {"role": "user", "content": "Why is the sky blue?"},
@@ -246,7 +265,6 @@ QWEN3_CHATS = [
                 "content": "\nBecause of scattering.",
             },
         ],
-        "add_generation_prompt": False,
         "chat_template_kwargs": {"enable_thinking": True},
     },
 ]
@@ -262,7 +280,7 @@ GENERIC_CHATS = [
     {
         "messages": [
             {"role": "user", "content": "  Name a fruit.  "},
-            {"role": "assistant", "content": "Apple."},
+            {"role": "assistant", "content": "<think>\nAny fruit.\n</think>\n\nApple."},
             {"role": "user", "content": "Another one, in 日本語 please 🙂\n"},
         ],
         "chat_template_kwargs": {},
@@ -286,17 +304,35 @@ def _train_bpe(tok: Tokenizer, vocab_size: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=[],
     )
-    tok.train_from_iterator(CORPUS * 4, trainer=trainer)
+    tok.train_from_iterator(CORPUS, trainer=trainer)
     return tok
 
 
-def make_qwen_tokenizer(chat_template: str, eos: str) -> PreTrainedTokenizerFast:
-    """Byte-level BPE, no BOS; specials appended after the learned vocab."""
+def make_qwen_tokenizer(chat_template: str, eos: str, real_qwen2_pipeline: bool) -> PreTrainedTokenizerFast:
+    """Byte-level BPE, no BOS; specials appended after the learned vocab.
+
+    real_qwen2_pipeline=False: a bare ByteLevel pre-tokenizer (GPT-2 regex
+    built in, use_regex=True), no normalizer.
+    real_qwen2_pipeline=True: exactly what real Qwen2/2.5/3 tokenizer.json files
+    use (NFC normalizer, Split on the Qwen regex, ByteLevel(use_regex=False)).
+    transformers 5 reloads model_type "qwen2" checkpoints with Qwen2Tokenizer,
+    which rebuilds this pipeline regardless of tokenizer.json, so qwen2 fixtures
+    must use it for AutoTokenizer and tokenizer.json to agree.
+    """
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if real_qwen2_pipeline:
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    _train_bpe(tok, 390)
+    tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    _train_bpe(tok, LEARNED_VOCAB)
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in QWEN_SPECIALS])
     tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in QWEN_ADDED])
     fast = PreTrainedTokenizerFast(
@@ -322,13 +358,13 @@ def make_llama_tokenizer() -> PreTrainedTokenizerFast:
         ]
     )
     tok.decoder = decoders.ByteLevel()
-    _train_bpe(tok, 390)
+    _train_bpe(tok, LEARNED_VOCAB)
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in LLAMA_SPECIALS])
     bos = "<|begin_of_text|>"
     bos_id = tok.token_to_id(bos)
     tok.post_processor = processors.Sequence(
         [
-            processors.ByteLevel(trim_offsets=False),
+            processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
             processors.TemplateProcessing(
                 single=f"{bos}:0 $A:0",
                 pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
@@ -382,7 +418,10 @@ def eos_list(gen_cfg: GenerationConfig) -> list:
 
 
 class RouterProbe:
-    """Records the smallest gap between the k-th and (k+1)-th routing prob."""
+    """Records the smallest gap between the k-th and (k+1)-th router logit.
+
+    A near-tie there would let tiny numeric differences pick another expert.
+    """
 
     def __init__(self, model, top_k: int):
         self.top_k = top_k
@@ -393,15 +432,27 @@ class RouterProbe:
                 self.handles.append(mod.register_forward_hook(self._hook))
 
     def _hook(self, _mod, _inp, out):
-        logits = out[0] if isinstance(out, tuple) else out
-        probs = torch.softmax(logits.float().reshape(-1, logits.shape[-1]), dim=-1)
-        top = torch.topk(probs, self.top_k + 1, dim=-1).values
+        logits = out[0] if isinstance(out, tuple) else out  # router logits first
+        logits = logits.float().reshape(-1, logits.shape[-1])
+        top = torch.topk(logits, self.top_k + 1, dim=-1).values
         gap = (top[:, self.top_k - 1] - top[:, self.top_k]).min().item()
         self.min_gap = min(self.min_gap, gap)
 
     def close(self):
         for h in self.handles:
             h.remove()
+
+
+def to_json(obj, indent: int = 0) -> str:
+    """Pretty JSON, but with lists of numbers (ids, top-k pairs) kept on one line."""
+    pad = " " * indent
+    if isinstance(obj, dict) and obj:
+        items = [f"{pad}  {json.dumps(k)}: {to_json(v, indent + 2)}" for k, v in obj.items()]
+        return "{\n" + ",\n".join(items) + "\n" + pad + "}"
+    if isinstance(obj, list) and any(isinstance(x, (dict, str)) for x in obj):
+        items = [pad + "  " + to_json(x, indent + 2) for x in obj]
+        return "[\n" + ",\n".join(items) + "\n" + pad + "]"
+    return json.dumps(obj, ensure_ascii=False)
 
 
 @torch.no_grad()
@@ -505,9 +556,9 @@ def record(name: str, model_cls, config, tokenizer, gen_cfg, stored_dtype, std, 
         "decodes": decodes,
         "eos_token_ids": eos_list(gen_cfg),
     }
-    with open(out / "expected.json", "w", encoding="utf-8") as f:
-        json.dump(expected, f, ensure_ascii=False, indent=1)
-        f.write("\n")
+    text = to_json(expected) + "\n"
+    assert json.loads(text) == expected
+    (out / "expected.json").write_text(text, encoding="utf-8")
     return expected
 
 
@@ -517,10 +568,10 @@ def record(name: str, model_cls, config, tokenizer, gen_cfg, stored_dtype, std, 
 
 
 def qwen3(dtype: torch.dtype, suffix: str):
-    tok = make_qwen_tokenizer(QWEN3_CHAT_TEMPLATE, eos="<|im_end|>")
+    tok = make_qwen_tokenizer(QWEN3_CHAT_TEMPLATE, eos="<|im_end|>", real_qwen2_pipeline=False)
     eot, im_end = tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
     config = Qwen3Config(
-        vocab_size=512,  # > len(tokenizer), as in real Qwen checkpoints
+        vocab_size=QWEN_CONFIG_VOCAB,  # > len(tokenizer), as in real Qwen checkpoints
         hidden_size=64,
         num_hidden_layers=3,
         num_attention_heads=4,
@@ -529,7 +580,7 @@ def qwen3(dtype: torch.dtype, suffix: str):
         intermediate_size=128,
         tie_word_embeddings=True,
         max_position_embeddings=512,
-        rope_theta=1_000_000.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         rms_norm_eps=1e-6,
         bos_token_id=eot,
         eos_token_id=im_end,
@@ -541,10 +592,10 @@ def qwen3(dtype: torch.dtype, suffix: str):
 
 
 def qwen3moe(dtype: torch.dtype, suffix: str):
-    tok = make_qwen_tokenizer(QWEN3_CHAT_TEMPLATE, eos="<|im_end|>")
+    tok = make_qwen_tokenizer(QWEN3_CHAT_TEMPLATE, eos="<|im_end|>", real_qwen2_pipeline=False)
     eot, im_end = tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
     config = Qwen3MoeConfig(
-        vocab_size=512,
+        vocab_size=QWEN_CONFIG_VOCAB,
         hidden_size=64,
         num_hidden_layers=3,
         num_attention_heads=6,
@@ -559,7 +610,7 @@ def qwen3moe(dtype: torch.dtype, suffix: str):
         mlp_only_layers=[1],
         tie_word_embeddings=False,
         max_position_embeddings=512,
-        rope_theta=1_000_000.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         rms_norm_eps=1e-6,
         bos_token_id=eot,
         eos_token_id=im_end,
@@ -571,10 +622,10 @@ def qwen3moe(dtype: torch.dtype, suffix: str):
 
 
 def qwen2(dtype: torch.dtype, suffix: str):
-    tok = make_qwen_tokenizer(QWEN2_CHAT_TEMPLATE, eos="<|im_end|>")
+    tok = make_qwen_tokenizer(QWEN2_CHAT_TEMPLATE, eos="<|im_end|>", real_qwen2_pipeline=True)
     eot, im_end = tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
     config = Qwen2Config(
-        vocab_size=512,
+        vocab_size=QWEN_CONFIG_VOCAB,
         hidden_size=96,
         num_hidden_layers=2,
         num_attention_heads=6,
@@ -582,7 +633,7 @@ def qwen2(dtype: torch.dtype, suffix: str):
         intermediate_size=160,
         tie_word_embeddings=True,
         max_position_embeddings=512,
-        rope_theta=10_000.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
         rms_norm_eps=1e-6,
         use_sliding_window=False,
         bos_token_id=eot,
@@ -609,9 +660,9 @@ def llama(dtype: torch.dtype, suffix: str):
         intermediate_size=128,
         tie_word_embeddings=False,
         max_position_embeddings=512,
-        rope_theta=500_000.0,
-        rope_scaling={
+        rope_parameters={
             "rope_type": "llama3",
+            "rope_theta": 500_000.0,
             "factor": 8.0,
             "low_freq_factor": 1.0,
             "high_freq_factor": 4.0,
@@ -628,15 +679,18 @@ def llama(dtype: torch.dtype, suffix: str):
     return record(f"llama-{suffix}", LlamaForCausalLM, config, tok, gen, dtype, 0.25, GENERIC_CHATS, 4000)
 
 
-def main():
+def main(only=None):
+    """Write all fixtures (or only those whose name contains a CLI argument)."""
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     print(f"transformers {transformers.__version__}, torch {torch.__version__}")
     for family in (qwen3, qwen3moe, qwen2, llama):
         for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
+            if only and not any(o in f"{family.__name__}-{suffix}" for o in only):
+                continue
             family(dtype, suffix)
     total = sum(f.stat().st_size for f in OUT_DIR.rglob("*") if f.is_file())
     print(f"wrote {OUT_DIR.relative_to(ROOT)} ({total / 1e6:.2f} MB)")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -1,1 +1,31 @@
-fn main() {}
+//! `ember`: run, benchmark and (later) serve local LLMs.
+
+mod args;
+mod cmd;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+fn main() -> ExitCode {
+    let args = args::Cli::parse();
+    init_logging();
+    let result = match args.command {
+        args::Command::Run(run) => cmd::run::run(run),
+        args::Command::Bench(bench) => cmd::bench::run(bench),
+        args::Command::GenCheckpoint(gen_args) => cmd::gen_checkpoint::run(gen_args),
+    };
+    match result {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Logs go to stderr (stdout carries generated text only); `EMBER_LOG` sets the filter.
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("EMBER_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).init();
+}

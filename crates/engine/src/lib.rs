@@ -1,1 +1,18 @@
+//! ember-engine: a model loaded and generating.
+//!
+//! The principal type is [`Engine`]: weights mapped in place, tokenizer, chat template, KV
+//! cache and activations, all made through one [`BufferOwner`](ember_tensor::BufferOwner).
+//! Around it: [`tokenizer`], [`chat_template`], streaming [`detokenizer`], [`sampler`], the
+//! [`bench`] measurements and [`synthetic`] random-weight checkpoints.
 
+pub mod bench;
+pub mod chat_template;
+pub mod detokenizer;
+mod engine;
+mod error;
+pub mod sampler;
+pub mod synthetic;
+pub mod tokenizer;
+
+pub use engine::{Engine, EngineOptions, FinishReason, GenerateParams, Generation, Step};
+pub use error::{Error, Result};

@@ -168,7 +168,11 @@ impl ModelConfig {
 
         let moe = if architecture == Architecture::Qwen3Moe {
             let moe = MoeConfig {
-                num_experts: fields.usize("num_experts")?,
+                // Qwen3-MoE files say `num_experts`; transformers 5 writes `num_local_experts`.
+                num_experts: match fields.opt_usize("num_experts")? {
+                    Some(n) => n,
+                    None => fields.usize("num_local_experts")?,
+                },
                 num_experts_per_tok: fields.usize("num_experts_per_tok")?,
                 moe_intermediate_size: fields.usize("moe_intermediate_size")?,
                 norm_topk_prob: fields.bool_or("norm_topk_prob", false)?,

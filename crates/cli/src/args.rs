@@ -1,0 +1,113 @@
+//! Command-line flags, as typed. Each subcommand's module turns them into engine options.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(name = "ember", version, about = "A local LLM inference engine that stays warm", long_about = None)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Generate a completion for one prompt; the text goes to stdout, timings to stderr.
+    Run(RunArgs),
+    /// Measure speed.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+    /// Write a checkpoint with random weights at a real model's shapes (for benchmarks).
+    GenCheckpoint(GenCheckpointArgs),
+}
+
+/// Flags every command that loads a model shares.
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// Model directory in the Hugging Face layout (config.json, *.safetensors, tokenizer.json).
+    #[arg(long, short = 'm', env = "EMBER_MODEL")]
+    pub model: PathBuf,
+    /// Compute threads [default: the cores this process may use].
+    #[arg(long, short = 't', env = "EMBER_THREADS")]
+    pub threads: Option<usize>,
+    /// Context length in tokens: the KV cache is preallocated for this many.
+    #[arg(long, short = 'c', default_value_t = 4096, env = "EMBER_CONTEXT")]
+    pub context: usize,
+}
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The prompt: raw text, or with --chat one user message.
+    #[arg(long, short = 'p')]
+    pub prompt: String,
+    /// Render the prompt as one user message with the model's chat template.
+    #[arg(long)]
+    pub chat: bool,
+    /// Most tokens to generate.
+    #[arg(long, short = 'n', default_value_t = 256)]
+    pub max_tokens: usize,
+    /// Sampling temperature; 0 is greedy (deterministic).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Nucleus sampling: keep the smallest set of tokens whose probability reaches P (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Keep only the K most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Drop tokens less likely than P times the most likely one (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    /// Random seed for sampling; the same seed gives the same tokens [default: random].
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Do not stop at end-of-sequence tokens.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Disable thinking in templates that support it (passes enable_thinking=false).
+    #[arg(long)]
+    pub no_think: bool,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum BenchCommand {
+    /// Prefill and decode speed, against a memory-bandwidth bound measured in the same run.
+    Decode(BenchDecodeArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct BenchDecodeArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompt length for the prefill measurement.
+    #[arg(long, default_value_t = 512)]
+    pub prompt_tokens: usize,
+    /// Tokens decoded after the prompt.
+    #[arg(long, default_value_t = 128)]
+    pub decode_tokens: usize,
+    /// Runs; the report gives medians.
+    #[arg(long, default_value_t = 3)]
+    pub repeats: usize,
+    /// Size of the memory read probe in MiB (well past the last-level cache).
+    #[arg(long, default_value_t = 1024)]
+    pub probe_mib: usize,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct GenCheckpointArgs {
+    /// Model shape: qwen3-0.6b, qwen3-1.7b, qwen3-8b or qwen3-30b-a3b.
+    #[arg(long)]
+    pub shape: String,
+    /// Weight dtype: bf16, f16 or f32.
+    #[arg(long, default_value = "bf16")]
+    pub dtype: String,
+    /// Output directory (created).
+    #[arg(long, short = 'o')]
+    pub out: PathBuf,
+}

@@ -1,0 +1,34 @@
+use std::process::ExitCode;
+
+use ember_engine::bench::{DecodeBenchOptions, bench_decode};
+
+use crate::args::{BenchCommand, BenchDecodeArgs};
+
+pub fn run(command: BenchCommand) -> anyhow::Result<ExitCode> {
+    match command {
+        BenchCommand::Decode(args) => decode(args),
+    }
+}
+
+fn decode(args: BenchDecodeArgs) -> anyhow::Result<ExitCode> {
+    let mut engine = super::load_engine(&args.model)?;
+    let options = DecodeBenchOptions {
+        prompt_tokens: args.prompt_tokens,
+        decode_tokens: args.decode_tokens,
+        repeats: args.repeats,
+        probe_bytes: args.probe_mib << 20,
+    };
+    let report = bench_decode(&mut engine, &options)?;
+    if args.json {
+        println!("{}", report.to_json());
+    } else {
+        println!("model            {}", report.model);
+        println!("threads          {} ({})", report.threads, report.isa);
+        println!("prefill          {:.1} tok/s  (pp{}, median of {})", report.prefill_tok_s, args.prompt_tokens, report.prefill_runs.len());
+        println!("decode           {:.2} tok/s  (tg{}, median of {})", report.decode_tok_s, args.decode_tokens, report.decode_runs.len());
+        println!("bytes per token  {:.3} GB", report.bytes_per_token / 1e9);
+        println!("read bandwidth   {:.1} GB/s", report.bandwidth_gb_s);
+        println!("bound            {:.2} tok/s  (decode at {:.0}% of it)", report.bound_tok_s, report.decode_tok_s / report.bound_tok_s * 100.0);
+    }
+    Ok(ExitCode::SUCCESS)
+}

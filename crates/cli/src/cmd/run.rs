@@ -1,0 +1,82 @@
+use std::io::Write;
+use std::ops::ControlFlow;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use ember_engine::chat_template::ChatMessage;
+use ember_engine::detokenizer::StreamDecoder;
+use ember_engine::sampler::SamplingParams;
+use ember_engine::{FinishReason, GenerateParams};
+
+use crate::args::RunArgs;
+
+pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
+    let mut engine = super::load_engine(&args.model)?;
+    let prompt = if args.chat {
+        let mut kwargs = serde_json::Map::new();
+        if args.no_think {
+            kwargs.insert("enable_thinking".into(), false.into());
+        }
+        let message = ChatMessage { role: "user".into(), content: args.prompt.clone(), reasoning_content: None };
+        engine.encode_chat(&[message], &kwargs)?
+    } else {
+        engine.encode_prompt(&args.prompt)?
+    };
+    let params = GenerateParams {
+        max_tokens: args.max_tokens,
+        sampling: SamplingParams {
+            temperature: args.temperature,
+            top_k: args.top_k,
+            top_p: args.top_p,
+            min_p: args.min_p,
+            seed: args.seed,
+        },
+        ignore_eos: args.ignore_eos,
+    };
+    let mut decoder = StreamDecoder::new(engine.tokenizer().clone());
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    let mut write_error = None;
+    let generation = engine.generate(&prompt, &params, |step| {
+        // The end-of-sequence token is not part of the text.
+        if step.is_eos && !params.ignore_eos {
+            return ControlFlow::Continue(());
+        }
+        if let Some(text) = decoder.push(step.token) {
+            if let Err(e) = out.write_all(text.as_bytes()).and_then(|_| out.flush()) {
+                write_error = Some(e);
+                return ControlFlow::Break(());
+            }
+        }
+        ControlFlow::Continue(())
+    })?;
+    if let Some(e) = write_error {
+        // A closed pipe (`ember run … | head`) is the reader's choice, not a failure.
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            return Ok(ExitCode::SUCCESS);
+        }
+        return Err(e).context("writing to stdout");
+    }
+    if let Some(text) = decoder.flush() {
+        out.write_all(text.as_bytes()).context("writing to stdout")?;
+    }
+    writeln!(out).ok();
+    out.flush().ok();
+
+    let prefill_s = generation.prefill_time.as_secs_f64();
+    let decode_s = generation.decode_time.as_secs_f64();
+    let decoded = generation.tokens.len().saturating_sub(1);
+    eprintln!(
+        "prompt: {} tokens in {:.3} s ({:.1} tok/s) | generated: {} tokens, {:.2} tok/s | finish: {}",
+        generation.prompt_tokens,
+        prefill_s,
+        generation.prompt_tokens as f64 / prefill_s.max(1e-9),
+        generation.tokens.len(),
+        if decode_s > 0.0 { decoded as f64 / decode_s } else { 0.0 },
+        match generation.finish_reason {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    );
+    Ok(ExitCode::SUCCESS)
+}

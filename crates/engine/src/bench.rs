@@ -1,0 +1,144 @@
+//! `ember bench decode`: prefill and decode speed against a memory-bandwidth bound measured in
+//! the same run.
+
+use std::time::Instant;
+
+use ember_models::KvCache;
+use ember_tensor::{BufferKind, cpu};
+
+use crate::engine::Engine;
+use crate::error::{Error, Result};
+
+#[derive(Clone, Debug)]
+pub struct DecodeBenchOptions {
+    pub prompt_tokens: usize,
+    pub decode_tokens: usize,
+    pub repeats: usize,
+    /// Size of the read-bandwidth probe; far past the last-level cache.
+    pub probe_bytes: usize,
+}
+
+impl Default for DecodeBenchOptions {
+    fn default() -> Self {
+        DecodeBenchOptions { prompt_tokens: 512, decode_tokens: 128, repeats: 3, probe_bytes: 1 << 30 }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct DecodeBenchReport {
+    pub model: String,
+    pub threads: usize,
+    pub isa: &'static str,
+    /// Medians over the repeats.
+    pub prefill_tok_s: f64,
+    pub decode_tok_s: f64,
+    pub prefill_runs: Vec<f64>,
+    pub decode_runs: Vec<f64>,
+    /// Weights plus the mean KV cache read per decoded token.
+    pub bytes_per_token: f64,
+    pub bandwidth_gb_s: f64,
+    /// What decode would reach if it moved `bytes_per_token` at the probe's bandwidth.
+    pub bound_tok_s: f64,
+}
+
+impl DecodeBenchReport {
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "model": self.model,
+            "threads": self.threads,
+            "isa": self.isa,
+            "prefill_tok_s": round(self.prefill_tok_s),
+            "decode_tok_s": round(self.decode_tok_s),
+            "bytes_per_token": self.bytes_per_token.round(),
+            "bandwidth_gb_s": round(self.bandwidth_gb_s),
+            "bound_tok_s": round(self.bound_tok_s),
+            "decode_vs_bound": (self.decode_tok_s / self.bound_tok_s * 1000.0).round() / 1000.0,
+            "prefill_runs": self.prefill_runs.iter().map(|v| round(*v)).collect::<Vec<_>>(),
+            "decode_runs": self.decode_runs.iter().map(|v| round(*v)).collect::<Vec<_>>(),
+        })
+    }
+}
+
+fn round(v: f64) -> f64 {
+    (v * 100.0).round() / 100.0
+}
+
+pub fn median(values: &[f64]) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+/// Read bandwidth in GB/s: the median of several passes of [`cpu::read_sum`] over a buffer of
+/// `bytes` (made and freed through the engine's owner, like every other buffer).
+pub fn measure_read_bandwidth(engine: &Engine, bytes: usize, passes: usize) -> Result<f64> {
+    let probe = engine.owner().alloc(BufferKind::Scratch, "bandwidth probe", bytes)?;
+    let data = probe.as_slice::<f32>();
+    let mut rates = Vec::with_capacity(passes);
+    let mut sink = 0f32;
+    for _ in 0..passes.max(1) {
+        let start = Instant::now();
+        sink += cpu::read_sum(engine.pool(), data);
+        rates.push(bytes as f64 / start.elapsed().as_secs_f64() / 1e9);
+    }
+    std::hint::black_box(sink);
+    Ok(median(&rates))
+}
+
+/// Prefill of a `prompt_tokens` prompt and greedy decode of `decode_tokens`, `repeats` times.
+pub fn bench_decode(engine: &mut Engine, options: &DecodeBenchOptions) -> Result<DecodeBenchReport> {
+    let needed = options.prompt_tokens + options.decode_tokens;
+    if needed > engine.context() {
+        return Err(Error::PromptTooLong { prompt_tokens: needed, context: engine.context() });
+    }
+    let bandwidth_gb_s = measure_read_bandwidth(engine, options.probe_bytes, 5)?;
+    let vocab = engine.config().vocab_size as u64;
+    // A fixed pseudo-random prompt: the same work every run, no tokenizer involved.
+    let mut state = 0x1234_5678_u64;
+    let prompt: Vec<u32> = (0..options.prompt_tokens)
+        .map(|_| {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((state >> 33) % vocab) as u32
+        })
+        .collect();
+    let (mut prefill_runs, mut decode_runs) = (Vec::new(), Vec::new());
+    for _ in 0..options.repeats.max(1) {
+        engine.reset();
+        let start = Instant::now();
+        let mut token = argmax(engine.prefill(&prompt)?);
+        prefill_runs.push(options.prompt_tokens as f64 / start.elapsed().as_secs_f64());
+        let start = Instant::now();
+        for _ in 0..options.decode_tokens {
+            token = argmax(engine.step(token)?);
+        }
+        decode_runs.push(options.decode_tokens as f64 / start.elapsed().as_secs_f64());
+    }
+    let mean_position = options.prompt_tokens as f64 + options.decode_tokens as f64 / 2.0;
+    let bytes_per_token = engine.model().weight_bytes_per_token() as f64 + mean_position * KvCache::bytes_per_position(engine.config()) as f64;
+    Ok(DecodeBenchReport {
+        model: engine.dir().display().to_string(),
+        threads: engine.threads(),
+        isa: ember_tensor::cpu::Isa::detect().name(),
+        prefill_tok_s: median(&prefill_runs),
+        decode_tok_s: median(&decode_runs),
+        prefill_runs,
+        decode_runs,
+        bytes_per_token,
+        bandwidth_gb_s,
+        bound_tok_s: bandwidth_gb_s * 1e9 / bytes_per_token,
+    })
+}
+
+fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}

@@ -1,0 +1,281 @@
+//! A loaded model ready to generate: weights, tokenizer, template, KV cache and activations.
+
+use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ember_checkpoint::{SafetensorsSet, read_json};
+use ember_models::{KvCache, Logits, ModelConfig, Transformer, Workspace};
+use ember_tensor::{BufferInfo, BufferOwner, ThreadPool};
+use serde_json::Value;
+
+use crate::chat_template::{ChatMessage, ChatTemplate};
+use crate::error::{Error, Result};
+use crate::sampler::{Sampler, SamplingParams};
+use crate::tokenizer::Tokenizer;
+
+/// How to load a model.
+#[derive(Clone, Debug)]
+pub struct EngineOptions {
+    /// Compute threads, the calling thread included; `None` means every core this process may use.
+    pub threads: Option<usize>,
+    /// Positions of KV cache preallocated: the longest prompt plus reply.
+    pub context: usize,
+    /// Tokens per forward pass in prefill; longer prompts run in chunks of this size.
+    pub max_batch: usize,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions { threads: None, context: 4096, max_batch: 512 }
+    }
+}
+
+/// One generation request.
+#[derive(Clone, Debug)]
+pub struct GenerateParams {
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Keep going past end-of-sequence tokens until `max_tokens`.
+    pub ignore_eos: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence token, or the caller asked to stop.
+    Stop,
+    /// `max_tokens`, or the context is full.
+    Length,
+}
+
+/// What one generated token looked like, handed to the caller as it is produced.
+pub struct Step<'a> {
+    pub token: u32,
+    /// The logits it was sampled from.
+    pub logits: &'a [f32],
+    /// Whether it ends the sequence (it is still reported; callers usually do not print it).
+    pub is_eos: bool,
+}
+
+#[derive(Clone, Debug)]
+pub struct Generation {
+    pub tokens: Vec<u32>,
+    pub finish_reason: FinishReason,
+    pub prompt_tokens: usize,
+    /// Prompt processing up to the first token.
+    pub prefill_time: Duration,
+    /// From the first token to the last.
+    pub decode_time: Duration,
+}
+
+pub struct Engine {
+    dir: PathBuf,
+    owner: BufferOwner,
+    pool: ThreadPool,
+    model: Transformer,
+    tokenizer: Arc<Tokenizer>,
+    template: Option<ChatTemplate>,
+    eos_ids: Vec<u32>,
+    workspace: Workspace,
+    kv: KvCache,
+    /// Keeps the mapped files listed for as long as the weights are used.
+    _weights: SafetensorsSet,
+}
+
+impl Engine {
+    /// Loads a Hugging Face model directory.
+    pub fn load(dir: &Path, options: &EngineOptions) -> Result<Engine> {
+        Self::load_with_owner(dir, options, BufferOwner::new())
+    }
+
+    /// Loads with a given buffer owner (tests inspect its list).
+    pub fn load_with_owner(dir: &Path, options: &EngineOptions, owner: BufferOwner) -> Result<Engine> {
+        if !dir.is_dir() {
+            return Err(Error::ModelDirMissing(dir.to_path_buf()));
+        }
+        let config = ModelConfig::from_dir(dir)?;
+        let tokenizer = Arc::new(Tokenizer::from_dir(dir)?);
+        let template = match tokenizer.chat_template() {
+            Some(source) => Some(ChatTemplate::new(source, tokenizer.bos_token().map(str::to_owned), tokenizer.eos_token().map(str::to_owned))?),
+            None => None,
+        };
+        let eos_ids = eos_token_ids(dir, &config, &tokenizer)?;
+        let context = options.context.max(1);
+        if context > config.max_position_embeddings {
+            tracing::warn!(
+                context,
+                max_position_embeddings = config.max_position_embeddings,
+                "the context is longer than the model was trained for; quality may drop past it"
+            );
+        }
+        let threads = options.threads.unwrap_or_else(ThreadPool::available_parallelism).max(1);
+        let pool = ThreadPool::new(threads);
+        let weights = SafetensorsSet::open(dir, &owner)?;
+        let model = Transformer::load(config, &weights, &owner, context)?;
+        let workspace = Workspace::new(&model.config, options.max_batch, context, 1, threads, &owner)?;
+        let kv = KvCache::new(&model.config, context, &owner)?;
+        Ok(Engine { dir: dir.to_path_buf(), owner, pool, model, tokenizer, template, eos_ids, workspace, kv, _weights: weights })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.model.config
+    }
+
+    pub fn model(&self) -> &Transformer {
+        &self.model
+    }
+
+    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
+        &self.tokenizer
+    }
+
+    pub fn threads(&self) -> usize {
+        self.pool.n_threads()
+    }
+
+    pub fn pool(&self) -> &ThreadPool {
+        &self.pool
+    }
+
+    pub fn owner(&self) -> &BufferOwner {
+        &self.owner
+    }
+
+    /// Every buffer the engine holds.
+    pub fn buffers(&self) -> Vec<BufferInfo> {
+        self.owner.list()
+    }
+
+    pub fn context(&self) -> usize {
+        self.kv.capacity()
+    }
+
+    pub fn eos_token_ids(&self) -> &[u32] {
+        &self.eos_ids
+    }
+
+    pub fn has_chat_template(&self) -> bool {
+        self.template.is_some()
+    }
+
+    /// Tokens of a raw prompt, with the tokenizer's own special tokens (a BOS, for Llama).
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>> {
+        Ok(self.tokenizer.encode(text, true)?)
+    }
+
+    /// Renders messages with the model's chat template and tokenizes the result as is.
+    pub fn encode_chat(&self, messages: &[ChatMessage], kwargs: &serde_json::Map<String, Value>) -> Result<Vec<u32>> {
+        let text = self.render_chat(messages, kwargs)?;
+        Ok(self.tokenizer.encode(&text, false)?)
+    }
+
+    pub fn render_chat(&self, messages: &[ChatMessage], kwargs: &serde_json::Map<String, Value>) -> Result<String> {
+        let template = self.template.as_ref().ok_or_else(|| Error::NoChatTemplate(self.dir.clone()))?;
+        Ok(template.render(messages, true, kwargs)?)
+    }
+
+    /// Forgets the sequence: the next prefill starts at position 0.
+    pub fn reset(&mut self) {
+        self.kv.truncate(0);
+    }
+
+    /// Positions of the current sequence.
+    pub fn position(&self) -> usize {
+        self.kv.len()
+    }
+
+    /// Appends `tokens` to the sequence, in chunks of the batch size, and returns the logits
+    /// after the last one.
+    pub fn prefill(&mut self, tokens: &[u32]) -> Result<&[f32]> {
+        if tokens.is_empty() {
+            return Err(Error::EmptyPrompt);
+        }
+        let chunk = self.workspace.max_batch();
+        let mut chunks = tokens.chunks(chunk).peekable();
+        while let Some(part) = chunks.next() {
+            if chunks.peek().is_none() {
+                return Ok(self.model.forward(&self.pool, &mut self.workspace, &mut self.kv, part, Logits::Last)?);
+            }
+            self.model.forward(&self.pool, &mut self.workspace, &mut self.kv, part, Logits::Last)?;
+        }
+        unreachable!("a non-empty prompt has a last chunk")
+    }
+
+    /// Appends one token and returns the logits after it.
+    pub fn step(&mut self, token: u32) -> Result<&[f32]> {
+        Ok(self.model.forward(&self.pool, &mut self.workspace, &mut self.kv, &[token], Logits::Last)?)
+    }
+
+    /// Generates from `prompt` on a fresh sequence. `on_step` sees every token as it is made and
+    /// may stop generation early by returning `ControlFlow::Break`.
+    pub fn generate(
+        &mut self,
+        prompt: &[u32],
+        params: &GenerateParams,
+        mut on_step: impl FnMut(Step<'_>) -> ControlFlow<()>,
+    ) -> Result<Generation> {
+        params.sampling.validate()?;
+        if prompt.len() >= self.context() {
+            return Err(Error::PromptTooLong { prompt_tokens: prompt.len(), context: self.context() });
+        }
+        let mut sampler = Sampler::new(params.sampling.clone());
+        // Copied out: the logits below borrow the engine for the whole loop.
+        let (eos_ids, context) = (self.eos_ids.clone(), self.context());
+        self.reset();
+        let start = Instant::now();
+        let mut tokens = Vec::with_capacity(params.max_tokens);
+        let mut finish_reason = FinishReason::Length;
+        let mut first_token_at = None;
+        if params.max_tokens > 0 {
+            let mut logits = self.prefill(prompt)?;
+            loop {
+                let token = sampler.sample(logits);
+                first_token_at.get_or_insert_with(Instant::now);
+                let is_eos = eos_ids.contains(&token);
+                tokens.push(token);
+                let flow = on_step(Step { token, logits, is_eos });
+                if flow.is_break() || (is_eos && !params.ignore_eos) {
+                    finish_reason = FinishReason::Stop;
+                    break;
+                }
+                if tokens.len() >= params.max_tokens || prompt.len() + tokens.len() > context - 1 {
+                    break;
+                }
+                logits = self.step(token)?;
+            }
+        }
+        let first = first_token_at.unwrap_or_else(Instant::now);
+        Ok(Generation {
+            tokens,
+            finish_reason,
+            prompt_tokens: prompt.len(),
+            prefill_time: first - start,
+            decode_time: first.elapsed(),
+        })
+    }
+}
+
+/// End-of-sequence ids: generation_config.json's (an int or a list), config.json's, and the
+/// tokenizer's eos token, together (as vLLM does; checkpoints disagree among these files).
+fn eos_token_ids(dir: &Path, config: &ModelConfig, tokenizer: &Tokenizer) -> Result<Vec<u32>> {
+    let mut ids = Vec::new();
+    let generation_config = dir.join("generation_config.json");
+    if generation_config.exists() {
+        let value: Value = read_json(&generation_config)?;
+        ids.extend(ember_models::config::token_ids(value.get("eos_token_id")));
+    }
+    ids.extend(&config.eos_token_ids);
+    ids.extend(tokenizer.eos_token_id());
+    let mut unique = Vec::new();
+    for id in ids {
+        if !unique.contains(&id) {
+            unique.push(id);
+        }
+    }
+    Ok(unique)
+}

@@ -1,0 +1,34 @@
+use std::path::PathBuf;
+
+use crate::chat_template::TemplateError;
+use crate::sampler::SamplingError;
+use crate::tokenizer::TokenizerError;
+
+/// Errors of loading and generation; each names what to fix.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{}: no such model directory", .0.display())]
+    ModelDirMissing(PathBuf),
+    #[error(transparent)]
+    Model(#[from] ember_models::Error),
+    #[error(transparent)]
+    Checkpoint(#[from] ember_checkpoint::CheckpointError),
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error(transparent)]
+    Template(#[from] TemplateError),
+    #[error(transparent)]
+    Sampling(#[from] SamplingError),
+    #[error(transparent)]
+    Memory(#[from] ember_tensor::Error),
+    #[error("{}: the model has no chat template (tokenizer_config.json or chat_template.jinja)", .0.display())]
+    NoChatTemplate(PathBuf),
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("the prompt has {prompt_tokens} tokens; the context holds {context} (raise --context)")]
+    PromptTooLong { prompt_tokens: usize, context: usize },
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;

@@ -1,0 +1,130 @@
+//! The engine against Hugging Face transformers' own outputs.
+//!
+//! Fixtures are small random checkpoints made by `scripts/make_golden.py`, each with the
+//! token ids, greedy continuations, top-5 log-probabilities, chat renderings and decodes that
+//! transformers produced for it (always computing in float32; for BF16 checkpoints, over the
+//! bf16 weights upcast to float32).
+//!
+//! Tolerances: ember computes in f32 over the stored weights (bf16 weights are widened
+//! exactly, never rounded further), so it does the same computation as the reference for
+//! both dtypes, up to summation order. Greedy ids must match exactly, and each of
+//! transformers' top-5 log-probabilities must match within 1e-3 at every step, for F32 and
+//! BF16 checkpoints alike. Every recorded step has a top-1 margin of at least 2e-3 (the
+//! script checks), so exact ids are a fair demand.
+
+use std::ops::ControlFlow;
+use std::path::PathBuf;
+
+use ember_engine::chat_template::ChatMessage;
+use ember_engine::sampler::{SamplingParams, logprob_of};
+use ember_engine::{Engine, EngineOptions, GenerateParams};
+use serde_json::Value;
+
+const LOGPROB_TOLERANCE: f32 = 1e-3;
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/golden").join(name)
+}
+
+fn load(name: &str, max_batch: usize) -> (Engine, Value) {
+    let dir = fixture(name);
+    let expected: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    let options = EngineOptions { threads: Some(2), context: 256, max_batch };
+    (Engine::load(&dir, &options).unwrap_or_else(|e| panic!("{name}: {e}")), expected)
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+/// Checks that each of the reference's top-5 tokens has our log-probability within tolerance.
+fn check_logprobs(name: &str, case: usize, step: usize, logits: &[f32], expected_top: &Value) {
+    for pair in expected_top.as_array().unwrap() {
+        let (id, want) = (pair[0].as_u64().unwrap() as u32, pair[1].as_f64().unwrap() as f32);
+        let got = logprob_of(logits, id);
+        assert!(
+            (got - want).abs() <= LOGPROB_TOLERANCE,
+            "{name} case {case} step {step}: token {id} logprob {got}, transformers {want}"
+        );
+    }
+}
+
+fn check_fixture(name: &str) {
+    // A prefill batch of 3 makes every prompt run in several chunks: chunking must not matter.
+    for max_batch in [512, 3] {
+        let (mut engine, expected) = load(name, max_batch);
+        let greedy = GenerateParams { max_tokens: 0, sampling: SamplingParams::default(), ignore_eos: true };
+        for (case_index, case) in expected["completions"].as_array().unwrap().iter().enumerate() {
+            let prompt = engine.encode_prompt(case["prompt"].as_str().unwrap()).unwrap();
+            assert_eq!(prompt, ids(&case["input_ids"]), "{name} case {case_index}: prompt tokens");
+            let want = ids(&case["generated_ids"]);
+            let tops = case["top_logprobs"].as_array().unwrap();
+            let params = GenerateParams { max_tokens: want.len(), ..greedy.clone() };
+            let mut step = 0;
+            let generation = engine
+                .generate(&prompt, &params, |s| {
+                    check_logprobs(name, case_index, step, s.logits, &tops[step]);
+                    step += 1;
+                    ControlFlow::Continue(())
+                })
+                .unwrap();
+            assert_eq!(generation.tokens, want, "{name} case {case_index}: greedy continuation (max_batch {max_batch})");
+        }
+    }
+
+    let (engine, expected) = load(name, 512);
+    for (i, chat) in expected["chats"].as_array().unwrap().iter().enumerate() {
+        let messages: Vec<ChatMessage> = serde_json::from_value(chat["messages"].clone()).unwrap();
+        let kwargs = chat["chat_template_kwargs"].as_object().cloned().unwrap_or_default();
+        let rendered = engine.render_chat(&messages, &kwargs).unwrap();
+        assert_eq!(rendered, chat["rendered"].as_str().unwrap(), "{name} chat {i}: rendering");
+        assert_eq!(engine.encode_chat(&messages, &kwargs).unwrap(), ids(&chat["input_ids"]), "{name} chat {i}: tokens");
+    }
+    for (i, decode) in expected["decodes"].as_array().unwrap().iter().enumerate() {
+        let text = engine.tokenizer().decode(&ids(&decode["ids"]), true);
+        assert_eq!(text, decode["text"].as_str().unwrap(), "{name} decode {i}");
+    }
+    for eos in ids(&expected["eos_token_ids"]) {
+        assert!(engine.eos_token_ids().contains(&eos), "{name}: eos id {eos} not recognised");
+    }
+}
+
+#[test]
+fn qwen3_f32() {
+    check_fixture("qwen3-f32");
+}
+
+#[test]
+fn qwen3_bf16() {
+    check_fixture("qwen3-bf16");
+}
+
+#[test]
+fn qwen3moe_f32() {
+    check_fixture("qwen3moe-f32");
+}
+
+#[test]
+fn qwen3moe_bf16() {
+    check_fixture("qwen3moe-bf16");
+}
+
+#[test]
+fn qwen2_f32() {
+    check_fixture("qwen2-f32");
+}
+
+#[test]
+fn qwen2_bf16() {
+    check_fixture("qwen2-bf16");
+}
+
+#[test]
+fn llama_f32() {
+    check_fixture("llama-f32");
+}
+
+#[test]
+fn llama_bf16() {
+    check_fixture("llama-bf16");
+}
