@@ -31,12 +31,16 @@ pub struct ModelArgs {
     /// Compute threads [default: the cores this process may use].
     #[arg(long, short = 't', env = "EMBER_THREADS")]
     pub threads: Option<usize>,
-    /// Context length in tokens: the KV cache is preallocated for this many.
-    #[arg(long, short = 'c', default_value_t = 4096, env = "EMBER_CONTEXT")]
-    pub context: usize,
+    /// Context length in tokens: the KV cache is preallocated for this many [default: the
+    /// model's trained length, at most 4096].
+    #[arg(long, short = 'c', env = "EMBER_CONTEXT")]
+    pub context: Option<usize>,
 }
 
 #[derive(Args, Debug)]
+// Negative numbers are values, so `--temperature -1` is rejected by validation with a message
+// that names the field, not by the parser as an unknown flag.
+#[command(allow_negative_numbers = true)]
 pub struct RunArgs {
     #[command(flatten)]
     pub model: ModelArgs,

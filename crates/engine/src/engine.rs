@@ -15,20 +15,25 @@ use crate::error::{Error, Result};
 use crate::sampler::{Sampler, SamplingParams};
 use crate::tokenizer::Tokenizer;
 
+/// The context when none is asked for: enough for real chats, without preallocating a model's
+/// whole trained length (often 32k-128k positions, gigabytes of KV cache).
+pub const DEFAULT_CONTEXT: usize = 4096;
+
 /// How to load a model.
 #[derive(Clone, Debug)]
 pub struct EngineOptions {
     /// Compute threads, the calling thread included; `None` means every core this process may use.
     pub threads: Option<usize>,
-    /// Positions of KV cache preallocated: the longest prompt plus reply.
-    pub context: usize,
+    /// Positions of KV cache preallocated: the longest prompt plus reply. `None` takes the
+    /// model's trained length, capped at [`DEFAULT_CONTEXT`].
+    pub context: Option<usize>,
     /// Tokens per forward pass in prefill; longer prompts run in chunks of this size.
     pub max_batch: usize,
 }
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        EngineOptions { threads: None, context: 4096, max_batch: 512 }
+        EngineOptions { threads: None, context: None, max_batch: 512 }
     }
 }
 
@@ -101,7 +106,7 @@ impl Engine {
             None => None,
         };
         let eos_ids = eos_token_ids(dir, &config, &tokenizer)?;
-        let context = options.context.max(1);
+        let context = options.context.unwrap_or(DEFAULT_CONTEXT.min(config.max_position_embeddings)).max(1);
         if context > config.max_position_embeddings {
             tracing::warn!(
                 context,

@@ -76,13 +76,29 @@ fn by_value_desc(a: &Candidate, b: &Candidate) -> Ordering {
     b.value.total_cmp(&a.value).then(a.id.cmp(&b.id))
 }
 
-/// Samples token ids from logits. Holds its RNG and a reusable candidate buffer.
+/// Samples token ids from logits. Holds its RNG and scratch buffers that are
+/// reused across calls, so sampling allocates nothing after the first token.
 #[derive(Debug, Clone)]
 pub struct Sampler {
     params: SamplingParams,
     rng: Xoshiro256StarStar,
     candidates: Vec<Candidate>,
+    /// Softmax numerators exp((logit - max) / T) over the whole vocabulary.
+    probs: Vec<f32>,
+    /// Sum of `probs` per block of BLOCK tokens, to find a draw in O(V / BLOCK + BLOCK).
+    block_sums: Vec<f32>,
+    /// Size-k min-heap for top-k selection.
+    heap: BinaryHeap<Reverse<Ranked>>,
 }
+
+/// Tokens per entry of `block_sums`.
+const BLOCK: usize = 256;
+/// Lanes of the explicitly unrolled loops; lets the compiler use wide vectors.
+const LANES: usize = 16;
+/// Above this top_k, a partial sort beats the heap.
+const HEAP_TOP_K_MAX: usize = 1024;
+/// Thresholds (relative to the top token) tried when gathering a nucleus.
+const TOP_P_PROBES: [f32; 4] = [1e-2, 1e-4, 1e-6, 0.0];
 
 impl Sampler {
     pub fn new(params: SamplingParams) -> Self {
@@ -91,6 +107,9 @@ impl Sampler {
             params,
             rng: Xoshiro256StarStar::seed_from_u64(seed),
             candidates: Vec::new(),
+            probs: Vec::new(),
+            block_sums: Vec::new(),
+            heap: BinaryHeap::new(),
         }
     }
 
@@ -105,105 +124,304 @@ impl Sampler {
         if p.is_greedy() {
             return argmax(logits);
         }
+        let max = max_logit(logits);
         let inv_temperature = 1.0 / p.temperature;
-        let candidates = &mut self.candidates;
-        candidates.clear();
-        for (id, &logit) in logits.iter().enumerate() {
-            let value = logit * inv_temperature;
-            if value == f32::INFINITY {
-                // An infinite logit (or a temperature so small it overflows)
-                // owns all the mass.
-                return argmax(logits);
-            }
-            if value.is_nan() || value == f32::NEG_INFINITY {
-                continue; // zero probability
-            }
-            candidates.push(Candidate {
-                id: id as u32,
-                value,
-            });
-        }
-        if candidates.is_empty() {
+        if !(max * inv_temperature).is_finite() {
+            // All -inf/NaN, an infinite logit, or a temperature so small that
+            // scaling overflows: the top token owns all the mass.
             return argmax(logits);
         }
+        let use_top_p = p.top_p < 1.0;
+        // NaN min_p (unvalidated params) counts as off.
+        let min_p = if p.min_p > 0.0 { p.min_p.min(1.0) } else { 0.0 };
 
-        if p.top_k > 0 && p.top_k < candidates.len() {
-            candidates.select_nth_unstable_by(p.top_k - 1, by_value_desc);
-            candidates.truncate(p.top_k);
+        if p.top_k > 0 && p.top_k < logits.len() {
+            // Softmax over the k survivors only.
+            self.gather_top_k(logits, p.top_k);
+            let mut sum = 0.0f32;
+            for c in self.candidates.iter_mut() {
+                c.value = exp_nonpositive((c.value - max) * inv_temperature);
+                sum += c.value;
+            }
+            return self.finish(use_top_p.then_some(p.top_p * sum), min_p, logits);
         }
 
-        let max = candidates
-            .iter()
-            .map(|c| c.value)
-            .fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0.0f32;
-        for c in candidates.iter_mut() {
-            c.value = (c.value - max).exp();
-            sum += c.value;
+        let sum = self.softmax_numerators(logits, max, inv_temperature);
+        if !use_top_p && min_p == 0.0 {
+            return self.draw_from_probs(sum, logits);
         }
+        let target = p.top_p * sum;
+        // Probabilities are relative to the top token (p_max = 1). Both the
+        // nucleus and the min_p set are prefixes of the sorted order, so any
+        // gathered prefix holding the answer suffices: {p >= min_p} always
+        // does; otherwise lower the threshold until the mass reaches target.
+        if min_p > 0.0 {
+            self.gather_probs(min_p);
+        } else {
+            for tau in TOP_P_PROBES {
+                let mass = self.gather_probs(tau);
+                if mass >= target {
+                    break;
+                }
+            }
+        }
+        self.finish(use_top_p.then_some(target), min_p, logits)
+    }
 
-        if p.top_p < 1.0 {
-            keep_top_p(candidates, p.top_p * sum);
+    /// Fills `probs` with exp((logit - max) / T) (0 for NaN) and `block_sums`;
+    /// returns the total.
+    fn softmax_numerators(&mut self, logits: &[f32], max: f32, inv_temperature: f32) -> f32 {
+        self.probs.resize(logits.len(), 0.0);
+        self.block_sums.clear();
+        let mut total = 0.0f32;
+        for (out, block) in self.probs.chunks_mut(BLOCK).zip(logits.chunks(BLOCK)) {
+            // Fixed-size arrays: no bounds checks, so the lane loop vectorises.
+            let (out_chunks, out_tail) = out.as_chunks_mut::<LANES>();
+            let (in_chunks, in_tail) = block.as_chunks::<LANES>();
+            let mut lanes = [0.0f32; LANES];
+            for (o, x) in out_chunks.iter_mut().zip(in_chunks) {
+                for i in 0..LANES {
+                    let p = exp_nonpositive((x[i] - max) * inv_temperature);
+                    o[i] = p;
+                    lanes[i] += p;
+                }
+            }
+            let mut block_sum: f32 = lanes.iter().sum();
+            for (o, &x) in out_tail.iter_mut().zip(in_tail) {
+                *o = exp_nonpositive((x - max) * inv_temperature);
+                block_sum += *o;
+            }
+            self.block_sums.push(block_sum);
+            total += block_sum;
         }
-        if p.min_p > 0.0 {
-            // Probabilities are unnormalised with p_max = exp(0) = 1, so the
-            // threshold is min_p itself; the top token always survives.
-            let threshold = p.min_p.min(1.0);
-            candidates.retain(|c| c.value >= threshold);
-        }
+        total
+    }
 
-        let total: f32 = candidates.iter().map(|c| c.value).sum();
+    /// Draws from the full `probs`: find the block, then the token.
+    fn draw_from_probs(&mut self, total: f32, logits: &[f32]) -> u32 {
         let r = self.rng.next_f32() * total;
         let mut acc = 0.0f32;
-        for c in candidates.iter() {
+        for (b, &block_sum) in self.block_sums.iter().enumerate() {
+            if r < acc + block_sum {
+                let start = b * BLOCK;
+                let mut inner = acc;
+                let mut last_possible = None;
+                for (i, &p) in self.probs[start..].iter().take(BLOCK).enumerate() {
+                    inner += p;
+                    if r < inner {
+                        return (start + i) as u32;
+                    }
+                    if p > 0.0 {
+                        last_possible = Some((start + i) as u32);
+                    }
+                }
+                // Summation order differs from block_sum; rounding lands here.
+                if let Some(id) = last_possible {
+                    return id;
+                }
+            }
+            acc += block_sum;
+        }
+        argmax(logits)
+    }
+
+    /// Candidates := tokens with probs >= tau (and > 0); returns their mass.
+    fn gather_probs(&mut self, tau: f32) -> f32 {
+        self.candidates.clear();
+        // Everything kept must also be > 0.
+        let floor = tau.max(f32::MIN_POSITIVE);
+        let below = floor.next_down();
+        let mut mass = 0.0f32;
+        let (chunks, tail) = self.probs.as_chunks::<LANES>();
+        let tail_start = chunks.len() * LANES;
+        let blocks = chunks
+            .iter()
+            .enumerate()
+            .map(|(c, chunk)| (c * LANES, chunk.as_slice()))
+            .chain(std::iter::once((tail_start, tail)));
+        for (start, block) in blocks {
+            // Skip 16 tokens at once when none qualifies (the common case).
+            if let Ok(chunk) = <&[f32; LANES]>::try_from(block)
+                && !any_above(chunk, below)
+            {
+                continue;
+            }
+            for (i, &p) in block.iter().enumerate() {
+                if p >= floor {
+                    self.candidates.push(Candidate {
+                        id: (start + i) as u32,
+                        value: p,
+                    });
+                    mass += p;
+                }
+            }
+        }
+        mass
+    }
+
+    /// Candidates := the k largest logits (values are the raw logits).
+    fn gather_top_k(&mut self, logits: &[f32], k: usize) {
+        self.candidates.clear();
+        if k <= HEAP_TOP_K_MAX {
+            top_k_heap(logits, k, &mut self.heap);
+            self.candidates
+                .extend(self.heap.drain().map(|Reverse(r)| Candidate {
+                    id: r.id,
+                    value: r.logit,
+                }));
+        } else {
+            self.candidates
+                .extend(logits.iter().enumerate().filter(|(_, v)| !v.is_nan()).map(
+                    |(id, &value)| Candidate {
+                        id: id as u32,
+                        value,
+                    },
+                ));
+            if k < self.candidates.len() {
+                self.candidates.select_nth_unstable_by(k - 1, by_value_desc);
+                self.candidates.truncate(k);
+            }
+        }
+    }
+
+    /// Applies top-p (`target` mass) and min-p to the candidates, whose values
+    /// are unnormalised probabilities with the top one at 1, then draws.
+    fn finish(&mut self, top_p_target: Option<f32>, min_p: f32, logits: &[f32]) -> u32 {
+        if let Some(target) = top_p_target {
+            keep_top_p(&mut self.candidates, target);
+        }
+        if min_p > 0.0 {
+            self.candidates.retain(|c| c.value >= min_p);
+        }
+        let total: f32 = self.candidates.iter().map(|c| c.value).sum();
+        let r = self.rng.next_f32() * total;
+        let mut acc = 0.0f32;
+        let mut last_possible = None;
+        for c in &self.candidates {
             acc += c.value;
             if r < acc {
                 return c.id;
             }
+            if c.value > 0.0 {
+                last_possible = Some(c.id);
+            }
         }
-        // Rounding can leave r just above the final sum.
-        candidates.last().map_or(0, |c| c.id)
+        // Rounding can put r at the very end of the range.
+        last_possible.unwrap_or_else(|| argmax(logits))
     }
 }
 
-/// Keeps the smallest highest-probability prefix whose mass reaches `target`
-/// (at least one token). Sorts only as much as needed: a nucleus is usually
-/// far smaller than the vocabulary.
+/// exp(x) for x <= 0 (NaN gives 0), branch-free so loops over it vectorise;
+/// relative error ~1e-7, the precision of f32 itself. libm's expf is scalar
+/// and dominated the cost of sampling a 150k vocabulary.
+#[inline(always)]
+fn exp_nonpositive(x: f32) -> f32 {
+    // Below this exp(x) is subnormal; such tokens are worth nothing here.
+    const MIN_X: f32 = -87.0;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    let xc = x.max(MIN_X).min(0.0);
+    // exp(x) = 2^n * exp(r), |r| <= ln2 / 2 (Cody-Waite reduction). Adding
+    // 1.5 * 2^23 rounds to the nearest integer and leaves it in the low
+    // mantissa bits: no `round` call, which baseline x86-64 lacks in SIMD.
+    const ROUNDER: f32 = 12_582_912.0;
+    let shifted = xc * std::f32::consts::LOG2_E + ROUNDER;
+    // Wrapping ops: overflow checks (debug/test builds) would block vectorisation.
+    let n_int = (shifted.to_bits() as i32).wrapping_sub(ROUNDER.to_bits() as i32);
+    let n = shifted - ROUNDER;
+    let r = xc - n * LN2_HI - n * LN2_LO;
+    // Taylor to degree 6: truncation error < 2e-8 relative on |r| <= 0.347.
+    let poly = 1.0
+        + r * (1.0
+            + r * (0.5
+                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    let scale = f32::from_bits((n_int.wrapping_add(127) as u32) << 23);
+    // Written so that NaN also gives 0.
+    if x >= MIN_X { poly * scale } else { 0.0 }
+}
+
+/// Buckets for top-p: the top bits of a positive f32 (exponent and 4 mantissa
+/// bits) are monotone in its value, so each bucket spans values within ~6%.
+const BUCKET_SHIFT: u32 = 19;
+const N_BUCKETS: usize = (1.0f32.to_bits() >> BUCKET_SHIFT) as usize + 1;
+
+fn bucket(value: f32) -> usize {
+    // Values are in [0, 1]; the min guards against anything unexpected.
+    ((value.to_bits() >> BUCKET_SHIFT) as usize).min(N_BUCKETS - 1)
+}
+
+/// Keeps the smallest highest-probability set whose mass reaches `target`
+/// (at least one token), in O(n): a histogram of mass per value bucket finds
+/// the bucket where the cumulative mass crosses `target`; only that bucket is
+/// sorted. A full sort of a 150k vocabulary would cost milliseconds per token.
 fn keep_top_p(candidates: &mut Vec<Candidate>, target: f32) {
-    let len = candidates.len();
-    let mut m = len.min(64);
-    loop {
-        if m < len {
-            candidates.select_nth_unstable_by(m - 1, by_value_desc);
-        }
-        candidates[..m].sort_unstable_by(by_value_desc);
-        let mut cumulative = 0.0f32;
-        for i in 0..m {
-            cumulative += candidates[i].value;
-            if cumulative >= target {
-                candidates.truncate(i + 1);
-                return;
-            }
-        }
-        if m == len {
-            return; // rounding kept the sum under target: keep everything
-        }
-        m = (m * 8).min(len);
+    let mut mass = [0.0f32; N_BUCKETS];
+    for c in candidates.iter() {
+        mass[bucket(c.value)] += c.value;
     }
+    let mut above = 0.0f32; // mass of buckets strictly above `edge`
+    let mut edge = N_BUCKETS - 1;
+    // Empty buckets are passed over so the edge bucket always holds a token.
+    while mass[edge] == 0.0 || above + mass[edge] < target {
+        above += mass[edge];
+        if edge == 0 {
+            return; // rounding kept the total under target: keep everything
+        }
+        edge -= 1;
+    }
+    // Order: buckets above the edge (all kept), then the edge bucket; drop the rest.
+    let mut n_above = 0;
+    for i in 0..candidates.len() {
+        if bucket(candidates[i].value) > edge {
+            candidates.swap(i, n_above);
+            n_above += 1;
+        }
+    }
+    let mut n_kept = n_above;
+    for i in n_above..candidates.len() {
+        if bucket(candidates[i].value) == edge {
+            candidates.swap(i, n_kept);
+            n_kept += 1;
+        }
+    }
+    candidates.truncate(n_kept);
+    let edge_bucket = &mut candidates[n_above..];
+    edge_bucket.sort_unstable_by(by_value_desc);
+    let mut cumulative = above;
+    for i in 0..edge_bucket.len() {
+        cumulative += edge_bucket[i].value;
+        if cumulative >= target {
+            candidates.truncate(n_above + i + 1);
+            return;
+        }
+    }
+}
+
+/// Largest logit, ignoring NaN; -inf for none. Sixteen independent lanes let
+/// the compiler vectorise the scan.
+fn max_logit(logits: &[f32]) -> f32 {
+    const LANES: usize = 16;
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let chunks = logits.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for chunk in chunks {
+        for (lane, &v) in lanes.iter_mut().zip(chunk) {
+            *lane = lane.max(v);
+        }
+    }
+    lanes
+        .iter()
+        .chain(tail)
+        .fold(f32::NEG_INFINITY, |a, &b| a.max(b))
 }
 
 /// Index of the largest logit, lowest id on ties; NaN is ignored.
 fn argmax(logits: &[f32]) -> u32 {
-    let mut best: Option<(usize, f32)> = None;
-    for (i, &v) in logits.iter().enumerate() {
-        if v.is_nan() {
-            continue;
-        }
-        if best.is_none_or(|(_, b)| v > b) {
-            best = Some((i, v));
-        }
-    }
-    best.map_or(0, |(i, _)| i as u32)
+    let max = max_logit(logits);
+    logits
+        .iter()
+        .position(|&v| v == max)
+        .map_or(0, |i| i as u32)
 }
 
 /// Log-normaliser of a logit vector, computed with f64 accumulation.
@@ -215,10 +433,7 @@ struct LogNorm {
 
 impl LogNorm {
     fn new(logits: &[f32]) -> Self {
-        let max = logits
-            .iter()
-            .filter(|v| !v.is_nan())
-            .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        let max = max_logit(logits);
         if max == f32::INFINITY {
             let n_pos_inf = logits.iter().filter(|&&v| v == f32::INFINITY).count();
             return Self {
@@ -232,12 +447,21 @@ impl LogNorm {
                 n_pos_inf: 0,
             };
         }
+        // exp in f32 (relative error ~1e-7, below what an f32 logprob shows),
+        // accumulated in f64 lanes so the loop vectorises.
+        let mut lanes = [0.0f64; LANES];
+        let (chunks, tail) = logits.as_chunks::<LANES>();
+        for chunk in chunks {
+            for i in 0..LANES {
+                lanes[i] += f64::from(exp_nonpositive(chunk[i] - max));
+            }
+        }
+        let sum: f64 = lanes.iter().sum::<f64>()
+            + tail
+                .iter()
+                .map(|&v| f64::from(exp_nonpositive(v - max)))
+                .sum::<f64>();
         let max = f64::from(max);
-        let sum: f64 = logits
-            .iter()
-            .filter(|v| !v.is_nan())
-            .map(|&v| (f64::from(v) - max).exp())
-            .sum();
         Self {
             log_sum_exp: max + sum.ln(),
             n_pos_inf: 0,
@@ -262,7 +486,7 @@ impl LogNorm {
 }
 
 /// Heap entry ordered so that the heap's minimum is the weakest kept token.
-#[derive(Clone, Copy)]
+#[derive(Debug, Clone, Copy)]
 struct Ranked {
     id: u32,
     logit: f32,
@@ -291,6 +515,63 @@ impl PartialEq for Ranked {
 
 impl Eq for Ranked {}
 
+/// Fills `heap` with the `k` largest non-NaN logits (lowest ids on ties) in
+/// one pass. Nearly every token fails a single comparison against the weakest
+/// kept logit, so this is a scan, not V heap operations.
+fn top_k_heap(logits: &[f32], k: usize, heap: &mut BinaryHeap<Reverse<Ranked>>) {
+    heap.clear();
+    if k == 0 {
+        return;
+    }
+    // Valid once the heap is full. A later token with an equal logit has a
+    // higher id, so it never outranks the weakest: `>` suffices.
+    let mut threshold = f32::NEG_INFINITY;
+    let mut offer = |id: usize, logit: f32, threshold: &mut f32| {
+        if heap.len() < k {
+            if !logit.is_nan() {
+                heap.push(Reverse(Ranked {
+                    id: id as u32,
+                    logit,
+                }));
+                if heap.len() == k {
+                    *threshold = heap.peek().map_or(f32::NEG_INFINITY, |w| w.0.logit);
+                }
+            }
+        } else if logit > *threshold {
+            if let Some(mut weakest) = heap.peek_mut() {
+                *weakest = Reverse(Ranked {
+                    id: id as u32,
+                    logit,
+                });
+            }
+            *threshold = heap.peek().map_or(f32::NEG_INFINITY, |w| w.0.logit);
+        }
+    };
+    let (chunks, tail) = logits.as_chunks::<LANES>();
+    let mut filled = false;
+    for (c, chunk) in chunks.iter().enumerate() {
+        // Once full, most chunks hold nothing above the threshold; a
+        // branch-free test skips them 16 tokens at a time.
+        if filled && !any_above(chunk, threshold) {
+            continue;
+        }
+        for (i, &logit) in chunk.iter().enumerate() {
+            offer(c * LANES + i, logit, &mut threshold);
+        }
+        filled = threshold > f32::NEG_INFINITY;
+    }
+    let base = chunks.len() * LANES;
+    for (i, &logit) in tail.iter().enumerate() {
+        offer(base + i, logit, &mut threshold);
+    }
+}
+
+/// Whether any value exceeds `threshold` (NaN never does), without branches.
+#[inline(always)]
+fn any_above(chunk: &[f32; LANES], threshold: f32) -> bool {
+    chunk.iter().fold(false, |any, &v| any | (v > threshold))
+}
+
 /// The `n` most likely tokens under log_softmax(logits), by descending
 /// logprob (lowest id first on ties). NaN logits are never returned.
 pub fn top_logprobs(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
@@ -298,23 +579,8 @@ pub fn top_logprobs(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
         return Vec::new();
     }
     let norm = LogNorm::new(logits);
-    // A size-n min-heap: O(V log n) instead of sorting the vocabulary.
-    let mut heap: BinaryHeap<Reverse<Ranked>> = BinaryHeap::with_capacity(n + 1);
-    for (id, &logit) in logits.iter().enumerate() {
-        if logit.is_nan() {
-            continue;
-        }
-        let entry = Ranked {
-            id: id as u32,
-            logit,
-        };
-        if heap.len() < n {
-            heap.push(Reverse(entry));
-        } else if heap.peek().is_some_and(|Reverse(weakest)| entry > *weakest) {
-            heap.pop();
-            heap.push(Reverse(entry));
-        }
-    }
+    let mut heap = BinaryHeap::with_capacity(n.min(logits.len()));
+    top_k_heap(logits, n, &mut heap);
     // Ascending order of Reverse is descending order of Ranked.
     heap.into_sorted_vec()
         .into_iter()
@@ -603,5 +869,82 @@ mod tests {
         // +inf logits share the mass.
         assert_eq!(logprob_of(&[f32::INFINITY, 0.0], 1), f32::NEG_INFINITY);
         assert_eq!(logprob_of(&[f32::INFINITY, 0.0], 0), 0.0);
+    }
+
+    #[test]
+    #[ignore]
+    fn tmp_bench() {
+        let mut state = 9u64;
+        let logits: Vec<f32> = (0..151_936)
+            .map(|_| (splitmix64(&mut state) % 100_000) as f32 / 5000.0 - 10.0)
+            .collect();
+        // Realistic: a bulk around 0 (sum of uniforms ~ normal, sd ~2.5) and a few strong tokens.
+        let mut real: Vec<f32> = (0..151_936)
+            .map(|_| {
+                (0..4)
+                    .map(|_| (splitmix64(&mut state) % 10_000) as f32 / 10_000.0 - 0.5)
+                    .sum::<f32>()
+                    * 4.3
+            })
+            .collect();
+        for (i, v) in [
+            (100usize, 22.0f32),
+            (2000, 20.5),
+            (3000, 19.0),
+            (40_000, 17.0),
+        ] {
+            real[i] = v;
+        }
+        for (name, p) in [
+            ("real t1", params(1.0, 0, 1.0, 0.0, 1)),
+            ("real t0.7 p0.95", params(0.7, 0, 0.95, 0.0, 1)),
+            ("real t1 p0.9 minp0.05", params(1.0, 0, 0.9, 0.05, 1)),
+            ("real k50", params(1.0, 50, 1.0, 0.0, 1)),
+        ] {
+            let mut s = Sampler::new(p);
+            let t = std::time::Instant::now();
+            let mut acc = 0u64;
+            for _ in 0..200 {
+                acc += s.sample(&real) as u64;
+            }
+            eprintln!("{name}: {:?}/token ({acc})", t.elapsed() / 200);
+        }
+        for (name, p) in [
+            ("greedy", SamplingParams::default()),
+            ("t0.7", params(0.7, 0, 1.0, 0.0, 1)),
+            ("t0.7 p0.95", params(0.7, 0, 0.95, 0.0, 1)),
+            ("t0.7 k20 p0.8", params(0.7, 20, 0.8, 0.0, 1)),
+            ("t1 p0.9 minp0.05", params(1.0, 0, 0.9, 0.05, 1)),
+        ] {
+            let mut s = Sampler::new(p);
+            let t = std::time::Instant::now();
+            let mut acc = 0u64;
+            for _ in 0..200 {
+                acc += s.sample(&logits) as u64;
+            }
+            eprintln!("{name}: {:?}/token ({acc})", t.elapsed() / 200);
+        }
+        let mut s = Sampler::new(params(0.7, 0, 1.0, 0.0, 1));
+        let t = std::time::Instant::now();
+        let mut tot = 0.0;
+        for _ in 0..200 {
+            tot += s.softmax_numerators(&logits, 10.0, 1.0 / 0.7);
+        }
+        eprintln!("softmax_numerators: {:?} {tot}", t.elapsed() / 200);
+        let t = std::time::Instant::now();
+        for _ in 0..200 {
+            tot += s.draw_from_probs(1000.0, &logits) as f32;
+        }
+        eprintln!("draw: {:?} {tot}", t.elapsed() / 200);
+        let t = std::time::Instant::now();
+        for _ in 0..200 {
+            tot += max_logit(&logits);
+        }
+        eprintln!("max: {:?} {tot}", t.elapsed() / 200);
+        let t = std::time::Instant::now();
+        for _ in 0..200 {
+            std::hint::black_box(top_logprobs(&logits, 20));
+        }
+        eprintln!("top_logprobs 20: {:?}", t.elapsed() / 200);
     }
 }

@@ -159,8 +159,13 @@ impl View for RandomTensor {
 
 /// Writes a complete checkpoint directory for `shape` into `out`.
 pub fn write_checkpoint(shape: Shape, dtype: SyntheticDtype, out: &Path) -> Result<()> {
+    write_checkpoint_for_config(&shape.config(dtype), dtype, out)
+}
+
+/// Writes a checkpoint with random weights for a Qwen3 or Qwen3-MoE `config.json` (which must
+/// give `head_dim`, and a vocabulary of at least 151646 so Qwen's special ids exist).
+pub fn write_checkpoint_for_config(config: &Value, dtype: SyntheticDtype, out: &Path) -> Result<()> {
     std::fs::create_dir_all(out)?;
-    let config = shape.config(dtype);
     let get = |key: &str| config[key].as_u64().unwrap_or(0) as usize;
     let (hidden, inter, layers, heads, kv, head_dim, vocab) = (
         get("hidden_size"),
@@ -171,13 +176,14 @@ pub fn write_checkpoint(shape: Shape, dtype: SyntheticDtype, out: &Path) -> Resu
         get("head_dim"),
         get("vocab_size"),
     );
+    let experts = get("num_experts");
     let mut tensors: Vec<(String, RandomTensor)> = Vec::new();
     let mut seed = 0x5eed_u64;
-    // Weights ~ U(±0.04): std 0.023, close to the 0.02 models are initialised with.
     let mut add = |name: String, shape: Vec<usize>, center: f32, amplitude: f32| {
         seed = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
         tensors.push((name, RandomTensor { shape, dtype, center, amplitude, seed }));
     };
+    // Weights ~ U(±0.04): std 0.023, close to the 0.02 models are initialised with.
     let matrix = 0.04;
     add("model.embed_tokens.weight".into(), vec![vocab, hidden], 0.0, matrix);
     for i in 0..layers {
@@ -190,8 +196,8 @@ pub fn write_checkpoint(shape: Shape, dtype: SyntheticDtype, out: &Path) -> Resu
         add(format!("{p}.self_attn.o_proj.weight"), vec![hidden, heads * head_dim], 0.0, matrix);
         add(format!("{p}.self_attn.q_norm.weight"), vec![head_dim], 1.0, 0.05);
         add(format!("{p}.self_attn.k_norm.weight"), vec![head_dim], 1.0, 0.05);
-        if shape == Shape::Qwen3_30bA3b {
-            let (experts, width) = (get("num_experts"), get("moe_intermediate_size"));
+        if experts > 0 {
+            let width = get("moe_intermediate_size");
             add(format!("{p}.mlp.gate.weight"), vec![experts, hidden], 0.0, matrix);
             for e in 0..experts {
                 add(format!("{p}.mlp.experts.{e}.gate_proj.weight"), vec![width, hidden], 0.0, matrix);
@@ -212,7 +218,7 @@ pub fn write_checkpoint(shape: Shape, dtype: SyntheticDtype, out: &Path) -> Resu
     safetensors::serialize_to_file(tensors, None, &weights_path)
         .map_err(|e| Error::Io(std::io::Error::other(format!("{}: {e}", weights_path.display()))))?;
 
-    write_json(&out.join("config.json"), &config)?;
+    write_json(&out.join("config.json"), config)?;
     write_json(&out.join("generation_config.json"), &json!({"eos_token_id": [151645, 151643], "bos_token_id": 151643}))?;
     write_json(&out.join("tokenizer.json"), &byte_level_tokenizer())?;
     write_json(

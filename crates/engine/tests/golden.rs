@@ -29,7 +29,7 @@ fn fixture(name: &str) -> PathBuf {
 fn load(name: &str, max_batch: usize) -> (Engine, Value) {
     let dir = fixture(name);
     let expected: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
-    let options = EngineOptions { threads: Some(2), context: 256, max_batch };
+    let options = EngineOptions { threads: Some(2), context: Some(256), max_batch };
     (Engine::load(&dir, &options).unwrap_or_else(|e| panic!("{name}: {e}")), expected)
 }
 

@@ -1,4 +1,4 @@
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::ops::ControlFlow;
 use std::process::ExitCode;
 
@@ -11,6 +11,15 @@ use ember_engine::{FinishReason, GenerateParams};
 use crate::args::RunArgs;
 
 pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
+    let sampling = SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        min_p: args.min_p,
+        seed: args.seed,
+    };
+    // Bad flags fail before seconds are spent loading a model.
+    sampling.validate()?;
     let mut engine = super::load_engine(&args.model)?;
     let prompt = if args.chat {
         let mut kwargs = serde_json::Map::new();
@@ -24,13 +33,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     };
     let params = GenerateParams {
         max_tokens: args.max_tokens,
-        sampling: SamplingParams {
-            temperature: args.temperature,
-            top_k: args.top_k,
-            top_p: args.top_p,
-            min_p: args.min_p,
-            seed: args.seed,
-        },
+        sampling,
         ignore_eos: args.ignore_eos,
     };
     let mut decoder = StreamDecoder::new(engine.tokenizer().clone());
@@ -60,7 +63,11 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     if let Some(text) = decoder.flush() {
         out.write_all(text.as_bytes()).context("writing to stdout")?;
     }
-    writeln!(out).ok();
+    // A terminal gets a final newline so the shell prompt starts on its own line; a pipe gets
+    // exactly the generated text.
+    if std::io::stdout().is_terminal() {
+        writeln!(out).ok();
+    }
     out.flush().ok();
 
     let prefill_s = generation.prefill_time.as_secs_f64();

@@ -6,7 +6,7 @@
 
 use super::simd::Simd;
 use super::{Isa, SharedPtr, simd_dispatch};
-use crate::pool::{ThreadPool, split_range};
+use crate::pool::ThreadPool;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttentionShape {
@@ -94,65 +94,114 @@ unsafe fn attend_items<S: Simd>(job: Job) {
     let group = n_heads / n_kv_heads;
     let kv_row = n_kv_heads * d;
     let scores = unsafe { job.scratch.get().add(job.thread * job.per_thread) };
-    for item in split_range(job.items, job.parts, job.thread) {
+    // Items are dealt out in turn: a later query sees more keys, so contiguous shares of a
+    // prompt would leave the first thread idle while the last works.
+    for item in (job.thread..job.items).step_by(job.parts) {
         let (i, h) = (item / n_heads, item % n_heads);
         let visible = job.pos0 + i + 1;
         let kv_offset = (h / group) * d;
         unsafe {
-            let q = job.q.get().add((i * n_heads + h) * d);
-            let mut max = f32::NEG_INFINITY;
-            for t in 0..visible {
-                let s = dot::<S>(q, job.keys.get().add(t * kv_row + kv_offset), d) * job.scale;
-                *scores.add(t) = s;
-                max = max.max(s);
+            let q = job.q.get().add((i * n_heads + h) * d) as *const f32;
+            let key = |t: usize| job.keys.get().add(t * kv_row + kv_offset) as *const f32;
+            let mut t = 0;
+            while t + 4 <= visible {
+                let s = dot4::<S>(q, [key(t), key(t + 1), key(t + 2), key(t + 3)], d);
+                for (j, value) in s.into_iter().enumerate() {
+                    *scores.add(t + j) = value * job.scale;
+                }
+                t += 4;
             }
-            let mut sum = 0f32;
-            for t in 0..visible {
-                let e = (*scores.add(t) - max).exp();
-                *scores.add(t) = e;
-                sum += e;
+            while t < visible {
+                *scores.add(t) = dot4::<S>(q, [key(t); 4], d)[0] * job.scale;
+                t += 1;
             }
-            let out = job.out.get().add((i * n_heads + h) * d);
-            std::ptr::write_bytes(out, 0, d);
-            let inv = 1.0 / sum;
-            for t in 0..visible {
-                axpy::<S>(*scores.add(t) * inv, job.values.get().add(t * kv_row + kv_offset), out, d);
-            }
+            softmax::<S>(scores, visible);
+            let value = |t: usize| job.values.get().add(t * kv_row + kv_offset) as *const f32;
+            weighted_sum::<S>(scores, visible, value, job.out.get().add((i * n_heads + h) * d), d);
         }
     }
 }
 
+/// Dot products of `q` with four keys; each is the same lane-wise FMA chain and sum tree as
+/// every other dot product in the kernels, so one key alone gives the same bits.
 #[inline(always)]
-unsafe fn dot<S: Simd>(a: *const f32, b: *const f32, d: usize) -> f32 {
+unsafe fn dot4<S: Simd>(q: *const f32, k: [*const f32; 4], d: usize) -> [f32; 4] {
     unsafe {
-        let mut acc = S::zero();
+        let mut acc = [S::zero(); 4];
         let full = d / S::LANES * S::LANES;
         let mut p = 0;
         while p < full {
-            acc = S::fma(S::load(a.add(p)), S::load(b.add(p)), acc);
+            let qv = S::load(q.add(p));
+            for j in 0..4 {
+                acc[j] = S::fma(qv, S::load(k[j].add(p)), acc[j]);
+            }
             p += S::LANES;
         }
         if p < d {
-            acc = S::fma(S::load_partial(a.add(p), d - p), S::load_partial(b.add(p), d - p), acc);
+            let qv = S::load_partial(q.add(p), d - p);
+            for j in 0..4 {
+                acc[j] = S::fma(qv, S::load_partial(k[j].add(p), d - p), acc[j]);
+            }
         }
-        S::hsum(acc)
+        [S::hsum(acc[0]), S::hsum(acc[1]), S::hsum(acc[2]), S::hsum(acc[3])]
     }
 }
 
-/// `out += alpha · v`.
+/// `x = softmax(x)` over `n` scores, exponentials vectorised.
 #[inline(always)]
-unsafe fn axpy<S: Simd>(alpha: f32, v: *const f32, out: *mut f32, d: usize) {
+unsafe fn softmax<S: Simd>(x: *mut f32, n: usize) {
     unsafe {
-        let a = S::splat(alpha);
-        let full = d / S::LANES * S::LANES;
-        let mut p = 0;
-        while p < full {
-            S::store(out.add(p), S::fma(a, S::load(v.add(p)), S::load(out.add(p))));
-            p += S::LANES;
+        let mut max = f32::NEG_INFINITY;
+        for t in 0..n {
+            max = max.max(*x.add(t));
         }
-        if p < d {
-            let rest = d - p;
-            S::store_partial(out.add(p), S::fma(a, S::load_partial(v.add(p), rest), S::load_partial(out.add(p), rest)), rest);
+        let neg_max = S::splat(-max);
+        let mut sum = 0f32;
+        let mut t = 0;
+        while t < n {
+            let len = S::LANES.min(n - t);
+            let e = S::exp(S::add(S::load_partial(x.add(t), len), neg_max));
+            S::store_partial(x.add(t), e, len);
+            for j in 0..len {
+                sum += *x.add(t + j);
+            }
+            t += len;
+        }
+        let inv = 1.0 / sum;
+        for t in 0..n {
+            *x.add(t) *= inv;
+        }
+    }
+}
+
+/// `out = Σ_t w[t] · v(t)`, summed in key order with the accumulators kept in registers.
+#[inline(always)]
+unsafe fn weighted_sum<S: Simd>(w: *const f32, n: usize, v: impl Fn(usize) -> *const f32, out: *mut f32, d: usize) {
+    const BLOCK: usize = 8;
+    unsafe {
+        let mut base = 0;
+        while base + BLOCK * S::LANES <= d {
+            let mut acc = [S::zero(); BLOCK];
+            for t in 0..n {
+                let wt = S::splat(*w.add(t));
+                let row = v(t).add(base);
+                for (j, a) in acc.iter_mut().enumerate() {
+                    *a = S::fma(wt, S::load(row.add(j * S::LANES)), *a);
+                }
+            }
+            for (j, a) in acc.iter().enumerate() {
+                S::store(out.add(base + j * S::LANES), *a);
+            }
+            base += BLOCK * S::LANES;
+        }
+        while base < d {
+            let len = S::LANES.min(d - base);
+            let mut acc = S::zero();
+            for t in 0..n {
+                acc = S::fma(S::splat(*w.add(t)), S::load_partial(v(t).add(base), len), acc);
+            }
+            S::store_partial(out.add(base), acc, len);
+            base += len;
         }
     }
 }

@@ -3,7 +3,8 @@
 //! Each works on one row at a time with a fixed order of operations, so a row's result does
 //! not depend on how many rows are processed together.
 
-use super::SharedPtr;
+use super::simd::Simd;
+use super::{Isa, SharedPtr, simd_dispatch};
 use crate::pool::ThreadPool;
 
 /// Rows below this many elements in all are not worth waking the other threads for.
@@ -110,15 +111,34 @@ pub fn silu_mul(pool: &ThreadPool, gate: &mut [f32], up: &[f32]) {
     let n = gate.len();
     assert!(up.len() >= n);
     const CHUNK: usize = 4096;
-    let ptr = SharedPtr(gate.as_mut_ptr());
+    let isa = Isa::detect();
+    let (g, u) = (SharedPtr(gate.as_mut_ptr()), SharedPtr(up.as_ptr() as *mut f32));
     for_rows(pool, n.div_ceil(CHUNK), CHUNK, |c| {
-        let range = c * CHUNK..((c + 1) * CHUNK).min(n);
+        let start = c * CHUNK;
         // SAFETY: each chunk is visited by one thread only.
-        let g = unsafe { std::slice::from_raw_parts_mut(ptr.get().add(range.start), range.len()) };
-        for (g, u) in g.iter_mut().zip(&up[range]) {
-            *g = *g / (1.0 + (-*g).exp()) * u;
-        }
+        let (g, u) = unsafe { (SharedPtr(g.get().add(start)), SharedPtr(u.get().add(start))) };
+        silu_mul_chunk(isa, g, u, CHUNK.min(n - start));
     });
+}
+
+simd_dispatch!(fn silu_mul_chunk(gate: SharedPtr<f32>, up: SharedPtr<f32>, n: usize) => silu_mul_generic);
+
+#[inline(always)]
+unsafe fn silu_mul_generic<S: Simd>(gate: SharedPtr<f32>, up: SharedPtr<f32>, n: usize) {
+    let (g, u) = (gate.get(), up.get() as *const f32);
+    let one = unsafe { S::splat(1.0) };
+    let mut i = 0;
+    while i < n {
+        let len = S::LANES.min(n - i);
+        unsafe {
+            let x = S::load_partial(g.add(i), len);
+            // silu(x) = x / (1 + e^-x)
+            let e = S::exp(S::mul(x, S::splat(-1.0)));
+            let silu = S::div(x, S::add(one, e));
+            S::store_partial(g.add(i), S::mul(silu, S::load_partial(u.add(i), len)), len);
+        }
+        i += len;
+    }
 }
 
 /// `x += y`.

@@ -29,7 +29,32 @@ pub(crate) unsafe trait Simd: Copy {
     unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
     unsafe fn add(a: Self::V, b: Self::V) -> Self::V;
     unsafe fn mul(a: Self::V, b: Self::V) -> Self::V;
+    unsafe fn div(a: Self::V, b: Self::V) -> Self::V;
+    unsafe fn max(a: Self::V, b: Self::V) -> Self::V;
+    unsafe fn min(a: Self::V, b: Self::V) -> Self::V;
+    /// Rounds to the nearest integer, ties to even.
+    unsafe fn round(v: Self::V) -> Self::V;
+    /// `2^n` for lanes holding integers `n` in the normal exponent range.
+    unsafe fn pow2i(n: Self::V) -> Self::V;
     unsafe fn hsum(v: Self::V) -> f32;
+
+    /// `e^x`, within 2 ulp over the range where the result is a normal f32 (Cephes' expf:
+    /// reduce by ln 2, a degree-5 polynomial, scale by a power of two).
+    #[inline(always)]
+    unsafe fn exp(x: Self::V) -> Self::V {
+        unsafe {
+            let x = Self::min(Self::max(x, Self::splat(-87.336_54)), Self::splat(88.722_83));
+            let n = Self::round(Self::mul(x, Self::splat(std::f32::consts::LOG2_E)));
+            let r = Self::fma(n, Self::splat(-0.693_359_4), x);
+            let r = Self::fma(n, Self::splat(2.121_944_4e-4), r);
+            let mut p = Self::splat(1.987_569_1e-4);
+            for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
+                p = Self::fma(p, r, Self::splat(c));
+            }
+            let y = Self::fma(p, Self::mul(r, r), Self::add(r, Self::splat(1.0)));
+            Self::mul(y, Self::pow2i(n))
+        }
+    }
 }
 
 /// How a stored weight element becomes f32 lanes.
@@ -173,6 +198,26 @@ unsafe impl Simd for Portable {
         std::array::from_fn(|i| a[i] * b[i])
     }
     #[inline(always)]
+    unsafe fn div(a: Self::V, b: Self::V) -> Self::V {
+        std::array::from_fn(|i| a[i] / b[i])
+    }
+    #[inline(always)]
+    unsafe fn max(a: Self::V, b: Self::V) -> Self::V {
+        std::array::from_fn(|i| a[i].max(b[i]))
+    }
+    #[inline(always)]
+    unsafe fn min(a: Self::V, b: Self::V) -> Self::V {
+        std::array::from_fn(|i| a[i].min(b[i]))
+    }
+    #[inline(always)]
+    unsafe fn round(v: Self::V) -> Self::V {
+        v.map(f32::round_ties_even)
+    }
+    #[inline(always)]
+    unsafe fn pow2i(n: Self::V) -> Self::V {
+        n.map(|n| f32::from_bits(((n as i32 + 127) as u32) << 23))
+    }
+    #[inline(always)]
     unsafe fn hsum(v: Self::V) -> f32 {
         let mut w = v;
         let mut half = PORTABLE_LANES / 2;
@@ -264,6 +309,26 @@ mod x86 {
         #[inline(always)]
         unsafe fn mul(a: __m512, b: __m512) -> __m512 {
             unsafe { _mm512_mul_ps(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn div(a: __m512, b: __m512) -> __m512 {
+            unsafe { _mm512_div_ps(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn max(a: __m512, b: __m512) -> __m512 {
+            unsafe { _mm512_max_ps(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn min(a: __m512, b: __m512) -> __m512 {
+            unsafe { _mm512_min_ps(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn round(v: __m512) -> __m512 {
+            unsafe { _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v) }
+        }
+        #[inline(always)]
+        unsafe fn pow2i(n: __m512) -> __m512 {
+            unsafe { _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)))) }
         }
         #[inline(always)]
         unsafe fn hsum(v: __m512) -> f32 {
@@ -366,8 +431,69 @@ mod x86 {
             unsafe { _mm256_mul_ps(a, b) }
         }
         #[inline(always)]
+        unsafe fn div(a: __m256, b: __m256) -> __m256 {
+            unsafe { _mm256_div_ps(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn max(a: __m256, b: __m256) -> __m256 {
+            unsafe { _mm256_max_ps(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn min(a: __m256, b: __m256) -> __m256 {
+            unsafe { _mm256_min_ps(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn round(v: __m256) -> __m256 {
+            unsafe { _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v) }
+        }
+        #[inline(always)]
+        unsafe fn pow2i(n: __m256) -> __m256 {
+            unsafe { _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)))) }
+        }
+        #[inline(always)]
         unsafe fn hsum(v: __m256) -> f32 {
             unsafe { hsum8(v) }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check_exp<S: Simd>() {
+        // Below about -87.3 the result leaves the normal range and is clamped.
+        for i in -1990..=2000 {
+            let x = i as f32 * 0.0437;
+            let got = unsafe {
+                let mut out = [0f32; 16];
+                S::store_partial(out.as_mut_ptr(), S::exp(S::splat(x)), 1);
+                out[0]
+            };
+            let want = (x as f64).exp();
+            assert!(((got as f64 - want) / want).abs() < 3e-7, "exp({x}) = {got}, want {want}");
+        }
+    }
+
+    #[test]
+    fn vector_exp_is_accurate_on_every_available_set() {
+        check_exp::<Portable>();
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                #[target_feature(enable = "avx2,fma,f16c")]
+                unsafe fn avx2() {
+                    check_exp::<Avx2>()
+                }
+                unsafe { avx2() };
+            }
+            if super::super::Isa::available().contains(&super::super::Isa::Avx512) {
+                #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+                unsafe fn avx512() {
+                    check_exp::<Avx512>()
+                }
+                unsafe { avx512() };
+            }
         }
     }
 }
