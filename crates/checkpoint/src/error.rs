@@ -17,17 +17,34 @@ pub enum CheckpointError {
     #[error("{}: missing field `{field}`", path.display())]
     MissingField { path: PathBuf, field: String },
     #[error("{}: field `{field}`: {message}", path.display())]
-    InvalidField { path: PathBuf, field: String, message: String },
+    InvalidField {
+        path: PathBuf,
+        field: String,
+        message: String,
+    },
     #[error("{}: unsupported architecture `{name}` (ember serves {supported})", path.display())]
-    UnsupportedArchitecture { path: PathBuf, name: String, supported: String },
+    UnsupportedArchitecture {
+        path: PathBuf,
+        name: String,
+        supported: String,
+    },
     #[error("{}: not a valid safetensors file: {message}", path.display())]
     Safetensors { path: PathBuf, message: String },
     #[error("{}: tensor `{name}` is missing", path.display())]
     MissingTensor { path: PathBuf, name: String },
     #[error("{}: tensor `{name}` has shape {found:?}, expected {expected:?}", path.display())]
-    TensorShape { path: PathBuf, name: String, expected: Vec<usize>, found: Vec<usize> },
+    TensorShape {
+        path: PathBuf,
+        name: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
     #[error("{}: tensor `{name}` has dtype {found}; ember reads F32, F16 and BF16", path.display())]
-    TensorDtype { path: PathBuf, name: String, found: String },
+    TensorDtype {
+        path: PathBuf,
+        name: String,
+        found: String,
+    },
     #[error(transparent)]
     Memory(#[from] ember_tensor::Error),
 }

@@ -69,7 +69,10 @@ impl SafetensorsSet {
         } else {
             vec![SINGLE_FILE.to_owned()]
         };
-        let mut set = SafetensorsSet { files: Vec::new(), tensors: HashMap::new() };
+        let mut set = SafetensorsSet {
+            files: Vec::new(),
+            tensors: HashMap::new(),
+        };
         for name in file_names {
             set.add_file(&dir.join(name), owner)?;
         }
@@ -78,13 +81,21 @@ impl SafetensorsSet {
 
     fn add_file(&mut self, path: &Path, owner: &BufferOwner) -> Result<()> {
         if !path.exists() {
-            return Err(CheckpointError::Io { path: path.into(), source: std::io::ErrorKind::NotFound.into() });
+            return Err(CheckpointError::Io {
+                path: path.into(),
+                source: std::io::ErrorKind::NotFound.into(),
+            });
         }
         let buffer = owner.map_file(BufferKind::Weights, path)?;
-        let invalid = |message: String| CheckpointError::Safetensors { path: path.into(), message };
+        let invalid = |message: String| CheckpointError::Safetensors {
+            path: path.into(),
+            message,
+        };
         let (header_len, metadata) = SafeTensors::read_metadata(buffer.bytes()).map_err(|e| {
             let hint = match e {
-                safetensors::SafeTensorError::MetadataIncompleteBuffer => " (the file is truncated or has trailing bytes)",
+                safetensors::SafeTensorError::MetadataIncompleteBuffer => {
+                    " (the file is truncated or has trailing bytes)"
+                }
                 _ => "",
             };
             invalid(format!("{e}{hint}"))
@@ -115,13 +126,19 @@ impl SafetensorsSet {
 
     /// The path of the first file, for messages about the checkpoint as a whole.
     pub fn first_path(&self) -> &Path {
-        self.files.first().map(|(p, _)| p.as_path()).unwrap_or(Path::new(SINGLE_FILE))
+        self.files
+            .first()
+            .map(|(p, _)| p.as_path())
+            .unwrap_or(Path::new(SINGLE_FILE))
     }
 
     /// Looks a tensor up, checking that its dtype is one ember computes with.
     pub fn get(&self, name: &str) -> Result<TensorRef<'_>> {
         let Some((stored_name, entry)) = self.tensors.get_key_value(name) else {
-            return Err(CheckpointError::MissingTensor { path: self.first_path().into(), name: name.into() });
+            return Err(CheckpointError::MissingTensor {
+                path: self.first_path().into(),
+                name: name.into(),
+            });
         };
         let (path, buffer) = &self.files[entry.file];
         let dtype = match entry.dtype.as_str() {
@@ -129,7 +146,11 @@ impl SafetensorsSet {
             "F16" => DType::F16,
             "BF16" => DType::BF16,
             other => {
-                return Err(CheckpointError::TensorDtype { path: path.clone(), name: name.into(), found: other.into() });
+                return Err(CheckpointError::TensorDtype {
+                    path: path.clone(),
+                    name: name.into(),
+                    found: other.into(),
+                });
             }
         };
         Ok(TensorRef {

@@ -7,48 +7,126 @@ use ember_engine::tokenizer::Tokenizer;
 use serde_json::Value;
 
 fn ember(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ember")).args(args).env("EMBER_LOG", "warn").output().expect("running ember")
+    Command::new(env!("CARGO_BIN_EXE_ember"))
+        .args(args)
+        .env("EMBER_LOG", "warn")
+        .output()
+        .expect("running ember")
 }
 
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../engine/tests/fixtures/golden").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../engine/tests/fixtures/golden")
+        .join(name)
 }
 
 #[test]
 fn run_prints_exactly_the_generated_text_on_stdout() {
     let dir = fixture("qwen3-f32");
-    let expected: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    let expected: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
     let case = &expected["completions"][0];
-    let ids: Vec<u32> = case["generated_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    let ids: Vec<u32> = case["generated_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
     let want = Tokenizer::from_dir(&dir).unwrap().decode(&ids, true);
 
     let n = ids.len().to_string();
     let prompt = case["prompt"].as_str().unwrap();
-    let out = ember(&["run", "--model", dir.to_str().unwrap(), "--prompt", prompt, "-n", &n, "--ignore-eos", "--threads", "2"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = ember(&[
+        "run",
+        "--model",
+        dir.to_str().unwrap(),
+        "--prompt",
+        prompt,
+        "-n",
+        &n,
+        "--ignore-eos",
+        "--threads",
+        "2",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert_eq!(String::from_utf8_lossy(&out.stdout), want);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("tok/s") && stderr.contains("finish: length"), "timings go to stderr: {stderr}");
+    assert!(
+        stderr.contains("tok/s") && stderr.contains("finish: length"),
+        "timings go to stderr: {stderr}"
+    );
 }
 
 #[test]
 fn same_seed_gives_the_same_sampled_text() {
     let dir = fixture("llama-f32");
     let run = |seed: &str| {
-        let args = ["run", "-m", dir.to_str().unwrap(), "-p", "Once upon", "-n", "16", "--temperature", "1.2", "--top-k", "50"];
-        let out = ember(&[&args[..], &["--top-p", "0.95", "--min-p", "0.02", "--seed", seed, "--ignore-eos"]].concat());
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let args = [
+            "run",
+            "-m",
+            dir.to_str().unwrap(),
+            "-p",
+            "Once upon",
+            "-n",
+            "16",
+            "--temperature",
+            "1.2",
+            "--top-k",
+            "50",
+        ];
+        let out = ember(
+            &[
+                &args[..],
+                &[
+                    "--top-p",
+                    "0.95",
+                    "--min-p",
+                    "0.02",
+                    "--seed",
+                    seed,
+                    "--ignore-eos",
+                ],
+            ]
+            .concat(),
+        );
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         out.stdout
     };
     assert_eq!(run("7"), run("7"));
-    assert_ne!(run("7"), run("8"), "different seeds should (almost surely) differ over 16 sampled tokens");
+    assert_ne!(
+        run("7"),
+        run("8"),
+        "different seeds should (almost surely) differ over 16 sampled tokens"
+    );
 }
 
 #[test]
 fn chat_renders_the_template() {
     let dir = fixture("qwen3-f32");
-    let out = ember(&["run", "-m", dir.to_str().unwrap(), "-p", "What is 2+2?", "--chat", "--no-think", "-n", "4"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = ember(&[
+        "run",
+        "-m",
+        dir.to_str().unwrap(),
+        "-p",
+        "What is 2+2?",
+        "--chat",
+        "--no-think",
+        "-n",
+        "4",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[test]
@@ -56,10 +134,21 @@ fn errors_are_one_clear_line_and_a_failure_status() {
     let out = ember(&["run", "--model", "/nonexistent/model", "--prompt", "hi"]);
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("/nonexistent/model") && stderr.starts_with("error:"), "{stderr}");
+    assert!(
+        stderr.contains("/nonexistent/model") && stderr.starts_with("error:"),
+        "{stderr}"
+    );
     assert!(out.stdout.is_empty());
 
-    let out = ember(&["run", "-m", fixture("qwen3-f32").to_str().unwrap(), "-p", "hi", "--temperature", "-1"]);
+    let out = ember(&[
+        "run",
+        "-m",
+        fixture("qwen3-f32").to_str().unwrap(),
+        "-p",
+        "hi",
+        "--temperature",
+        "-1",
+    ]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("temperature"));
 
@@ -76,17 +165,33 @@ fn help_lists_every_command_and_flag() {
     }
     let run = String::from_utf8(ember(&["run", "--help"]).stdout).unwrap();
     for flag in [
-        "--model", "--prompt", "--max-tokens", "--temperature", "--top-p", "--top-k", "--min-p", "--seed", "--chat",
-        "--ignore-eos", "--threads", "--context",
+        "--model",
+        "--prompt",
+        "--max-tokens",
+        "--temperature",
+        "--top-p",
+        "--top-k",
+        "--min-p",
+        "--seed",
+        "--chat",
+        "--ignore-eos",
+        "--threads",
+        "--context",
     ] {
         assert!(run.contains(flag), "ember run --help lacks {flag}");
     }
     let bench = String::from_utf8(ember(&["bench", "decode", "--help"]).stdout).unwrap();
     for flag in ["--model", "--json", "--repeats", "--threads"] {
-        assert!(bench.contains(flag), "ember bench decode --help lacks {flag}");
+        assert!(
+            bench.contains(flag),
+            "ember bench decode --help lacks {flag}"
+        );
     }
     let gen_help = String::from_utf8(ember(&["gen-checkpoint", "--help"]).stdout).unwrap();
     for flag in ["--shape", "--dtype", "--out"] {
-        assert!(gen_help.contains(flag), "ember gen-checkpoint --help lacks {flag}");
+        assert!(
+            gen_help.contains(flag),
+            "ember gen-checkpoint --help lacks {flag}"
+        );
     }
 }

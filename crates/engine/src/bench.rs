@@ -20,7 +20,12 @@ pub struct DecodeBenchOptions {
 
 impl Default for DecodeBenchOptions {
     fn default() -> Self {
-        DecodeBenchOptions { prompt_tokens: 512, decode_tokens: 128, repeats: 3, probe_bytes: 1 << 30 }
+        DecodeBenchOptions {
+            prompt_tokens: 512,
+            decode_tokens: 128,
+            repeats: 3,
+            probe_bytes: 1 << 30,
+        }
     }
 }
 
@@ -76,7 +81,9 @@ pub fn median(values: &[f64]) -> f64 {
 /// Read bandwidth in GB/s: the median of several passes of [`cpu::read_sum`] over a buffer of
 /// `bytes` (made and freed through the engine's owner, like every other buffer).
 pub fn measure_read_bandwidth(engine: &Engine, bytes: usize, passes: usize) -> Result<f64> {
-    let probe = engine.owner().alloc(BufferKind::Scratch, "bandwidth probe", bytes)?;
+    let probe = engine
+        .owner()
+        .alloc(BufferKind::Scratch, "bandwidth probe", bytes)?;
     let data = probe.as_slice::<f32>();
     let mut rates = Vec::with_capacity(passes);
     let mut sink = 0f32;
@@ -90,10 +97,16 @@ pub fn measure_read_bandwidth(engine: &Engine, bytes: usize, passes: usize) -> R
 }
 
 /// Prefill of a `prompt_tokens` prompt and greedy decode of `decode_tokens`, `repeats` times.
-pub fn bench_decode(engine: &mut Engine, options: &DecodeBenchOptions) -> Result<DecodeBenchReport> {
+pub fn bench_decode(
+    engine: &mut Engine,
+    options: &DecodeBenchOptions,
+) -> Result<DecodeBenchReport> {
     let needed = options.prompt_tokens + options.decode_tokens;
     if needed > engine.context() {
-        return Err(Error::PromptTooLong { prompt_tokens: needed, context: engine.context() });
+        return Err(Error::PromptTooLong {
+            prompt_tokens: needed,
+            context: engine.context(),
+        });
     }
     let bandwidth_gb_s = measure_read_bandwidth(engine, options.probe_bytes, 5)?;
     let vocab = engine.config().vocab_size as u64;
@@ -101,7 +114,9 @@ pub fn bench_decode(engine: &mut Engine, options: &DecodeBenchOptions) -> Result
     let mut state = 0x1234_5678_u64;
     let prompt: Vec<u32> = (0..options.prompt_tokens)
         .map(|_| {
-            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((state >> 33) % vocab) as u32
         })
         .collect();
@@ -118,7 +133,8 @@ pub fn bench_decode(engine: &mut Engine, options: &DecodeBenchOptions) -> Result
         decode_runs.push(options.decode_tokens as f64 / start.elapsed().as_secs_f64());
     }
     let mean_position = options.prompt_tokens as f64 + options.decode_tokens as f64 / 2.0;
-    let bytes_per_token = engine.model().weight_bytes_per_token() as f64 + mean_position * KvCache::bytes_per_position(engine.config()) as f64;
+    let bytes_per_token = engine.model().weight_bytes_per_token() as f64
+        + mean_position * KvCache::bytes_per_position(engine.config()) as f64;
     Ok(DecodeBenchReport {
         model: engine.dir().display().to_string(),
         threads: engine.threads(),

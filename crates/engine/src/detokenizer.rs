@@ -3,9 +3,9 @@
 //! Decoding tokens one at a time is wrong for two reasons: a byte-level token
 //! may end in the middle of a UTF-8 character, and SentencePiece-style decoders
 //! treat the first token of a decode call specially (they strip the leading
-//! `▁` space). So, like TGI and vLLM, we decode a short window of earlier tokens
-//! (`prefix_offset..read_offset`) together with the new ones and emit only the
-//! text beyond the window's own decoding.
+//! `▁` space). So, like TGI and vLLM (prefix offset / read offset), we decode
+//! the previously emitted chunk's tokens together with the new ones and emit
+//! only the text beyond that prefix's own decoding.
 
 use std::sync::Arc;
 
@@ -20,13 +20,12 @@ use crate::tokenizer::Tokenizer;
 #[derive(Debug)]
 pub struct StreamDecoder {
     tokenizer: Arc<Tokenizer>,
-    /// Tokens from `prefix_offset` on; older ones are dropped as the window moves.
+    /// The window: already-emitted context tokens (`..read_offset`), then
+    /// tokens whose text is still held back. Older tokens are dropped.
     ids: Vec<u32>,
-    /// Start of the context window within `ids` (always 0 after trimming).
-    prefix_offset: usize,
-    /// End of the text already emitted.
+    /// End of the emitted part of `ids`.
     read_offset: usize,
-    /// Decoding of `ids[prefix_offset..read_offset]`, cached between pushes.
+    /// Decoding of `ids[..read_offset]`, cached between pushes.
     prefix_text: String,
 }
 
@@ -35,7 +34,6 @@ impl StreamDecoder {
         Self {
             tokenizer,
             ids: Vec::new(),
-            prefix_offset: 0,
             read_offset: 0,
             prefix_text: String::new(),
         }
@@ -53,7 +51,7 @@ impl StreamDecoder {
             return None;
         }
         self.ids.push(id);
-        let text = self.tokenizer.decode(&self.ids[self.prefix_offset..], true);
+        let text = self.tokenizer.decode(&self.ids, true);
         // A trailing U+FFFD means the last character's bytes are not all here yet.
         if text.len() <= self.prefix_text.len() || text.ends_with('\u{FFFD}') {
             return None;
@@ -70,7 +68,7 @@ impl StreamDecoder {
         if self.read_offset >= self.ids.len() {
             return None;
         }
-        let text = self.tokenizer.decode(&self.ids[self.prefix_offset..], true);
+        let text = self.tokenizer.decode(&self.ids, true);
         let delta = text
             .get(self.prefix_text.len()..)
             .unwrap_or_default()
@@ -79,16 +77,13 @@ impl StreamDecoder {
         (!delta.is_empty()).then_some(delta)
     }
 
-    /// Moves the window after emitting: the just-read tokens become the context.
+    /// Moves the window after emitting: the tokens just read become the
+    /// context for the next ones, and older tokens are dropped, so memory is
+    /// bounded by the window rather than the generation length.
     fn advance(&mut self) {
-        self.prefix_offset = self.read_offset;
+        self.ids.drain(..self.read_offset);
         self.read_offset = self.ids.len();
-        // Drop tokens that can no longer influence the output, so memory stays
-        // bounded by the window, not the generation length.
-        self.ids.drain(..self.prefix_offset);
-        self.read_offset -= self.prefix_offset;
-        self.prefix_offset = 0;
-        self.prefix_text = self.tokenizer.decode(&self.ids[..self.read_offset], true);
+        self.prefix_text = self.tokenizer.decode(&self.ids, true);
     }
 }
 

@@ -33,7 +33,11 @@ pub struct EngineOptions {
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        EngineOptions { threads: None, context: None, max_batch: 512 }
+        EngineOptions {
+            threads: None,
+            context: None,
+            max_batch: 512,
+        }
     }
 }
 
@@ -95,18 +99,29 @@ impl Engine {
     }
 
     /// Loads with a given buffer owner (tests inspect its list).
-    pub fn load_with_owner(dir: &Path, options: &EngineOptions, owner: BufferOwner) -> Result<Engine> {
+    pub fn load_with_owner(
+        dir: &Path,
+        options: &EngineOptions,
+        owner: BufferOwner,
+    ) -> Result<Engine> {
         if !dir.is_dir() {
             return Err(Error::ModelDirMissing(dir.to_path_buf()));
         }
         let config = ModelConfig::from_dir(dir)?;
         let tokenizer = Arc::new(Tokenizer::from_dir(dir)?);
         let template = match tokenizer.chat_template() {
-            Some(source) => Some(ChatTemplate::new(source, tokenizer.bos_token().map(str::to_owned), tokenizer.eos_token().map(str::to_owned))?),
+            Some(source) => Some(ChatTemplate::new(
+                source,
+                tokenizer.bos_token().map(str::to_owned),
+                tokenizer.eos_token().map(str::to_owned),
+            )?),
             None => None,
         };
         let eos_ids = eos_token_ids(dir, &config, &tokenizer)?;
-        let context = options.context.unwrap_or(DEFAULT_CONTEXT.min(config.max_position_embeddings)).max(1);
+        let context = options
+            .context
+            .unwrap_or(DEFAULT_CONTEXT.min(config.max_position_embeddings))
+            .max(1);
         if context > config.max_position_embeddings {
             tracing::warn!(
                 context,
@@ -114,13 +129,34 @@ impl Engine {
                 "the context is longer than the model was trained for; quality may drop past it"
             );
         }
-        let threads = options.threads.unwrap_or_else(ThreadPool::available_parallelism).max(1);
+        let threads = options
+            .threads
+            .unwrap_or_else(ThreadPool::available_parallelism)
+            .max(1);
         let pool = ThreadPool::new(threads);
         let weights = SafetensorsSet::open(dir, &owner)?;
         let model = Transformer::load(config, &weights, &owner, context)?;
-        let workspace = Workspace::new(&model.config, options.max_batch, context, 1, threads, &owner)?;
+        let workspace = Workspace::new(
+            &model.config,
+            options.max_batch,
+            context,
+            1,
+            threads,
+            &owner,
+        )?;
         let kv = KvCache::new(&model.config, context, &owner)?;
-        Ok(Engine { dir: dir.to_path_buf(), owner, pool, model, tokenizer, template, eos_ids, workspace, kv, _weights: weights })
+        Ok(Engine {
+            dir: dir.to_path_buf(),
+            owner,
+            pool,
+            model,
+            tokenizer,
+            template,
+            eos_ids,
+            workspace,
+            kv,
+            _weights: weights,
+        })
     }
 
     pub fn dir(&self) -> &Path {
@@ -174,13 +210,24 @@ impl Engine {
     }
 
     /// Renders messages with the model's chat template and tokenizes the result as is.
-    pub fn encode_chat(&self, messages: &[ChatMessage], kwargs: &serde_json::Map<String, Value>) -> Result<Vec<u32>> {
+    pub fn encode_chat(
+        &self,
+        messages: &[ChatMessage],
+        kwargs: &serde_json::Map<String, Value>,
+    ) -> Result<Vec<u32>> {
         let text = self.render_chat(messages, kwargs)?;
         Ok(self.tokenizer.encode(&text, false)?)
     }
 
-    pub fn render_chat(&self, messages: &[ChatMessage], kwargs: &serde_json::Map<String, Value>) -> Result<String> {
-        let template = self.template.as_ref().ok_or_else(|| Error::NoChatTemplate(self.dir.clone()))?;
+    pub fn render_chat(
+        &self,
+        messages: &[ChatMessage],
+        kwargs: &serde_json::Map<String, Value>,
+    ) -> Result<String> {
+        let template = self
+            .template
+            .as_ref()
+            .ok_or_else(|| Error::NoChatTemplate(self.dir.clone()))?;
         Ok(template.render(messages, true, kwargs)?)
     }
 
@@ -204,16 +251,34 @@ impl Engine {
         let mut chunks = tokens.chunks(chunk).peekable();
         while let Some(part) = chunks.next() {
             if chunks.peek().is_none() {
-                return Ok(self.model.forward(&self.pool, &mut self.workspace, &mut self.kv, part, Logits::Last)?);
+                return Ok(self.model.forward(
+                    &self.pool,
+                    &mut self.workspace,
+                    &mut self.kv,
+                    part,
+                    Logits::Last,
+                )?);
             }
-            self.model.forward(&self.pool, &mut self.workspace, &mut self.kv, part, Logits::Last)?;
+            self.model.forward(
+                &self.pool,
+                &mut self.workspace,
+                &mut self.kv,
+                part,
+                Logits::Last,
+            )?;
         }
         unreachable!("a non-empty prompt has a last chunk")
     }
 
     /// Appends one token and returns the logits after it.
     pub fn step(&mut self, token: u32) -> Result<&[f32]> {
-        Ok(self.model.forward(&self.pool, &mut self.workspace, &mut self.kv, &[token], Logits::Last)?)
+        Ok(self.model.forward(
+            &self.pool,
+            &mut self.workspace,
+            &mut self.kv,
+            &[token],
+            Logits::Last,
+        )?)
     }
 
     /// Generates from `prompt` on a fresh sequence. `on_step` sees every token as it is made and
@@ -226,9 +291,12 @@ impl Engine {
     ) -> Result<Generation> {
         params.sampling.validate()?;
         if prompt.len() >= self.context() {
-            return Err(Error::PromptTooLong { prompt_tokens: prompt.len(), context: self.context() });
+            return Err(Error::PromptTooLong {
+                prompt_tokens: prompt.len(),
+                context: self.context(),
+            });
         }
-        let mut sampler = Sampler::new(params.sampling.clone());
+        let mut sampler = Sampler::new(params.sampling);
         // Copied out: the logits below borrow the engine for the whole loop.
         let (eos_ids, context) = (self.eos_ids.clone(), self.context());
         self.reset();
@@ -243,7 +311,11 @@ impl Engine {
                 first_token_at.get_or_insert_with(Instant::now);
                 let is_eos = eos_ids.contains(&token);
                 tokens.push(token);
-                let flow = on_step(Step { token, logits, is_eos });
+                let flow = on_step(Step {
+                    token,
+                    logits,
+                    is_eos,
+                });
                 if flow.is_break() || (is_eos && !params.ignore_eos) {
                     finish_reason = FinishReason::Stop;
                     break;

@@ -26,7 +26,10 @@ pub enum Error {
     #[error("the prompt is empty")]
     EmptyPrompt,
     #[error("the prompt has {prompt_tokens} tokens; the context holds {context} (raise --context)")]
-    PromptTooLong { prompt_tokens: usize, context: usize },
+    PromptTooLong {
+        prompt_tokens: usize,
+        context: usize,
+    },
     #[error("{0}")]
     Io(#[from] std::io::Error),
 }

@@ -14,5 +14,7 @@ pub mod sampler;
 pub mod synthetic;
 pub mod tokenizer;
 
-pub use engine::{DEFAULT_CONTEXT, Engine, EngineOptions, FinishReason, GenerateParams, Generation, Step};
+pub use engine::{
+    DEFAULT_CONTEXT, Engine, EngineOptions, FinishReason, GenerateParams, Generation, Step,
+};
 pub use error::{Error, Result};

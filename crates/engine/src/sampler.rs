@@ -320,7 +320,7 @@ fn exp_nonpositive(x: f32) -> f32 {
     const MIN_X: f32 = -87.0;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
-    let xc = x.max(MIN_X).min(0.0);
+    let xc = x.clamp(MIN_X, 0.0);
     // exp(x) = 2^n * exp(r), |r| <= ln2 / 2 (Cody-Waite reduction). Adding
     // 1.5 * 2^23 rounds to the nearest integer and leaves it in the low
     // mantissa bits: no `round` call, which baseline x86-64 lacks in SIMD.
@@ -388,12 +388,13 @@ fn keep_top_p(candidates: &mut Vec<Candidate>, target: f32) {
     let edge_bucket = &mut candidates[n_above..];
     edge_bucket.sort_unstable_by(by_value_desc);
     let mut cumulative = above;
-    for i in 0..edge_bucket.len() {
-        cumulative += edge_bucket[i].value;
-        if cumulative >= target {
-            candidates.truncate(n_above + i + 1);
-            return;
-        }
+    let crossing = edge_bucket.iter().position(|c| {
+        cumulative += c.value;
+        cumulative >= target
+    });
+    // Rounding may never reach target: then the whole edge bucket stays.
+    if let Some(i) = crossing {
+        candidates.truncate(n_above + i + 1);
     }
 }
 
@@ -846,6 +847,71 @@ mod tests {
     }
 
     #[test]
+    fn fast_exp_is_accurate() {
+        let mut x = -87.0f32;
+        while x <= 0.0 {
+            let want = f64::from(x).exp();
+            let got = f64::from(exp_nonpositive(x));
+            assert!(
+                ((got - want) / want).abs() < 3e-7,
+                "exp({x}) = {got}, want {want}"
+            );
+            x += 0.013;
+        }
+        assert_eq!(exp_nonpositive(0.0), 1.0);
+        assert_eq!(exp_nonpositive(-100.0), 0.0);
+        assert_eq!(exp_nonpositive(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp_nonpositive(f32::NAN), 0.0);
+    }
+
+    #[test]
+    fn full_vocabulary_draw_spans_blocks() {
+        // Mass in four different BLOCKs; everything else impossible.
+        let mut logits = vec![f32::NEG_INFINITY; 1000];
+        let mass = [(10, 0.1), (300, 0.2), (600, 0.3), (999, 0.4)];
+        for (id, p) in mass {
+            logits[id] = (p as f32).ln();
+        }
+        logits[500] = f32::NAN;
+        let mut s = Sampler::new(params(1.0, 0, 1.0, 0.0, 17));
+        let counts = histogram(&mut s, &logits, 10_000);
+        for (id, p) in mass {
+            let freq = counts[id] as f64 / 10_000.0;
+            assert!((freq - p).abs() < 0.02, "{id}: {freq}");
+        }
+        assert_eq!(
+            counts.iter().sum::<usize>(),
+            counts[10] + counts[300] + counts[600] + counts[999]
+        );
+    }
+
+    #[test]
+    fn top_p_nucleus_beyond_the_first_probe() {
+        // One token at relative probability 1 and 10,000 at e^-5 (< 1e-2):
+        // the top token alone is 1.5% of the mass, so the nucleus needs about
+        // 9,000 of the tail, lowest ids first.
+        let mut logits = vec![-5.0f32; 10_001];
+        logits[0] = 0.0;
+        let mut s = Sampler::new(params(1.0, 0, 0.9, 0.0, 23));
+        let ids: Vec<u32> = (0..300).map(|_| s.sample(&logits)).collect();
+        let max_id = *ids.iter().max().unwrap();
+        // 1 + n e^-5 >= 0.9 (1 + 10^4 e^-5) first holds at n = 8986.
+        assert!((8500..=8986).contains(&max_id), "{max_id}");
+        // With min_p 0.01 the tail is dropped entirely (e^-5 < 0.01).
+        let mut s = Sampler::new(params(1.0, 0, 0.9, 0.01, 23));
+        assert!((0..200).all(|_| s.sample(&logits) == 0));
+    }
+
+    #[test]
+    fn large_top_k_uses_partial_sort() {
+        let logits: Vec<f32> = (0..5000).map(|i| -(i as f32) / 1000.0).collect();
+        let mut s = Sampler::new(params(1.0, 2000, 1.0, 0.0, 29));
+        let ids: Vec<u32> = (0..3000).map(|_| s.sample(&logits)).collect();
+        assert!(ids.iter().all(|&id| id < 2000));
+        assert!(ids.iter().any(|&id| id > 1500));
+    }
+
+    #[test]
     fn top_logprobs_are_normalised_and_sorted() {
         let logits = [1.0f32, 3.0, 3.0, -2.0, 0.5, f32::NAN];
         let all = top_logprobs(&logits, 10);
@@ -859,6 +925,13 @@ mod tests {
         }
         let top2 = top_logprobs(&logits, 2);
         assert_eq!(top2, all[..2].to_vec());
+        // Longer than one chunk of lanes, ties across chunks keep the lowest ids.
+        let mut long = vec![0.0f32; 100];
+        long[70] = 2.0;
+        long[3] = 2.0;
+        long[90] = 1.0;
+        let ids: Vec<u32> = top_logprobs(&long, 4).iter().map(|&(id, _)| id).collect();
+        assert_eq!(ids, [3, 70, 90, 0]);
         assert!(top_logprobs(&logits, 0).is_empty());
         assert_eq!(logprob_of(&logits, 99), f32::NEG_INFINITY);
 
@@ -869,82 +942,5 @@ mod tests {
         // +inf logits share the mass.
         assert_eq!(logprob_of(&[f32::INFINITY, 0.0], 1), f32::NEG_INFINITY);
         assert_eq!(logprob_of(&[f32::INFINITY, 0.0], 0), 0.0);
-    }
-
-    #[test]
-    #[ignore]
-    fn tmp_bench() {
-        let mut state = 9u64;
-        let logits: Vec<f32> = (0..151_936)
-            .map(|_| (splitmix64(&mut state) % 100_000) as f32 / 5000.0 - 10.0)
-            .collect();
-        // Realistic: a bulk around 0 (sum of uniforms ~ normal, sd ~2.5) and a few strong tokens.
-        let mut real: Vec<f32> = (0..151_936)
-            .map(|_| {
-                (0..4)
-                    .map(|_| (splitmix64(&mut state) % 10_000) as f32 / 10_000.0 - 0.5)
-                    .sum::<f32>()
-                    * 4.3
-            })
-            .collect();
-        for (i, v) in [
-            (100usize, 22.0f32),
-            (2000, 20.5),
-            (3000, 19.0),
-            (40_000, 17.0),
-        ] {
-            real[i] = v;
-        }
-        for (name, p) in [
-            ("real t1", params(1.0, 0, 1.0, 0.0, 1)),
-            ("real t0.7 p0.95", params(0.7, 0, 0.95, 0.0, 1)),
-            ("real t1 p0.9 minp0.05", params(1.0, 0, 0.9, 0.05, 1)),
-            ("real k50", params(1.0, 50, 1.0, 0.0, 1)),
-        ] {
-            let mut s = Sampler::new(p);
-            let t = std::time::Instant::now();
-            let mut acc = 0u64;
-            for _ in 0..200 {
-                acc += s.sample(&real) as u64;
-            }
-            eprintln!("{name}: {:?}/token ({acc})", t.elapsed() / 200);
-        }
-        for (name, p) in [
-            ("greedy", SamplingParams::default()),
-            ("t0.7", params(0.7, 0, 1.0, 0.0, 1)),
-            ("t0.7 p0.95", params(0.7, 0, 0.95, 0.0, 1)),
-            ("t0.7 k20 p0.8", params(0.7, 20, 0.8, 0.0, 1)),
-            ("t1 p0.9 minp0.05", params(1.0, 0, 0.9, 0.05, 1)),
-        ] {
-            let mut s = Sampler::new(p);
-            let t = std::time::Instant::now();
-            let mut acc = 0u64;
-            for _ in 0..200 {
-                acc += s.sample(&logits) as u64;
-            }
-            eprintln!("{name}: {:?}/token ({acc})", t.elapsed() / 200);
-        }
-        let mut s = Sampler::new(params(0.7, 0, 1.0, 0.0, 1));
-        let t = std::time::Instant::now();
-        let mut tot = 0.0;
-        for _ in 0..200 {
-            tot += s.softmax_numerators(&logits, 10.0, 1.0 / 0.7);
-        }
-        eprintln!("softmax_numerators: {:?} {tot}", t.elapsed() / 200);
-        let t = std::time::Instant::now();
-        for _ in 0..200 {
-            tot += s.draw_from_probs(1000.0, &logits) as f32;
-        }
-        eprintln!("draw: {:?} {tot}", t.elapsed() / 200);
-        let t = std::time::Instant::now();
-        for _ in 0..200 {
-            tot += max_logit(&logits);
-        }
-        eprintln!("max: {:?} {tot}", t.elapsed() / 200);
-        let t = std::time::Instant::now();
-        for _ in 0..200 {
-            std::hint::black_box(top_logprobs(&logits, 20));
-        }
-        eprintln!("top_logprobs 20: {:?}", t.elapsed() / 200);
     }
 }

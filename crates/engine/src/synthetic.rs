@@ -22,7 +22,8 @@ pub enum Shape {
 }
 
 impl Shape {
-    pub const NAMES: &'static [&'static str] = &["qwen3-0.6b", "qwen3-1.7b", "qwen3-8b", "qwen3-30b-a3b"];
+    pub const NAMES: &'static [&'static str] =
+        &["qwen3-0.6b", "qwen3-1.7b", "qwen3-8b", "qwen3-30b-a3b"];
 
     pub fn from_name(name: &str) -> Option<Shape> {
         match name {
@@ -145,8 +146,12 @@ impl View for RandomTensor {
             let value = self.center + (unit * 2.0 - 1.0) * self.amplitude;
             match self.dtype {
                 SyntheticDtype::F32 => bytes.extend_from_slice(&value.to_le_bytes()),
-                SyntheticDtype::Bf16 => bytes.extend_from_slice(&half::bf16::from_f32(value).to_le_bytes()),
-                SyntheticDtype::F16 => bytes.extend_from_slice(&half::f16::from_f32(value).to_le_bytes()),
+                SyntheticDtype::Bf16 => {
+                    bytes.extend_from_slice(&half::bf16::from_f32(value).to_le_bytes())
+                }
+                SyntheticDtype::F16 => {
+                    bytes.extend_from_slice(&half::f16::from_f32(value).to_le_bytes())
+                }
             }
         }
         Cow::Owned(bytes)
@@ -164,7 +169,11 @@ pub fn write_checkpoint(shape: Shape, dtype: SyntheticDtype, out: &Path) -> Resu
 
 /// Writes a checkpoint with random weights for a Qwen3 or Qwen3-MoE `config.json` (which must
 /// give `head_dim`, and a vocabulary of at least 151646 so Qwen's special ids exist).
-pub fn write_checkpoint_for_config(config: &Value, dtype: SyntheticDtype, out: &Path) -> Result<()> {
+pub fn write_checkpoint_for_config(
+    config: &Value,
+    dtype: SyntheticDtype,
+    out: &Path,
+) -> Result<()> {
     std::fs::create_dir_all(out)?;
     let get = |key: &str| config[key].as_u64().unwrap_or(0) as usize;
     let (hidden, inter, layers, heads, kv, head_dim, vocab) = (
@@ -181,33 +190,122 @@ pub fn write_checkpoint_for_config(config: &Value, dtype: SyntheticDtype, out: &
     let mut seed = 0x5eed_u64;
     let mut add = |name: String, shape: Vec<usize>, center: f32, amplitude: f32| {
         seed = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        tensors.push((name, RandomTensor { shape, dtype, center, amplitude, seed }));
+        tensors.push((
+            name,
+            RandomTensor {
+                shape,
+                dtype,
+                center,
+                amplitude,
+                seed,
+            },
+        ));
     };
     // Weights ~ U(±0.04): std 0.023, close to the 0.02 models are initialised with.
     let matrix = 0.04;
-    add("model.embed_tokens.weight".into(), vec![vocab, hidden], 0.0, matrix);
+    add(
+        "model.embed_tokens.weight".into(),
+        vec![vocab, hidden],
+        0.0,
+        matrix,
+    );
     for i in 0..layers {
         let p = format!("model.layers.{i}");
-        add(format!("{p}.input_layernorm.weight"), vec![hidden], 1.0, 0.05);
-        add(format!("{p}.post_attention_layernorm.weight"), vec![hidden], 1.0, 0.05);
-        add(format!("{p}.self_attn.q_proj.weight"), vec![heads * head_dim, hidden], 0.0, matrix);
-        add(format!("{p}.self_attn.k_proj.weight"), vec![kv * head_dim, hidden], 0.0, matrix);
-        add(format!("{p}.self_attn.v_proj.weight"), vec![kv * head_dim, hidden], 0.0, matrix);
-        add(format!("{p}.self_attn.o_proj.weight"), vec![hidden, heads * head_dim], 0.0, matrix);
-        add(format!("{p}.self_attn.q_norm.weight"), vec![head_dim], 1.0, 0.05);
-        add(format!("{p}.self_attn.k_norm.weight"), vec![head_dim], 1.0, 0.05);
+        add(
+            format!("{p}.input_layernorm.weight"),
+            vec![hidden],
+            1.0,
+            0.05,
+        );
+        add(
+            format!("{p}.post_attention_layernorm.weight"),
+            vec![hidden],
+            1.0,
+            0.05,
+        );
+        add(
+            format!("{p}.self_attn.q_proj.weight"),
+            vec![heads * head_dim, hidden],
+            0.0,
+            matrix,
+        );
+        add(
+            format!("{p}.self_attn.k_proj.weight"),
+            vec![kv * head_dim, hidden],
+            0.0,
+            matrix,
+        );
+        add(
+            format!("{p}.self_attn.v_proj.weight"),
+            vec![kv * head_dim, hidden],
+            0.0,
+            matrix,
+        );
+        add(
+            format!("{p}.self_attn.o_proj.weight"),
+            vec![hidden, heads * head_dim],
+            0.0,
+            matrix,
+        );
+        add(
+            format!("{p}.self_attn.q_norm.weight"),
+            vec![head_dim],
+            1.0,
+            0.05,
+        );
+        add(
+            format!("{p}.self_attn.k_norm.weight"),
+            vec![head_dim],
+            1.0,
+            0.05,
+        );
         if experts > 0 {
             let width = get("moe_intermediate_size");
-            add(format!("{p}.mlp.gate.weight"), vec![experts, hidden], 0.0, matrix);
+            add(
+                format!("{p}.mlp.gate.weight"),
+                vec![experts, hidden],
+                0.0,
+                matrix,
+            );
             for e in 0..experts {
-                add(format!("{p}.mlp.experts.{e}.gate_proj.weight"), vec![width, hidden], 0.0, matrix);
-                add(format!("{p}.mlp.experts.{e}.up_proj.weight"), vec![width, hidden], 0.0, matrix);
-                add(format!("{p}.mlp.experts.{e}.down_proj.weight"), vec![hidden, width], 0.0, matrix);
+                add(
+                    format!("{p}.mlp.experts.{e}.gate_proj.weight"),
+                    vec![width, hidden],
+                    0.0,
+                    matrix,
+                );
+                add(
+                    format!("{p}.mlp.experts.{e}.up_proj.weight"),
+                    vec![width, hidden],
+                    0.0,
+                    matrix,
+                );
+                add(
+                    format!("{p}.mlp.experts.{e}.down_proj.weight"),
+                    vec![hidden, width],
+                    0.0,
+                    matrix,
+                );
             }
         } else {
-            add(format!("{p}.mlp.gate_proj.weight"), vec![inter, hidden], 0.0, matrix);
-            add(format!("{p}.mlp.up_proj.weight"), vec![inter, hidden], 0.0, matrix);
-            add(format!("{p}.mlp.down_proj.weight"), vec![hidden, inter], 0.0, matrix);
+            add(
+                format!("{p}.mlp.gate_proj.weight"),
+                vec![inter, hidden],
+                0.0,
+                matrix,
+            );
+            add(
+                format!("{p}.mlp.up_proj.weight"),
+                vec![inter, hidden],
+                0.0,
+                matrix,
+            );
+            add(
+                format!("{p}.mlp.down_proj.weight"),
+                vec![hidden, inter],
+                0.0,
+                matrix,
+            );
         }
     }
     add("model.norm.weight".into(), vec![hidden], 1.0, 0.05);
@@ -215,11 +313,18 @@ pub fn write_checkpoint_for_config(config: &Value, dtype: SyntheticDtype, out: &
         add("lm_head.weight".into(), vec![vocab, hidden], 0.0, matrix);
     }
     let weights_path = out.join("model.safetensors");
-    safetensors::serialize_to_file(tensors, None, &weights_path)
-        .map_err(|e| Error::Io(std::io::Error::other(format!("{}: {e}", weights_path.display()))))?;
+    safetensors::serialize_to_file(tensors, None, &weights_path).map_err(|e| {
+        Error::Io(std::io::Error::other(format!(
+            "{}: {e}",
+            weights_path.display()
+        )))
+    })?;
 
     write_json(&out.join("config.json"), config)?;
-    write_json(&out.join("generation_config.json"), &json!({"eos_token_id": [151645, 151643], "bos_token_id": 151643}))?;
+    write_json(
+        &out.join("generation_config.json"),
+        &json!({"eos_token_id": [151645, 151643], "bos_token_id": 151643}),
+    )?;
     write_json(&out.join("tokenizer.json"), &byte_level_tokenizer())?;
     write_json(
         &out.join("tokenizer_config.json"),
@@ -247,7 +352,11 @@ fn byte_level_char(byte: u8) -> char {
     match byte {
         b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF => byte as char,
         _ => {
-            let shifted = [0..=0x20u8, 0x7F..=0xA0, 0xAD..=0xAD].iter().flat_map(|r| r.clone()).position(|b| b == byte).unwrap_or(0);
+            let shifted = [0..=0x20u8, 0x7F..=0xA0, 0xAD..=0xAD]
+                .iter()
+                .flat_map(|r| r.clone())
+                .position(|b| b == byte)
+                .unwrap_or(0);
             char::from_u32(256 + shifted as u32).expect("a valid code point")
         }
     }
@@ -255,7 +364,9 @@ fn byte_level_char(byte: u8) -> char {
 
 /// A byte-level BPE with the 256 byte tokens and Qwen's special tokens at Qwen's ids.
 fn byte_level_tokenizer() -> Value {
-    let vocab: serde_json::Map<String, Value> = (0..=255u8).map(|b| (byte_level_char(b).to_string(), json!(b as u32))).collect();
+    let vocab: serde_json::Map<String, Value> = (0..=255u8)
+        .map(|b| (byte_level_char(b).to_string(), json!(b as u32)))
+        .collect();
     let special = |id: u32, content: &str| {
         json!({"id": id, "content": content, "single_word": false, "lstrip": false, "rstrip": false,
                "normalized": false, "special": true})

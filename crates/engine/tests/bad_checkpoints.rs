@@ -23,7 +23,11 @@ fn copy_fixture(tag: &str) -> PathBuf {
 }
 
 fn load_error(dir: &Path) -> String {
-    let options = EngineOptions { threads: Some(1), context: Some(64), max_batch: 8 };
+    let options = EngineOptions {
+        threads: Some(1),
+        context: Some(64),
+        max_batch: 8,
+    };
     match Engine::load(dir, &options) {
         Ok(_) => panic!("{} loaded, but should have failed", dir.display()),
         Err(e) => e.to_string(),
@@ -31,51 +35,79 @@ fn load_error(dir: &Path) -> String {
 }
 
 /// Rewrites model.safetensors, letting `edit` change the tensor list.
-fn rewrite_weights(dir: &Path, edit: impl FnOnce(&mut HashMap<String, (Dtype, Vec<usize>, Vec<u8>)>)) {
+fn rewrite_weights(
+    dir: &Path,
+    edit: impl FnOnce(&mut HashMap<String, (Dtype, Vec<usize>, Vec<u8>)>),
+) {
     let path = dir.join("model.safetensors");
     let bytes = std::fs::read(&path).unwrap();
     let file = SafeTensors::deserialize(&bytes).unwrap();
-    let mut tensors: HashMap<String, (Dtype, Vec<usize>, Vec<u8>)> =
-        file.tensors().into_iter().map(|(name, t)| (name, (t.dtype(), t.shape().to_vec(), t.data().to_vec()))).collect();
+    let mut tensors: HashMap<String, (Dtype, Vec<usize>, Vec<u8>)> = file
+        .tensors()
+        .into_iter()
+        .map(|(name, t)| (name, (t.dtype(), t.shape().to_vec(), t.data().to_vec())))
+        .collect();
     edit(&mut tensors);
     let views: Vec<(String, TensorView<'_>)> = tensors
         .iter()
-        .map(|(name, (dtype, shape, data))| (name.clone(), TensorView::new(*dtype, shape.clone(), data).unwrap()))
+        .map(|(name, (dtype, shape, data))| {
+            (
+                name.clone(),
+                TensorView::new(*dtype, shape.clone(), data).unwrap(),
+            )
+        })
         .collect();
     safetensors::serialize_to_file(views, None, &path).unwrap();
 }
 
 fn assert_names(message: &str, parts: &[&str]) {
     for part in parts {
-        assert!(message.contains(part), "error message {message:?} should name {part:?}");
+        assert!(
+            message.contains(part),
+            "error message {message:?} should name {part:?}"
+        );
     }
 }
 
 #[test]
 fn missing_directory() {
     let msg = load_error(Path::new("/nonexistent/ember-model"));
-    assert_names(&msg, &["/nonexistent/ember-model", "no such model directory"]);
+    assert_names(
+        &msg,
+        &["/nonexistent/ember-model", "no such model directory"],
+    );
 }
 
 #[test]
 fn unknown_architecture() {
     let dir = copy_fixture("arch");
-    let config = std::fs::read_to_string(dir.join("config.json")).unwrap().replace("Qwen3ForCausalLM", "MambaForCausalLM");
+    let config = std::fs::read_to_string(dir.join("config.json"))
+        .unwrap()
+        .replace("Qwen3ForCausalLM", "MambaForCausalLM");
     std::fs::write(dir.join("config.json"), config).unwrap();
-    assert_names(&load_error(&dir), &["config.json", "MambaForCausalLM", "Qwen3ForCausalLM"]);
+    assert_names(
+        &load_error(&dir),
+        &["config.json", "MambaForCausalLM", "Qwen3ForCausalLM"],
+    );
 }
 
 #[test]
 fn bad_json_config() {
     let dir = copy_fixture("json");
-    std::fs::write(dir.join("config.json"), "{\"architectures\": [\"Qwen3ForCausalLM\"], ").unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        "{\"architectures\": [\"Qwen3ForCausalLM\"], ",
+    )
+    .unwrap();
     assert_names(&load_error(&dir), &["config.json", "invalid JSON"]);
 }
 
 #[test]
 fn wrong_field_type() {
     let dir = copy_fixture("field");
-    let config = std::fs::read_to_string(dir.join("config.json")).unwrap().replace("\"hidden_size\": 64", "\"hidden_size\": \"64\"");
+    let config = std::fs::read_to_string(dir.join("config.json"))
+        .unwrap()
+        .replace("\"hidden_size\": 64", "\"hidden_size\": \"64\"");
     std::fs::write(dir.join("config.json"), config).unwrap();
     assert_names(&load_error(&dir), &["config.json", "hidden_size"]);
 }
@@ -111,7 +143,12 @@ fn truncated_weights() {
     let dir = copy_fixture("truncated");
     let path = dir.join("model.safetensors");
     let len = std::fs::metadata(&path).unwrap().len();
-    std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(len - 100).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(len - 100)
+        .unwrap();
     assert_names(&load_error(&dir), &["model.safetensors", "truncated"]);
 }
 

@@ -23,24 +23,41 @@ use serde_json::Value;
 const LOGPROB_TOLERANCE: f32 = 1e-3;
 
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/golden").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/golden")
+        .join(name)
 }
 
 fn load(name: &str, max_batch: usize) -> (Engine, Value) {
     let dir = fixture(name);
-    let expected: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
-    let options = EngineOptions { threads: Some(2), context: Some(256), max_batch };
-    (Engine::load(&dir, &options).unwrap_or_else(|e| panic!("{name}: {e}")), expected)
+    let expected: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    let options = EngineOptions {
+        threads: Some(2),
+        context: Some(256),
+        max_batch,
+    };
+    (
+        Engine::load(&dir, &options).unwrap_or_else(|e| panic!("{name}: {e}")),
+        expected,
+    )
 }
 
 fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 /// Checks that each of the reference's top-5 tokens has our log-probability within tolerance.
 fn check_logprobs(name: &str, case: usize, step: usize, logits: &[f32], expected_top: &Value) {
     for pair in expected_top.as_array().unwrap() {
-        let (id, want) = (pair[0].as_u64().unwrap() as u32, pair[1].as_f64().unwrap() as f32);
+        let (id, want) = (
+            pair[0].as_u64().unwrap() as u32,
+            pair[1].as_f64().unwrap() as f32,
+        );
         let got = logprob_of(logits, id);
         assert!(
             (got - want).abs() <= LOGPROB_TOLERANCE,
@@ -53,13 +70,31 @@ fn check_fixture(name: &str) {
     // A prefill batch of 3 makes every prompt run in several chunks: chunking must not matter.
     for max_batch in [512, 3] {
         let (mut engine, expected) = load(name, max_batch);
-        let greedy = GenerateParams { max_tokens: 0, sampling: SamplingParams::default(), ignore_eos: true };
-        for (case_index, case) in expected["completions"].as_array().unwrap().iter().enumerate() {
-            let prompt = engine.encode_prompt(case["prompt"].as_str().unwrap()).unwrap();
-            assert_eq!(prompt, ids(&case["input_ids"]), "{name} case {case_index}: prompt tokens");
+        let greedy = GenerateParams {
+            max_tokens: 0,
+            sampling: SamplingParams::default(),
+            ignore_eos: true,
+        };
+        for (case_index, case) in expected["completions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .enumerate()
+        {
+            let prompt = engine
+                .encode_prompt(case["prompt"].as_str().unwrap())
+                .unwrap();
+            assert_eq!(
+                prompt,
+                ids(&case["input_ids"]),
+                "{name} case {case_index}: prompt tokens"
+            );
             let want = ids(&case["generated_ids"]);
             let tops = case["top_logprobs"].as_array().unwrap();
-            let params = GenerateParams { max_tokens: want.len(), ..greedy.clone() };
+            let params = GenerateParams {
+                max_tokens: want.len(),
+                ..greedy.clone()
+            };
             let mut step = 0;
             let generation = engine
                 .generate(&prompt, &params, |s| {
@@ -68,24 +103,41 @@ fn check_fixture(name: &str) {
                     ControlFlow::Continue(())
                 })
                 .unwrap();
-            assert_eq!(generation.tokens, want, "{name} case {case_index}: greedy continuation (max_batch {max_batch})");
+            assert_eq!(
+                generation.tokens, want,
+                "{name} case {case_index}: greedy continuation (max_batch {max_batch})"
+            );
         }
     }
 
     let (engine, expected) = load(name, 512);
     for (i, chat) in expected["chats"].as_array().unwrap().iter().enumerate() {
         let messages: Vec<ChatMessage> = serde_json::from_value(chat["messages"].clone()).unwrap();
-        let kwargs = chat["chat_template_kwargs"].as_object().cloned().unwrap_or_default();
+        let kwargs = chat["chat_template_kwargs"]
+            .as_object()
+            .cloned()
+            .unwrap_or_default();
         let rendered = engine.render_chat(&messages, &kwargs).unwrap();
-        assert_eq!(rendered, chat["rendered"].as_str().unwrap(), "{name} chat {i}: rendering");
-        assert_eq!(engine.encode_chat(&messages, &kwargs).unwrap(), ids(&chat["input_ids"]), "{name} chat {i}: tokens");
+        assert_eq!(
+            rendered,
+            chat["rendered"].as_str().unwrap(),
+            "{name} chat {i}: rendering"
+        );
+        assert_eq!(
+            engine.encode_chat(&messages, &kwargs).unwrap(),
+            ids(&chat["input_ids"]),
+            "{name} chat {i}: tokens"
+        );
     }
     for (i, decode) in expected["decodes"].as_array().unwrap().iter().enumerate() {
         let text = engine.tokenizer().decode(&ids(&decode["ids"]), true);
         assert_eq!(text, decode["text"].as_str().unwrap(), "{name} decode {i}");
     }
     for eos in ids(&expected["eos_token_ids"]) {
-        assert!(engine.eos_token_ids().contains(&eos), "{name}: eos id {eos} not recognised");
+        assert!(
+            engine.eos_token_ids().contains(&eos),
+            "{name}: eos id {eos} not recognised"
+        );
     }
 }
 

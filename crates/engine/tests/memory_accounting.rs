@@ -38,21 +38,46 @@ fn listed_buffers_account_for_resident_memory_growth() {
     write_checkpoint_for_config(&config, SyntheticDtype::F32, &dir).unwrap();
 
     let before = resident_bytes();
-    let options = EngineOptions { threads: Some(2), context: Some(4096), max_batch: 64 };
+    let options = EngineOptions {
+        threads: Some(2),
+        context: Some(4096),
+        max_batch: 64,
+    };
     let mut engine = Engine::load(&dir, &options).unwrap();
-    let prompt = engine.encode_prompt("Measuring what the engine holds.").unwrap();
-    let params = GenerateParams { max_tokens: 8, sampling: SamplingParams::default(), ignore_eos: true };
-    engine.generate(&prompt, &params, |_| ControlFlow::Continue(())).unwrap();
+    let prompt = engine
+        .encode_prompt("Measuring what the engine holds.")
+        .unwrap();
+    let params = GenerateParams {
+        max_tokens: 8,
+        sampling: SamplingParams::default(),
+        ignore_eos: true,
+    };
+    engine
+        .generate(&prompt, &params, |_| ControlFlow::Continue(()))
+        .unwrap();
     let growth = resident_bytes().saturating_sub(before) as f64;
 
     let buffers = engine.buffers();
     let listed: usize = buffers.iter().map(|b| b.bytes).sum();
-    let by_kind = |kind| buffers.iter().filter(|b| b.kind == kind).map(|b| b.bytes).sum::<usize>();
-    assert!(by_kind(BufferKind::Weights) > 100 << 20, "the checkpoint is mapped and listed");
+    let by_kind = |kind| {
+        buffers
+            .iter()
+            .filter(|b| b.kind == kind)
+            .map(|b| b.bytes)
+            .sum::<usize>()
+    };
+    assert!(
+        by_kind(BufferKind::Weights) > 100 << 20,
+        "the checkpoint is mapped and listed"
+    );
     assert!(by_kind(BufferKind::KvCache) > 0 && by_kind(BufferKind::Activations) > 0);
     let listed = listed as f64;
     let tolerance = 16.0 * (1 << 20) as f64 + 0.05 * listed;
-    eprintln!("resident growth {:.1} MiB, listed {:.1} MiB", growth / (1 << 20) as f64, listed / (1 << 20) as f64);
+    eprintln!(
+        "resident growth {:.1} MiB, listed {:.1} MiB",
+        growth / (1 << 20) as f64,
+        listed / (1 << 20) as f64
+    );
     assert!(
         (growth - listed).abs() <= tolerance,
         "resident memory grew {:.1} MiB; the list holds {:.1} MiB (tolerance {:.1} MiB)",

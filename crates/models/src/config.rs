@@ -21,7 +21,8 @@ pub enum Architecture {
 }
 
 impl Architecture {
-    pub const SUPPORTED: &'static str = "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM";
+    pub const SUPPORTED: &'static str =
+        "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM";
 
     pub fn from_hf_name(name: &str) -> Option<Self> {
         match name {
@@ -109,41 +110,70 @@ impl ModelConfig {
     /// Interprets a parsed `config.json`; `path` is named in errors.
     pub fn from_json(value: &Value, path: &Path) -> Result<Self> {
         let fields = Fields {
-            map: value.as_object().ok_or_else(|| invalid(path, "(top level)", "expected a JSON object"))?,
+            map: value
+                .as_object()
+                .ok_or_else(|| invalid(path, "(top level)", "expected a JSON object"))?,
             path,
         };
         let arch_name = match fields.map.get("architectures") {
-            Some(Value::Array(names)) => names.first().and_then(Value::as_str).unwrap_or_default().to_owned(),
+            Some(Value::Array(names)) => names
+                .first()
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_owned(),
             Some(_) => return Err(invalid(path, "architectures", "expected a list of names")),
             None => return Err(missing(path, "architectures")),
         };
-        let architecture = Architecture::from_hf_name(&arch_name).ok_or_else(|| CheckpointError::UnsupportedArchitecture {
-            path: path.into(),
-            name: arch_name.clone(),
-            supported: Architecture::SUPPORTED.into(),
+        let architecture = Architecture::from_hf_name(&arch_name).ok_or_else(|| {
+            CheckpointError::UnsupportedArchitecture {
+                path: path.into(),
+                name: arch_name.clone(),
+                supported: Architecture::SUPPORTED.into(),
+            }
         })?;
 
         let hidden_size = fields.usize("hidden_size")?;
         let num_attention_heads = fields.usize("num_attention_heads")?;
-        let num_key_value_heads = fields.opt_usize("num_key_value_heads")?.unwrap_or(num_attention_heads);
-        if num_attention_heads == 0 || num_key_value_heads == 0 || num_attention_heads % num_key_value_heads != 0 {
+        let num_key_value_heads = fields
+            .opt_usize("num_key_value_heads")?
+            .unwrap_or(num_attention_heads);
+        if num_attention_heads == 0
+            || num_key_value_heads == 0
+            || num_attention_heads % num_key_value_heads != 0
+        {
             return Err(invalid(
                 path,
                 "num_key_value_heads",
-                &format!("{num_key_value_heads} kv heads must divide {num_attention_heads} attention heads"),
+                &format!(
+                    "{num_key_value_heads} kv heads must divide {num_attention_heads} attention heads"
+                ),
             ));
         }
         let head_dim = match fields.opt_usize("head_dim")? {
             Some(d) => d,
             None if hidden_size % num_attention_heads == 0 => hidden_size / num_attention_heads,
-            None => return Err(invalid(path, "head_dim", "absent, and hidden_size is not a multiple of num_attention_heads")),
+            None => {
+                return Err(invalid(
+                    path,
+                    "head_dim",
+                    "absent, and hidden_size is not a multiple of num_attention_heads",
+                ));
+            }
         };
         if head_dim % 2 != 0 {
-            return Err(invalid(path, "head_dim", "must be even for rotary embeddings"));
+            return Err(invalid(
+                path,
+                "head_dim",
+                "must be even for rotary embeddings",
+            ));
         }
 
         if fields.bool_or("use_sliding_window", false)? {
-            return Err(invalid(path, "use_sliding_window", "sliding-window attention is not supported"));
+            return Err(invalid(
+                path,
+                "use_sliding_window",
+                "sliding-window attention is not supported",
+            ));
         }
 
         // transformers 5 moved rope settings into `rope_parameters`; older files keep
@@ -152,7 +182,9 @@ impl ModelConfig {
         let rope_theta = match fields.opt_f64("rope_theta")? {
             Some(theta) => theta,
             None => match rope_parameters.and_then(|p| p.get("rope_theta")) {
-                Some(v) => v.as_f64().ok_or_else(|| invalid(path, "rope_parameters.rope_theta", "expected a number"))?,
+                Some(v) => v.as_f64().ok_or_else(|| {
+                    invalid(path, "rope_parameters.rope_theta", "expected a number")
+                })?,
                 None => 10_000.0,
             },
         };
@@ -181,13 +213,27 @@ impl ModelConfig {
                     None | Some(Value::Null) => Vec::new(),
                     Some(Value::Array(items)) => items
                         .iter()
-                        .map(|v| v.as_u64().map(|x| x as usize).ok_or_else(|| invalid(path, "mlp_only_layers", "expected layer indices")))
+                        .map(|v| {
+                            v.as_u64().map(|x| x as usize).ok_or_else(|| {
+                                invalid(path, "mlp_only_layers", "expected layer indices")
+                            })
+                        })
                         .collect::<Result<_>>()?,
-                    Some(_) => return Err(invalid(path, "mlp_only_layers", "expected a list of layer indices")),
+                    Some(_) => {
+                        return Err(invalid(
+                            path,
+                            "mlp_only_layers",
+                            "expected a list of layer indices",
+                        ));
+                    }
                 },
             };
             if moe.num_experts_per_tok == 0 || moe.num_experts_per_tok > moe.num_experts {
-                return Err(invalid(path, "num_experts_per_tok", "must be between 1 and num_experts"));
+                return Err(invalid(
+                    path,
+                    "num_experts_per_tok",
+                    "must be between 1 and num_experts",
+                ));
             }
             Some(moe)
         } else {
@@ -224,8 +270,14 @@ impl ModelConfig {
             mlp_bias: fields.bool_or("mlp_bias", false)?,
             qk_norm: matches!(architecture, Architecture::Qwen3 | Architecture::Qwen3Moe),
             moe,
-            dtype: fields.opt_str("torch_dtype").or_else(|| fields.opt_str("dtype")),
-            bos_token_id: fields.opt_usize("bos_token_id").ok().flatten().map(|v| v as u32),
+            dtype: fields
+                .opt_str("torch_dtype")
+                .or_else(|| fields.opt_str("dtype")),
+            bos_token_id: fields
+                .opt_usize("bos_token_id")
+                .ok()
+                .flatten()
+                .map(|v| v as u32),
             eos_token_ids: token_ids(fields.map.get("eos_token_id")),
         })
     }
@@ -233,7 +285,10 @@ impl ModelConfig {
     /// Whether layer `index` has a mixture-of-experts MLP.
     pub fn is_sparse_layer(&self, index: usize) -> bool {
         match &self.moe {
-            Some(moe) => !moe.mlp_only_layers.contains(&index) && (index + 1) % moe.decoder_sparse_step == 0,
+            Some(moe) => {
+                !moe.mlp_only_layers.contains(&index)
+                    && (index + 1).is_multiple_of(moe.decoder_sparse_step)
+            }
             None => false,
         }
     }
@@ -251,20 +306,36 @@ impl ModelConfig {
 pub fn token_ids(value: Option<&Value>) -> Vec<u32> {
     match value {
         Some(Value::Number(n)) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
-        Some(Value::Array(items)) => items.iter().filter_map(Value::as_u64).map(|v| v as u32).collect(),
+        Some(Value::Array(items)) => items
+            .iter()
+            .filter_map(Value::as_u64)
+            .map(|v| v as u32)
+            .collect(),
         _ => Vec::new(),
     }
 }
 
-fn parse_rope_scaling(map: &Map<String, Value>, path: &Path, field: &str) -> Result<Option<Llama3RopeScaling>> {
-    let kind = map.get("rope_type").or_else(|| map.get("type")).and_then(Value::as_str).unwrap_or("default");
+fn parse_rope_scaling(
+    map: &Map<String, Value>,
+    path: &Path,
+    field: &str,
+) -> Result<Option<Llama3RopeScaling>> {
+    let kind = map
+        .get("rope_type")
+        .or_else(|| map.get("type"))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
     match kind {
         "default" => Ok(None),
         "llama3" => {
             let number = |key: &str| {
-                map.get(key)
-                    .and_then(Value::as_f64)
-                    .ok_or_else(|| invalid(path, &format!("{field}.{key}"), "expected a number for llama3 rope scaling"))
+                map.get(key).and_then(Value::as_f64).ok_or_else(|| {
+                    invalid(
+                        path,
+                        &format!("{field}.{key}"),
+                        "expected a number for llama3 rope scaling",
+                    )
+                })
             };
             Ok(Some(Llama3RopeScaling {
                 factor: number("factor")?,
@@ -273,16 +344,29 @@ fn parse_rope_scaling(map: &Map<String, Value>, path: &Path, field: &str) -> Res
                 original_max_position_embeddings: number("original_max_position_embeddings")?,
             }))
         }
-        other => Err(invalid(path, &format!("{field}.rope_type"), &format!("rope type `{other}` is not supported (ember supports default and llama3)"))),
+        other => Err(invalid(
+            path,
+            &format!("{field}.rope_type"),
+            &format!("rope type `{other}` is not supported (ember supports default and llama3)"),
+        )),
     }
 }
 
 fn missing(path: &Path, field: &str) -> crate::Error {
-    CheckpointError::MissingField { path: PathBuf::from(path), field: field.into() }.into()
+    CheckpointError::MissingField {
+        path: PathBuf::from(path),
+        field: field.into(),
+    }
+    .into()
 }
 
 fn invalid(path: &Path, field: &str, message: &str) -> crate::Error {
-    CheckpointError::InvalidField { path: PathBuf::from(path), field: field.into(), message: message.into() }.into()
+    CheckpointError::InvalidField {
+        path: PathBuf::from(path),
+        field: field.into(),
+        message: message.into(),
+    }
+    .into()
 }
 
 struct Fields<'a> {
@@ -294,18 +378,25 @@ impl Fields<'_> {
     fn opt_usize(&self, field: &str) -> Result<Option<usize>> {
         match self.map.get(field) {
             None | Some(Value::Null) => Ok(None),
-            Some(v) => v.as_u64().map(|n| Some(n as usize)).ok_or_else(|| invalid(self.path, field, "expected a non-negative integer")),
+            Some(v) => v
+                .as_u64()
+                .map(|n| Some(n as usize))
+                .ok_or_else(|| invalid(self.path, field, "expected a non-negative integer")),
         }
     }
 
     fn usize(&self, field: &str) -> Result<usize> {
-        self.opt_usize(field)?.ok_or_else(|| missing(self.path, field))
+        self.opt_usize(field)?
+            .ok_or_else(|| missing(self.path, field))
     }
 
     fn opt_f64(&self, field: &str) -> Result<Option<f64>> {
         match self.map.get(field) {
             None | Some(Value::Null) => Ok(None),
-            Some(v) => v.as_f64().map(Some).ok_or_else(|| invalid(self.path, field, "expected a number")),
+            Some(v) => v
+                .as_f64()
+                .map(Some)
+                .ok_or_else(|| invalid(self.path, field, "expected a number")),
         }
     }
 
@@ -318,7 +409,10 @@ impl Fields<'_> {
     }
 
     fn opt_str(&self, field: &str) -> Option<String> {
-        self.map.get(field).and_then(Value::as_str).map(str::to_owned)
+        self.map
+            .get(field)
+            .and_then(Value::as_str)
+            .map(str::to_owned)
     }
 }
 
@@ -341,7 +435,10 @@ mod tests {
     #[test]
     fn reads_the_spellings_found_in_the_wild() {
         let c = parse(base()).unwrap();
-        assert_eq!((c.head_dim, c.rope_theta, c.eos_token_ids.clone()), (32, 1e6, vec![1, 2]));
+        assert_eq!(
+            (c.head_dim, c.rope_theta, c.eos_token_ids.clone()),
+            (32, 1e6, vec![1, 2])
+        );
         assert!(c.qk_norm && c.tie_word_embeddings && !c.qkv_bias);
         let mut v = base();
         let m = v.as_object_mut().unwrap();
@@ -356,7 +453,10 @@ mod tests {
                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
         );
         let c = parse(v).unwrap();
-        assert_eq!((c.head_dim, c.rope_theta, c.eos_token_ids.clone()), (16, 5e5, vec![7]));
+        assert_eq!(
+            (c.head_dim, c.rope_theta, c.eos_token_ids.clone()),
+            (16, 5e5, vec![7])
+        );
         assert_eq!(c.dtype.as_deref(), Some("float32"));
         assert_eq!(c.rope_scaling.unwrap().factor, 8.0);
     }
@@ -366,14 +466,25 @@ mod tests {
         let mut v = base();
         v.as_object_mut().unwrap().remove("hidden_size");
         let msg = parse(v).unwrap_err().to_string();
-        assert!(msg.contains("config.json") && msg.contains("hidden_size"), "{msg}");
+        assert!(
+            msg.contains("config.json") && msg.contains("hidden_size"),
+            "{msg}"
+        );
         let mut v = base();
         v["architectures"] = json!(["MambaForCausalLM"]);
         let msg = parse(v).unwrap_err().to_string();
-        assert!(msg.contains("MambaForCausalLM") && msg.contains("Qwen3ForCausalLM"), "{msg}");
+        assert!(
+            msg.contains("MambaForCausalLM") && msg.contains("Qwen3ForCausalLM"),
+            "{msg}"
+        );
         let mut v = base();
         v["num_attention_heads"] = json!("four");
-        assert!(parse(v).unwrap_err().to_string().contains("num_attention_heads"));
+        assert!(
+            parse(v)
+                .unwrap_err()
+                .to_string()
+                .contains("num_attention_heads")
+        );
         let mut v = base();
         v["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0});
         assert!(parse(v).unwrap_err().to_string().contains("yarn"));
@@ -391,6 +502,9 @@ mod tests {
         m.insert("decoder_sparse_step".into(), json!(2));
         m.insert("mlp_only_layers".into(), json!([3]));
         let c = parse(v).unwrap();
-        assert_eq!((0..4).map(|i| c.is_sparse_layer(i)).collect::<Vec<_>>(), [false, true, false, false]);
+        assert_eq!(
+            (0..4).map(|i| c.is_sparse_layer(i)).collect::<Vec<_>>(),
+            [false, true, false, false]
+        );
     }
 }

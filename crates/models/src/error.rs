@@ -8,8 +8,14 @@ pub enum Error {
     Memory(#[from] ember_tensor::Error),
     #[error("token id {id} is outside the vocabulary of {vocab_size}")]
     TokenOutOfRange { id: u32, vocab_size: usize },
-    #[error("the context is full: {used} positions used, {requested} more requested, room for {capacity}")]
-    ContextFull { used: usize, requested: usize, capacity: usize },
+    #[error(
+        "the context is full: {used} positions used, {requested} more requested, room for {capacity}"
+    )]
+    ContextFull {
+        used: usize,
+        requested: usize,
+        capacity: usize,
+    },
     #[error("a forward pass of {requested} tokens exceeds the batch capacity of {capacity}")]
     BatchTooLarge { requested: usize, capacity: usize },
 }

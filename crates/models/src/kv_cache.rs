@@ -54,7 +54,11 @@ impl KvCache {
 
     pub(crate) fn reserve(&mut self, n: usize) -> Result<()> {
         if self.len + n > self.capacity {
-            return Err(Error::ContextFull { used: self.len, requested: n, capacity: self.capacity });
+            return Err(Error::ContextFull {
+                used: self.len,
+                requested: n,
+                capacity: self.capacity,
+            });
         }
         Ok(())
     }
@@ -72,13 +76,24 @@ impl KvCache {
     /// One layer's keys and values, read-only.
     pub(crate) fn layer(&self, layer: usize) -> (&[f32], &[f32]) {
         let r = self.layer_range(layer);
-        (&self.keys.as_slice::<f32>()[r.clone()], &self.values.as_slice::<f32>()[r])
+        (
+            &self.keys.as_slice::<f32>()[r.clone()],
+            &self.values.as_slice::<f32>()[r],
+        )
     }
 
     /// Rows `start..start + n` of one layer's keys and values, for writing.
-    pub(crate) fn rows_mut(&mut self, layer: usize, start: usize, n: usize) -> (&mut [f32], &mut [f32]) {
+    pub(crate) fn rows_mut(
+        &mut self,
+        layer: usize,
+        start: usize,
+        n: usize,
+    ) -> (&mut [f32], &mut [f32]) {
         let r = self.layer_range(layer);
         let rows = r.start + start * self.kv_dim..r.start + (start + n) * self.kv_dim;
-        (&mut self.keys.as_mut_slice::<f32>()[rows.clone()], &mut self.values.as_mut_slice::<f32>()[rows])
+        (
+            &mut self.keys.as_mut_slice::<f32>()[rows.clone()],
+            &mut self.values.as_mut_slice::<f32>()[rows],
+        )
     }
 }

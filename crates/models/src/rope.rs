@@ -29,7 +29,11 @@ impl RopeTable {
                 }
             }
         }
-        Ok(RopeTable { cos, sin, positions })
+        Ok(RopeTable {
+            cos,
+            sin,
+            positions,
+        })
     }
 
     pub fn cos(&self) -> &[f32] {
@@ -66,7 +70,8 @@ fn llama3_scale(inv_freq: f64, s: &Llama3RopeScaling) -> f64 {
     } else if wavelen > low_freq_wavelen {
         inv_freq / s.factor
     } else {
-        let smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+        let smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor)
+            / (s.high_freq_factor - s.low_freq_factor);
         (1.0 - smooth) * inv_freq / s.factor + smooth * inv_freq
     }
 }

@@ -22,10 +22,20 @@ pub struct Linear {
 }
 
 impl Linear {
-    fn load(w: &WeightLoader<'_>, prefix: &str, rows: usize, cols: usize, bias: bool) -> Result<Self> {
+    fn load(
+        w: &WeightLoader<'_>,
+        prefix: &str,
+        rows: usize,
+        cols: usize,
+        bias: bool,
+    ) -> Result<Self> {
         Ok(Linear {
             weight: w.matrix(&format!("{prefix}.weight"), rows, cols)?,
-            bias: if bias { Some(w.vector(&format!("{prefix}.bias"), rows)?) } else { None },
+            bias: if bias {
+                Some(w.vector(&format!("{prefix}.bias"), rows)?)
+            } else {
+                None
+            },
         })
     }
 
@@ -48,17 +58,34 @@ pub struct Mlp {
 
 impl Mlp {
     fn weight_bytes(&self) -> usize {
-        self.gate.weight.size_in_bytes() + self.up.weight.size_in_bytes() + self.down.weight.size_in_bytes()
+        self.gate.weight.size_in_bytes()
+            + self.up.weight.size_in_bytes()
+            + self.down.weight.size_in_bytes()
     }
 
     /// `out = down(silu(gate(x)) · up(x))` for `m` rows.
-    fn apply(&self, pool: &ThreadPool, x: &[f32], m: usize, gate: &mut [f32], up: &mut [f32], out: &mut [f32], scratch: &mut [f32]) {
+    fn apply(
+        &self,
+        pool: &ThreadPool,
+        x: &[f32],
+        m: usize,
+        out: &mut [f32],
+        s: &mut MlpScratch<'_>,
+    ) {
         let width = self.gate.weight.rows;
-        self.gate.apply(pool, x, m, gate, scratch);
-        self.up.apply(pool, x, m, up, scratch);
-        cpu::silu_mul(pool, &mut gate[..m * width], &up[..m * width]);
-        self.down.apply(pool, &gate[..m * width], m, out, scratch);
+        self.gate.apply(pool, x, m, s.gate, s.matmul);
+        self.up.apply(pool, x, m, s.up, s.matmul);
+        cpu::silu_mul(pool, &mut s.gate[..m * width], &s.up[..m * width]);
+        self.down
+            .apply(pool, &s.gate[..m * width], m, out, s.matmul);
     }
+}
+
+/// The workspace buffers an MLP writes besides its output.
+struct MlpScratch<'a> {
+    gate: &'a mut [f32],
+    up: &'a mut [f32],
+    matmul: &'a mut [f32],
 }
 
 pub struct Moe {
@@ -110,7 +137,12 @@ pub struct Transformer {
 
 impl Transformer {
     /// Builds the model over the mapped checkpoint; `context` sizes the rotary tables.
-    pub fn load(config: ModelConfig, set: &SafetensorsSet, owner: &BufferOwner, context: usize) -> Result<Self> {
+    pub fn load(
+        config: ModelConfig,
+        set: &SafetensorsSet,
+        owner: &BufferOwner,
+        context: usize,
+    ) -> Result<Self> {
         let w = WeightLoader { set, owner };
         let c = &config;
         let (h, q_dim, kv_dim) = (c.hidden_size, c.q_dim(), c.kv_dim());
@@ -123,25 +155,51 @@ impl Transformer {
                 k: Linear::load(&w, &format!("{p}.self_attn.k_proj"), kv_dim, h, c.qkv_bias)?,
                 v: Linear::load(&w, &format!("{p}.self_attn.v_proj"), kv_dim, h, c.qkv_bias)?,
                 o: Linear::load(&w, &format!("{p}.self_attn.o_proj"), h, q_dim, c.o_bias)?,
-                q_norm: if c.qk_norm { Some(w.vector(&format!("{p}.self_attn.q_norm.weight"), c.head_dim)?) } else { None },
-                k_norm: if c.qk_norm { Some(w.vector(&format!("{p}.self_attn.k_norm.weight"), c.head_dim)?) } else { None },
+                q_norm: if c.qk_norm {
+                    Some(w.vector(&format!("{p}.self_attn.q_norm.weight"), c.head_dim)?)
+                } else {
+                    None
+                },
+                k_norm: if c.qk_norm {
+                    Some(w.vector(&format!("{p}.self_attn.k_norm.weight"), c.head_dim)?)
+                } else {
+                    None
+                },
             };
             let feed_forward = if c.is_sparse_layer(i) {
                 FeedForward::Sparse(load_moe(&w, c, &p)?)
             } else {
-                FeedForward::Dense(load_mlp(&w, &format!("{p}.mlp"), c.intermediate_size, h, c.mlp_bias)?)
+                FeedForward::Dense(load_mlp(
+                    &w,
+                    &format!("{p}.mlp"),
+                    c.intermediate_size,
+                    h,
+                    c.mlp_bias,
+                )?)
             };
             layers.push(Layer {
                 input_norm: w.vector(&format!("{p}.input_layernorm.weight"), h)?,
                 attention,
-                post_attention_norm: w.vector(&format!("{p}.post_attention_layernorm.weight"), h)?,
+                post_attention_norm: w
+                    .vector(&format!("{p}.post_attention_layernorm.weight"), h)?,
                 feed_forward,
             });
         }
         let norm = w.vector("model.norm.weight", h)?;
-        let lm_head = if c.tie_word_embeddings { None } else { Some(w.matrix("lm_head.weight", c.vocab_size, h)?) };
+        let lm_head = if c.tie_word_embeddings {
+            None
+        } else {
+            Some(w.matrix("lm_head.weight", c.vocab_size, h)?)
+        };
         let rope = RopeTable::new(c, context, owner)?;
-        Ok(Transformer { config, embed_tokens, layers, norm, lm_head, rope })
+        Ok(Transformer {
+            config,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            rope,
+        })
     }
 
     pub fn lm_head(&self) -> &Matrix {
@@ -151,13 +209,19 @@ impl Transformer {
     /// Weight bytes one decoded token reads: every layer's matrices (only the routed experts of
     /// sparse layers, `top_k` of them), the output projection, and one embedding row.
     pub fn weight_bytes_per_token(&self) -> usize {
-        let mut bytes = self.lm_head().size_in_bytes() + self.embed_tokens.size_in_bytes() / self.embed_tokens.rows;
+        let mut bytes = self.lm_head().size_in_bytes()
+            + self.embed_tokens.size_in_bytes() / self.embed_tokens.rows;
         for layer in &self.layers {
             let a = &layer.attention;
-            bytes += [&a.q, &a.k, &a.v, &a.o].iter().map(|l| l.weight.size_in_bytes()).sum::<usize>();
+            bytes += [&a.q, &a.k, &a.v, &a.o]
+                .iter()
+                .map(|l| l.weight.size_in_bytes())
+                .sum::<usize>();
             bytes += match &layer.feed_forward {
                 FeedForward::Dense(mlp) => mlp.weight_bytes(),
-                FeedForward::Sparse(moe) => moe.router.size_in_bytes() + moe.top_k * moe.experts[0].weight_bytes(),
+                FeedForward::Sparse(moe) => {
+                    moe.router.size_in_bytes() + moe.top_k * moe.experts[0].weight_bytes()
+                }
             };
         }
         bytes
@@ -176,13 +240,22 @@ impl Transformer {
         let c = &self.config;
         let n = tokens.len();
         if n > ws.max_batch {
-            return Err(Error::BatchTooLarge { requested: n, capacity: ws.max_batch });
+            return Err(Error::BatchTooLarge {
+                requested: n,
+                capacity: ws.max_batch,
+            });
         }
         if logits == Logits::All && n > ws.logit_rows {
-            return Err(Error::BatchTooLarge { requested: n, capacity: ws.logit_rows });
+            return Err(Error::BatchTooLarge {
+                requested: n,
+                capacity: ws.logit_rows,
+            });
         }
         if let Some(&id) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-            return Err(Error::TokenOutOfRange { id, vocab_size: c.vocab_size });
+            return Err(Error::TokenOutOfRange {
+                id,
+                vocab_size: c.vocab_size,
+            });
         }
         kv.reserve(n)?;
         if n == 0 {
@@ -190,30 +263,65 @@ impl Transformer {
         }
         let pos0 = kv.len();
         if pos0 + n > self.rope.positions {
-            return Err(Error::ContextFull { used: pos0, requested: n, capacity: self.rope.positions });
+            return Err(Error::ContextFull {
+                used: pos0,
+                requested: n,
+                capacity: self.rope.positions,
+            });
         }
         let hidden = c.hidden_size;
         {
             let x = ws.x.as_mut_slice::<f32>();
             for (i, &token) in tokens.iter().enumerate() {
-                self.embed_tokens.row_to_f32(token as usize, &mut x[i * hidden..(i + 1) * hidden]);
+                self.embed_tokens
+                    .row_to_f32(token as usize, &mut x[i * hidden..(i + 1) * hidden]);
             }
         }
         for (index, layer) in self.layers.iter().enumerate() {
             let eps = c.rms_norm_eps;
-            cpu::rms_norm(pool, &ws.x.as_slice()[..n * hidden], layer.input_norm.as_slice(), eps, ws.h.as_mut_slice());
+            cpu::rms_norm(
+                pool,
+                &ws.x.as_slice()[..n * hidden],
+                layer.input_norm.as_slice(),
+                eps,
+                ws.h.as_mut_slice(),
+            );
             self.attention(pool, ws, kv, index, &layer.attention, n, pos0);
-            cpu::add_assign(&mut ws.x.as_mut_slice()[..n * hidden], &ws.proj.as_slice()[..n * hidden]);
+            cpu::add_assign(
+                &mut ws.x.as_mut_slice()[..n * hidden],
+                &ws.proj.as_slice()[..n * hidden],
+            );
 
-            cpu::rms_norm(pool, &ws.x.as_slice()[..n * hidden], layer.post_attention_norm.as_slice(), eps, ws.h.as_mut_slice());
+            cpu::rms_norm(
+                pool,
+                &ws.x.as_slice()[..n * hidden],
+                layer.post_attention_norm.as_slice(),
+                eps,
+                ws.h.as_mut_slice(),
+            );
             match &layer.feed_forward {
                 FeedForward::Dense(mlp) => {
-                    let Workspace { h, gate, up, proj, matmul_scratch, .. } = ws;
-                    mlp.apply(pool, h.as_slice(), n, gate.as_mut_slice(), up.as_mut_slice(), proj.as_mut_slice(), matmul_scratch.as_mut_slice());
+                    let Workspace {
+                        h,
+                        gate,
+                        up,
+                        proj,
+                        matmul_scratch,
+                        ..
+                    } = ws;
+                    let mut scratch = MlpScratch {
+                        gate: gate.as_mut_slice(),
+                        up: up.as_mut_slice(),
+                        matmul: matmul_scratch.as_mut_slice(),
+                    };
+                    mlp.apply(pool, h.as_slice(), n, proj.as_mut_slice(), &mut scratch);
                 }
                 FeedForward::Sparse(moe) => self.moe(pool, ws, moe, n),
             }
-            cpu::add_assign(&mut ws.x.as_mut_slice()[..n * hidden], &ws.proj.as_slice()[..n * hidden]);
+            cpu::add_assign(
+                &mut ws.x.as_mut_slice()[..n * hidden],
+                &ws.proj.as_slice()[..n * hidden],
+            );
         }
         kv.advance(n);
 
@@ -222,17 +330,53 @@ impl Transformer {
             Logits::All => 0..n,
         };
         let m = rows.len();
-        let Workspace { x, h, logits: out, matmul_scratch, .. } = ws;
-        cpu::rms_norm(pool, &x.as_slice()[rows.start * hidden..rows.end * hidden], self.norm.as_slice(), c.rms_norm_eps, h.as_mut_slice());
+        let Workspace {
+            x,
+            h,
+            logits: out,
+            matmul_scratch,
+            ..
+        } = ws;
+        cpu::rms_norm(
+            pool,
+            &x.as_slice()[rows.start * hidden..rows.end * hidden],
+            self.norm.as_slice(),
+            c.rms_norm_eps,
+            h.as_mut_slice(),
+        );
         let out = &mut out.as_mut_slice::<f32>()[..m * c.vocab_size];
-        cpu::matmul(pool, h.as_slice(), m, &self.lm_head().as_mat(), out, matmul_scratch.as_mut_slice());
+        cpu::matmul(
+            pool,
+            h.as_slice(),
+            m,
+            &self.lm_head().as_mat(),
+            out,
+            matmul_scratch.as_mut_slice(),
+        );
         Ok(out)
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn attention(&self, pool: &ThreadPool, ws: &mut Workspace, kv: &mut KvCache, index: usize, a: &Attention, n: usize, pos0: usize) {
+    fn attention(
+        &self,
+        pool: &ThreadPool,
+        ws: &mut Workspace,
+        kv: &mut KvCache,
+        index: usize,
+        a: &Attention,
+        n: usize,
+        pos0: usize,
+    ) {
         let c = &self.config;
-        let Workspace { h, q, attn, proj, matmul_scratch, attention_scratch, .. } = ws;
+        let Workspace {
+            h,
+            q,
+            attn,
+            proj,
+            matmul_scratch,
+            attention_scratch,
+            ..
+        } = ws;
         let (h, scratch) = (h.as_slice::<f32>(), matmul_scratch.as_mut_slice::<f32>());
         let q = &mut q.as_mut_slice::<f32>()[..n * c.q_dim()];
         a.q.apply(pool, h, n, q, scratch);
@@ -245,14 +389,45 @@ impl Transformer {
                 cpu::rms_norm_in_place(pool, q, qn.as_slice(), c.rms_norm_eps);
                 cpu::rms_norm_in_place(pool, keys, kn.as_slice(), c.rms_norm_eps);
             }
-            cpu::rope_in_place(pool, q, c.num_attention_heads, c.head_dim, pos0, self.rope.cos(), self.rope.sin());
-            cpu::rope_in_place(pool, keys, c.num_key_value_heads, c.head_dim, pos0, self.rope.cos(), self.rope.sin());
+            cpu::rope_in_place(
+                pool,
+                q,
+                c.num_attention_heads,
+                c.head_dim,
+                pos0,
+                self.rope.cos(),
+                self.rope.sin(),
+            );
+            cpu::rope_in_place(
+                pool,
+                keys,
+                c.num_key_value_heads,
+                c.head_dim,
+                pos0,
+                self.rope.cos(),
+                self.rope.sin(),
+            );
         }
         let (keys, values) = kv.layer(index);
-        let shape = AttentionShape { n_heads: c.num_attention_heads, n_kv_heads: c.num_key_value_heads, head_dim: c.head_dim };
+        let shape = AttentionShape {
+            n_heads: c.num_attention_heads,
+            n_kv_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+        };
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         let attn = &mut attn.as_mut_slice::<f32>()[..n * c.q_dim()];
-        cpu::causal_attention(pool, q, keys, values, pos0, n, shape, scale, attn, attention_scratch.as_mut_slice());
+        cpu::causal_attention(
+            pool,
+            q,
+            keys,
+            values,
+            pos0,
+            n,
+            shape,
+            scale,
+            attn,
+            attention_scratch.as_mut_slice(),
+        );
         a.o.apply(pool, attn, n, proj.as_mut_slice(), scratch);
     }
 
@@ -261,12 +436,33 @@ impl Transformer {
     fn moe(&self, pool: &ThreadPool, ws: &mut Workspace, moe: &Moe, n: usize) {
         let hidden = self.config.hidden_size;
         let n_experts = moe.experts.len();
-        let Workspace { h, gate, up, proj, matmul_scratch, moe: moe_ws, .. } = ws;
-        let MoeWorkspace { router, rows, out } = moe_ws.as_mut().expect("a MoE model's workspace has MoE buffers");
-        let scratch = matmul_scratch.as_mut_slice::<f32>();
+        let Workspace {
+            h,
+            gate,
+            up,
+            proj,
+            matmul_scratch,
+            moe: moe_ws,
+            ..
+        } = ws;
+        let MoeWorkspace { router, rows, out } = moe_ws
+            .as_mut()
+            .expect("a MoE model's workspace has MoE buffers");
         let h = h.as_slice::<f32>();
         let router = &mut router.as_mut_slice::<f32>()[..n * n_experts];
-        cpu::matmul(pool, h, n, &moe.router.as_mat(), router, scratch);
+        cpu::matmul(
+            pool,
+            h,
+            n,
+            &moe.router.as_mat(),
+            router,
+            matmul_scratch.as_mut_slice(),
+        );
+        let mut scratch = MlpScratch {
+            gate: gate.as_mut_slice(),
+            up: up.as_mut_slice(),
+            matmul: matmul_scratch.as_mut_slice(),
+        };
 
         let mut assigned: Vec<Vec<(usize, f32)>> = vec![Vec::new(); n_experts];
         let mut order: Vec<usize> = (0..n_experts).collect();
@@ -277,7 +473,11 @@ impl Transformer {
             let chosen = &order[..moe.top_k];
             let total: f32 = chosen.iter().map(|&e| scores[e]).sum();
             for &e in chosen {
-                let weight = if moe.norm_topk_prob { scores[e] / total } else { scores[e] };
+                let weight = if moe.norm_topk_prob {
+                    scores[e] / total
+                } else {
+                    scores[e]
+                };
                 assigned[e].push((token, weight));
             }
         }
@@ -291,9 +491,10 @@ impl Transformer {
             }
             let m = tokens.len();
             for (r, &(token, _)) in tokens.iter().enumerate() {
-                rows[r * hidden..(r + 1) * hidden].copy_from_slice(&h[token * hidden..(token + 1) * hidden]);
+                rows[r * hidden..(r + 1) * hidden]
+                    .copy_from_slice(&h[token * hidden..(token + 1) * hidden]);
             }
-            expert.apply(pool, rows, m, gate.as_mut_slice(), up.as_mut_slice(), out, scratch);
+            expert.apply(pool, rows, m, out, &mut scratch);
             for (r, &(token, weight)) in tokens.iter().enumerate() {
                 let dst = &mut proj[token * hidden..(token + 1) * hidden];
                 for (d, &o) in dst.iter_mut().zip(&out[r * hidden..(r + 1) * hidden]) {
@@ -304,7 +505,13 @@ impl Transformer {
     }
 }
 
-fn load_mlp(w: &WeightLoader<'_>, prefix: &str, width: usize, hidden: usize, bias: bool) -> Result<Mlp> {
+fn load_mlp(
+    w: &WeightLoader<'_>,
+    prefix: &str,
+    width: usize,
+    hidden: usize,
+    bias: bool,
+) -> Result<Mlp> {
     Ok(Mlp {
         gate: Linear::load(w, &format!("{prefix}.gate_proj"), width, hidden, bias)?,
         up: Linear::load(w, &format!("{prefix}.up_proj"), width, hidden, bias)?,
@@ -316,26 +523,50 @@ fn load_mlp(w: &WeightLoader<'_>, prefix: &str, width: usize, hidden: usize, bia
 /// Hub) or stacked (`experts.gate_up_proj` `[E, 2·I, H]` and `experts.down_proj` `[E, H, I]`,
 /// as transformers 5 keeps them in memory). Both become per-expert views without copying.
 fn load_moe(w: &WeightLoader<'_>, c: &ModelConfig, layer_prefix: &str) -> Result<Moe> {
-    let moe = c.moe.as_ref().expect("sparse layers exist only with a MoE config");
+    let moe = c
+        .moe
+        .as_ref()
+        .expect("sparse layers exist only with a MoE config");
     let (e_count, width, hidden) = (moe.num_experts, moe.moe_intermediate_size, c.hidden_size);
     let prefix = format!("{layer_prefix}.mlp");
     let router = w.matrix(&format!("{prefix}.gate.weight"), e_count, hidden)?;
     let stacked = format!("{prefix}.experts.gate_up_proj");
     let experts = if w.set.contains(&stacked) {
         let gate_up = w.stacked(&stacked, e_count, 2 * width, hidden)?;
-        let down = w.stacked(&format!("{prefix}.experts.down_proj"), e_count, hidden, width)?;
+        let down = w.stacked(
+            &format!("{prefix}.experts.down_proj"),
+            e_count,
+            hidden,
+            width,
+        )?;
         (0..e_count)
             .map(|e| {
                 let base = e * 2 * width;
                 Mlp {
-                    gate: Linear { weight: gate_up.rows(base, base + width), bias: None },
-                    up: Linear { weight: gate_up.rows(base + width, base + 2 * width), bias: None },
-                    down: Linear { weight: down.rows(e * hidden, (e + 1) * hidden), bias: None },
+                    gate: Linear {
+                        weight: gate_up.rows(base, base + width),
+                        bias: None,
+                    },
+                    up: Linear {
+                        weight: gate_up.rows(base + width, base + 2 * width),
+                        bias: None,
+                    },
+                    down: Linear {
+                        weight: down.rows(e * hidden, (e + 1) * hidden),
+                        bias: None,
+                    },
                 }
             })
             .collect()
     } else {
-        (0..e_count).map(|e| load_mlp(w, &format!("{prefix}.experts.{e}"), width, hidden, false)).collect::<Result<Vec<_>>>()?
+        (0..e_count)
+            .map(|e| load_mlp(w, &format!("{prefix}.experts.{e}"), width, hidden, false))
+            .collect::<Result<Vec<_>>>()?
     };
-    Ok(Moe { router, experts, top_k: moe.num_experts_per_tok, norm_topk_prob: moe.norm_topk_prob })
+    Ok(Moe {
+        router,
+        experts,
+        top_k: moe.num_experts_per_tok,
+        norm_topk_prob: moe.norm_topk_prob,
+    })
 }

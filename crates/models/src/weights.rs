@@ -21,7 +21,12 @@ pub struct Matrix {
 impl Matrix {
     pub fn as_mat(&self) -> MatRef<'_> {
         let len = self.rows * self.cols * self.dtype.size_in_bytes();
-        MatRef::new(self.dtype, &self.buffer.bytes()[self.offset..self.offset + len], self.rows, self.cols)
+        MatRef::new(
+            self.dtype,
+            &self.buffer.bytes()[self.offset..self.offset + len],
+            self.rows,
+            self.cols,
+        )
     }
 
     /// Rows `start..end` as a matrix of their own (one expert of a stacked tensor).
@@ -89,14 +94,24 @@ impl WeightLoader<'_> {
     }
 
     fn place(&self, t: &TensorRef<'_>, rows: usize, cols: usize) -> Result<Matrix> {
-        let aligned = t.bytes.as_ptr() as usize % t.dtype.size_in_bytes() == 0;
+        let aligned = (t.bytes.as_ptr() as usize).is_multiple_of(t.dtype.size_in_bytes());
         let (buffer, offset) = if aligned {
             (Arc::clone(t.buffer), t.offset)
         } else {
-            let copy = self.owner.alloc_copy(BufferKind::Repacked, format!("{} (realigned)", t.name), t.bytes)?;
+            let copy = self.owner.alloc_copy(
+                BufferKind::Repacked,
+                format!("{} (realigned)", t.name),
+                t.bytes,
+            )?;
             (Arc::new(copy), 0)
         };
-        Ok(Matrix { buffer, offset, dtype: t.dtype, rows, cols })
+        Ok(Matrix {
+            buffer,
+            offset,
+            dtype: t.dtype,
+            rows,
+            cols,
+        })
     }
 
     pub fn vector(&self, name: &str, len: usize) -> Result<Vector> {

@@ -43,7 +43,9 @@ impl Workspace {
         let b = max_batch.max(1);
         let f32s = |n: usize| n * 4;
         let alloc = |label: &str, n: usize| owner.alloc(BufferKind::Activations, label, f32s(n));
-        let ffn = config.intermediate_size.max(config.moe.as_ref().map_or(0, |m| m.moe_intermediate_size));
+        let ffn = config
+            .intermediate_size
+            .max(config.moe.as_ref().map_or(0, |m| m.moe_intermediate_size));
         let widest_input = config.hidden_size.max(config.q_dim()).max(ffn);
         let moe = match &config.moe {
             Some(moe) => Some(MoeWorkspace {
@@ -65,7 +67,10 @@ impl Workspace {
             up: alloc("mlp up", b * ffn)?,
             logits: alloc("logits", logit_rows.max(1) * config.vocab_size)?,
             matmul_scratch: alloc("matmul panels", matmul_scratch_len(n_threads, widest_input))?,
-            attention_scratch: alloc("attention scores", attention_scratch_len(n_threads, context))?,
+            attention_scratch: alloc(
+                "attention scores",
+                attention_scratch_len(n_threads, context),
+            )?,
             moe,
         })
     }

@@ -118,16 +118,27 @@ impl BufferOwner {
     ///
     /// The pages are written here, so the buffer is resident from the start: the memory the
     /// list names is the memory the process really holds.
-    pub fn alloc(&self, kind: BufferKind, label: impl Into<String>, bytes: usize) -> Result<Buffer> {
+    pub fn alloc(
+        &self,
+        kind: BufferKind,
+        label: impl Into<String>,
+        bytes: usize,
+    ) -> Result<Buffer> {
         let label = label.into();
         let storage = if bytes == 0 {
             Storage::Empty
         } else {
-            let layout = Layout::from_size_align(bytes, BUFFER_ALIGN)
-                .map_err(|_| Error::AllocFailed { label: label.clone(), bytes })?;
+            let layout =
+                Layout::from_size_align(bytes, BUFFER_ALIGN).map_err(|_| Error::AllocFailed {
+                    label: label.clone(),
+                    bytes,
+                })?;
             // SAFETY: layout has a non-zero size.
             let ptr = unsafe { std::alloc::alloc(layout) };
-            let ptr = NonNull::new(ptr).ok_or_else(|| Error::AllocFailed { label: label.clone(), bytes })?;
+            let ptr = NonNull::new(ptr).ok_or_else(|| Error::AllocFailed {
+                label: label.clone(),
+                bytes,
+            })?;
             // SAFETY: ptr points to `bytes` writable bytes just allocated.
             unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, bytes) };
             Storage::Heap { ptr, layout }
@@ -136,7 +147,12 @@ impl BufferOwner {
     }
 
     /// Allocates a buffer holding a copy of `data`.
-    pub fn alloc_copy(&self, kind: BufferKind, label: impl Into<String>, data: &[u8]) -> Result<Buffer> {
+    pub fn alloc_copy(
+        &self,
+        kind: BufferKind,
+        label: impl Into<String>,
+        data: &[u8],
+    ) -> Result<Buffer> {
         let mut buf = self.alloc(kind, label, data.len())?;
         buf.bytes_mut().copy_from_slice(data);
         Ok(buf)
@@ -144,7 +160,10 @@ impl BufferOwner {
 
     /// Maps a file read-only. The mapping is the buffer; tensors are read in place.
     pub fn map_file(&self, kind: BufferKind, path: &Path) -> Result<Buffer> {
-        let io_err = |source| Error::Io { path: PathBuf::from(path), source };
+        let io_err = |source| Error::Io {
+            path: PathBuf::from(path),
+            source,
+        };
         let file = File::open(path).map_err(io_err)?;
         let len = file.metadata().map_err(io_err)?.len();
         let storage = if len == 0 {
@@ -161,8 +180,22 @@ impl BufferOwner {
     fn register(&self, kind: BufferKind, label: String, storage: Storage) -> Buffer {
         let id = BufferId(self.registry.next_id.fetch_add(1, Ordering::Relaxed));
         let (addr, bytes) = storage.region();
-        self.registry.live().insert(id, BufferInfo { id, kind, label, addr, bytes });
-        Buffer { registry: Arc::clone(&self.registry), id, kind, storage }
+        self.registry.live().insert(
+            id,
+            BufferInfo {
+                id,
+                kind,
+                label,
+                addr,
+                bytes,
+            },
+        );
+        Buffer {
+            registry: Arc::clone(&self.registry),
+            id,
+            kind,
+            storage,
+        }
     }
 
     /// Frees a buffer. Same as dropping it; spelled out where the intent matters.
@@ -182,7 +215,12 @@ impl BufferOwner {
 
     /// Bytes held by live buffers of one kind.
     pub fn bytes_of(&self, kind: BufferKind) -> usize {
-        self.registry.live().values().filter(|b| b.kind == kind).map(|b| b.bytes).sum()
+        self.registry
+            .live()
+            .values()
+            .filter(|b| b.kind == kind)
+            .map(|b| b.bytes)
+            .sum()
     }
 }
 
@@ -217,7 +255,11 @@ unsafe impl Sync for Buffer {}
 
 impl fmt::Debug for Buffer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Buffer").field("id", &self.id).field("kind", &self.kind).field("bytes", &self.len()).finish()
+        f.debug_struct("Buffer")
+            .field("id", &self.id)
+            .field("kind", &self.kind)
+            .field("bytes", &self.len())
+            .finish()
     }
 }
 
@@ -246,7 +288,9 @@ impl Buffer {
         match &self.storage {
             Storage::Empty => &[],
             // SAFETY: the allocation is `layout.size()` bytes, initialised at allocation.
-            Storage::Heap { ptr, layout } => unsafe { std::slice::from_raw_parts(ptr.as_ptr(), layout.size()) },
+            Storage::Heap { ptr, layout } => unsafe {
+                std::slice::from_raw_parts(ptr.as_ptr(), layout.size())
+            },
             Storage::Mapped(map) => map,
         }
     }
@@ -256,7 +300,9 @@ impl Buffer {
         match &mut self.storage {
             Storage::Empty | Storage::Mapped(_) => &mut [],
             // SAFETY: as in `bytes`, and `&mut self` makes the access exclusive.
-            Storage::Heap { ptr, layout } => unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), layout.size()) },
+            Storage::Heap { ptr, layout } => unsafe {
+                std::slice::from_raw_parts_mut(ptr.as_ptr(), layout.size())
+            },
         }
     }
 
@@ -299,7 +345,10 @@ mod tests {
         let list = owner.list();
         assert_eq!(list, vec![b_info.clone()]);
         assert_eq!(owner.total_bytes(), 8192);
-        assert_eq!(list[0].range(), b.bytes().as_ptr() as usize..b.bytes().as_ptr() as usize + 8192);
+        assert_eq!(
+            list[0].range(),
+            b.bytes().as_ptr() as usize..b.bytes().as_ptr() as usize + 8192
+        );
         drop(b);
         assert!(owner.list().is_empty());
         assert_eq!(owner.total_bytes(), 0);
@@ -331,7 +380,9 @@ mod tests {
         assert_eq!(owner.list()[0].kind, BufferKind::Weights);
         drop(map);
         assert!(owner.list().is_empty());
-        let err = owner.map_file(BufferKind::Weights, &dir.join("missing.bin")).unwrap_err();
+        let err = owner
+            .map_file(BufferKind::Weights, &dir.join("missing.bin"))
+            .unwrap_err();
         assert!(err.to_string().contains("missing.bin"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -70,12 +70,18 @@ impl ThreadPool {
                     .expect("spawning a compute thread")
             })
             .collect();
-        ThreadPool { shared, workers, region: Mutex::new(()) }
+        ThreadPool {
+            shared,
+            workers,
+            region: Mutex::new(()),
+        }
     }
 
     /// The threads this process may run on (its CPU affinity), at least 1.
     pub fn available_parallelism() -> usize {
-        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
     }
 
     pub fn n_threads(&self) -> usize {
@@ -105,7 +111,7 @@ impl ThreadPool {
         let mut spins = 0u32;
         while shared.pending.load(Ordering::Acquire) != 0 {
             spins = spins.wrapping_add(1);
-            if spins % 1024 == 0 {
+            if spins.is_multiple_of(1024) {
                 std::thread::yield_now();
             } else {
                 std::hint::spin_loop();
@@ -116,7 +122,12 @@ impl ThreadPool {
         if let Err(payload) = own {
             resume_unwind(payload);
         }
-        if let Some(payload) = shared.panic.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        if let Some(payload) = shared
+            .panic
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
             resume_unwind(payload);
         }
     }
@@ -171,13 +182,15 @@ fn worker_loop(shared: &Shared, index: usize) {
                 break;
             }
             spins = spins.wrapping_add(1);
-            if spins % 256 != 0 || spin_start.elapsed() < SPIN_BEFORE_SLEEP {
+            if !spins.is_multiple_of(256) || spin_start.elapsed() < SPIN_BEFORE_SLEEP {
                 std::hint::spin_loop();
                 continue;
             }
             shared.sleepers.fetch_add(1, Ordering::SeqCst);
             let guard = shared.sleep_lock.lock().unwrap_or_else(|p| p.into_inner());
-            if shared.epoch.load(Ordering::SeqCst) == seen && !shared.shutdown.load(Ordering::SeqCst) {
+            if shared.epoch.load(Ordering::SeqCst) == seen
+                && !shared.shutdown.load(Ordering::SeqCst)
+            {
                 drop(shared.wake.wait(guard).unwrap_or_else(|p| p.into_inner()));
             }
             shared.sleepers.fetch_sub(1, Ordering::SeqCst);
@@ -197,7 +210,11 @@ impl Drop for ThreadPool {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::SeqCst);
         {
-            let _guard = self.shared.sleep_lock.lock().unwrap_or_else(|p| p.into_inner());
+            let _guard = self
+                .shared
+                .sleep_lock
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
             self.shared.wake.notify_all();
         }
         for worker in self.workers.drain(..) {

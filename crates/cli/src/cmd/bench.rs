@@ -24,11 +24,25 @@ fn decode(args: BenchDecodeArgs) -> anyhow::Result<ExitCode> {
     } else {
         println!("model            {}", report.model);
         println!("threads          {} ({})", report.threads, report.isa);
-        println!("prefill          {:.1} tok/s  (pp{}, median of {})", report.prefill_tok_s, args.prompt_tokens, report.prefill_runs.len());
-        println!("decode           {:.2} tok/s  (tg{}, median of {})", report.decode_tok_s, args.decode_tokens, report.decode_runs.len());
+        println!(
+            "prefill          {:.1} tok/s  (pp{}, median of {})",
+            report.prefill_tok_s,
+            args.prompt_tokens,
+            report.prefill_runs.len()
+        );
+        println!(
+            "decode           {:.2} tok/s  (tg{}, median of {})",
+            report.decode_tok_s,
+            args.decode_tokens,
+            report.decode_runs.len()
+        );
         println!("bytes per token  {:.3} GB", report.bytes_per_token / 1e9);
         println!("read bandwidth   {:.1} GB/s", report.bandwidth_gb_s);
-        println!("bound            {:.2} tok/s  (decode at {:.0}% of it)", report.bound_tok_s, report.decode_tok_s / report.bound_tok_s * 100.0);
+        println!(
+            "bound            {:.2} tok/s  (decode at {:.0}% of it)",
+            report.bound_tok_s,
+            report.decode_tok_s / report.bound_tok_s * 100.0
+        );
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -9,9 +9,14 @@ use crate::args::ModelArgs;
 
 /// Loads the model named by the shared flags, logging what was loaded and how long it took.
 pub fn load_engine(args: &ModelArgs) -> anyhow::Result<Engine> {
-    let options = EngineOptions { threads: args.threads, context: args.context, ..EngineOptions::default() };
+    let options = EngineOptions {
+        threads: args.threads,
+        context: args.context,
+        ..EngineOptions::default()
+    };
     let start = std::time::Instant::now();
-    let engine = Engine::load(&args.model, &options).with_context(|| format!("loading {}", args.model.display()))?;
+    let engine = Engine::load(&args.model, &options)
+        .with_context(|| format!("loading {}", args.model.display()))?;
     let bytes: usize = engine.buffers().iter().map(|b| b.bytes).sum();
     tracing::info!(
         "loaded {} ({}, {} layers) in {:.2} s: {} buffers, {:.2} GiB, {} threads, context {}",

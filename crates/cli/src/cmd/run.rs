@@ -26,7 +26,11 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         if args.no_think {
             kwargs.insert("enable_thinking".into(), false.into());
         }
-        let message = ChatMessage { role: "user".into(), content: args.prompt.clone(), reasoning_content: None };
+        let message = ChatMessage {
+            role: "user".into(),
+            content: args.prompt.clone(),
+            reasoning_content: None,
+        };
         engine.encode_chat(&[message], &kwargs)?
     } else {
         engine.encode_prompt(&args.prompt)?
@@ -45,11 +49,11 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         if step.is_eos && !params.ignore_eos {
             return ControlFlow::Continue(());
         }
-        if let Some(text) = decoder.push(step.token) {
-            if let Err(e) = out.write_all(text.as_bytes()).and_then(|_| out.flush()) {
-                write_error = Some(e);
-                return ControlFlow::Break(());
-            }
+        if let Some(text) = decoder.push(step.token)
+            && let Err(e) = out.write_all(text.as_bytes()).and_then(|_| out.flush())
+        {
+            write_error = Some(e);
+            return ControlFlow::Break(());
         }
         ControlFlow::Continue(())
     })?;
@@ -61,7 +65,8 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         return Err(e).context("writing to stdout");
     }
     if let Some(text) = decoder.flush() {
-        out.write_all(text.as_bytes()).context("writing to stdout")?;
+        out.write_all(text.as_bytes())
+            .context("writing to stdout")?;
     }
     // A terminal gets a final newline so the shell prompt starts on its own line; a pipe gets
     // exactly the generated text.
@@ -79,7 +84,11 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         prefill_s,
         generation.prompt_tokens as f64 / prefill_s.max(1e-9),
         generation.tokens.len(),
-        if decode_s > 0.0 { decoded as f64 / decode_s } else { 0.0 },
+        if decode_s > 0.0 {
+            decoded as f64 / decode_s
+        } else {
+            0.0
+        },
         match generation.finish_reason {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",

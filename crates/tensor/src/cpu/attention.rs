@@ -38,11 +38,21 @@ pub fn causal_attention(
     out: &mut [f32],
     scratch: &mut [f32],
 ) {
-    let AttentionShape { n_heads, n_kv_heads, head_dim } = shape;
-    assert!(n_heads % n_kv_heads == 0, "attention: {n_heads} heads over {n_kv_heads} kv heads");
+    let AttentionShape {
+        n_heads,
+        n_kv_heads,
+        head_dim,
+    } = shape;
+    assert!(
+        n_heads % n_kv_heads == 0,
+        "attention: {n_heads} heads over {n_kv_heads} kv heads"
+    );
     let kv_row = n_kv_heads * head_dim;
     let context = pos0 + n;
-    assert!(keys.len() >= context * kv_row && values.len() >= context * kv_row, "attention: cache too short");
+    assert!(
+        keys.len() >= context * kv_row && values.len() >= context * kv_row,
+        "attention: cache too short"
+    );
     assert!(q.len() >= n * n_heads * head_dim && out.len() >= n * n_heads * head_dim);
     let per_thread = scratch.len() / pool.n_threads();
     assert!(per_thread >= context, "attention: scratch too small");
@@ -90,7 +100,11 @@ simd_dispatch!(fn attend(job: Job) => attend_items);
 
 #[inline(always)]
 unsafe fn attend_items<S: Simd>(job: Job) {
-    let AttentionShape { n_heads, n_kv_heads, head_dim: d } = job.shape;
+    let AttentionShape {
+        n_heads,
+        n_kv_heads,
+        head_dim: d,
+    } = job.shape;
     let group = n_heads / n_kv_heads;
     let kv_row = n_kv_heads * d;
     let scores = unsafe { job.scratch.get().add(job.thread * job.per_thread) };
@@ -117,7 +131,13 @@ unsafe fn attend_items<S: Simd>(job: Job) {
             }
             softmax::<S>(scores, visible);
             let value = |t: usize| job.values.get().add(t * kv_row + kv_offset) as *const f32;
-            weighted_sum::<S>(scores, visible, value, job.out.get().add((i * n_heads + h) * d), d);
+            weighted_sum::<S>(
+                scores,
+                visible,
+                value,
+                job.out.get().add((i * n_heads + h) * d),
+                d,
+            );
         }
     }
 }
@@ -143,7 +163,12 @@ unsafe fn dot4<S: Simd>(q: *const f32, k: [*const f32; 4], d: usize) -> [f32; 4]
                 acc[j] = S::fma(qv, S::load_partial(k[j].add(p), d - p), acc[j]);
             }
         }
-        [S::hsum(acc[0]), S::hsum(acc[1]), S::hsum(acc[2]), S::hsum(acc[3])]
+        [
+            S::hsum(acc[0]),
+            S::hsum(acc[1]),
+            S::hsum(acc[2]),
+            S::hsum(acc[3]),
+        ]
     }
 }
 
@@ -176,7 +201,13 @@ unsafe fn softmax<S: Simd>(x: *mut f32, n: usize) {
 
 /// `out = Σ_t w[t] · v(t)`, summed in key order with the accumulators kept in registers.
 #[inline(always)]
-unsafe fn weighted_sum<S: Simd>(w: *const f32, n: usize, v: impl Fn(usize) -> *const f32, out: *mut f32, d: usize) {
+unsafe fn weighted_sum<S: Simd>(
+    w: *const f32,
+    n: usize,
+    v: impl Fn(usize) -> *const f32,
+    out: *mut f32,
+    d: usize,
+) {
     const BLOCK: usize = 8;
     unsafe {
         let mut base = 0;
@@ -198,7 +229,11 @@ unsafe fn weighted_sum<S: Simd>(w: *const f32, n: usize, v: impl Fn(usize) -> *c
             let len = S::LANES.min(d - base);
             let mut acc = S::zero();
             for t in 0..n {
-                acc = S::fma(S::splat(*w.add(t)), S::load_partial(v(t).add(base), len), acc);
+                acc = S::fma(
+                    S::splat(*w.add(t)),
+                    S::load_partial(v(t).add(base), len),
+                    acc,
+                );
             }
             S::store_partial(out.add(base), acc, len);
             base += len;
@@ -212,7 +247,11 @@ mod tests {
 
     #[test]
     fn matches_naive_attention_and_decode_equals_prefill() {
-        let shape = AttentionShape { n_heads: 6, n_kv_heads: 2, head_dim: 20 };
+        let shape = AttentionShape {
+            n_heads: 6,
+            n_kv_heads: 2,
+            head_dim: 20,
+        };
         let (n, kv_row, q_row) = (7usize, 40usize, 120usize);
         let mut seed = 7u64;
         let mut next = || {
@@ -230,19 +269,40 @@ mod tests {
             for h in 0..6 {
                 let kvh = h / 3;
                 let s: Vec<f64> = (0..=i)
-                    .map(|t| (0..20).map(|e| q[i * q_row + h * 20 + e] as f64 * k[t * kv_row + kvh * 20 + e] as f64).sum::<f64>() * 0.3)
+                    .map(|t| {
+                        (0..20)
+                            .map(|e| {
+                                q[i * q_row + h * 20 + e] as f64
+                                    * k[t * kv_row + kvh * 20 + e] as f64
+                            })
+                            .sum::<f64>()
+                            * 0.3
+                    })
                     .collect();
                 let m = s.iter().cloned().fold(f64::MIN, f64::max);
                 let z: f64 = s.iter().map(|x| (x - m).exp()).sum();
                 for e in 0..20 {
-                    let want: f64 = (0..=i).map(|t| (s[t] - m).exp() / z * v[t * kv_row + kvh * 20 + e] as f64).sum();
+                    let want: f64 = (0..=i)
+                        .map(|t| (s[t] - m).exp() / z * v[t * kv_row + kvh * 20 + e] as f64)
+                        .sum();
                     assert!((out[i * q_row + h * 20 + e] as f64 - want).abs() < 1e-5);
                 }
             }
         }
         // The last query computed alone (decode) is bit-identical to its row in the prefill.
         let mut last = vec![0f32; q_row];
-        causal_attention(&pool, &q[(n - 1) * q_row..], &k, &v, n - 1, 1, shape, 0.3, &mut last, &mut scratch);
+        causal_attention(
+            &pool,
+            &q[(n - 1) * q_row..],
+            &k,
+            &v,
+            n - 1,
+            1,
+            shape,
+            0.3,
+            &mut last,
+            &mut scratch,
+        );
         assert_eq!(last, &out[(n - 1) * q_row..]);
     }
 }

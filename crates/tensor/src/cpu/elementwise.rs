@@ -88,11 +88,17 @@ pub fn rope_in_place(
     let half = head_dim / 2;
     let row_len = n_heads * head_dim;
     let rows = x.len() / row_len;
-    assert!((pos0 + rows) * half <= cos.len(), "rope: positions beyond the table");
+    assert!(
+        (pos0 + rows) * half <= cos.len(),
+        "rope: positions beyond the table"
+    );
     let ptr = SharedPtr(x.as_mut_ptr());
     for_rows(pool, rows, row_len, |r| {
         let pos = pos0 + r;
-        let (c, s) = (&cos[pos * half..(pos + 1) * half], &sin[pos * half..(pos + 1) * half]);
+        let (c, s) = (
+            &cos[pos * half..(pos + 1) * half],
+            &sin[pos * half..(pos + 1) * half],
+        );
         // SAFETY: each row index is visited by one thread only.
         let row = unsafe { std::slice::from_raw_parts_mut(ptr.get().add(r * row_len), row_len) };
         for head in row.chunks_exact_mut(head_dim) {
@@ -112,7 +118,10 @@ pub fn silu_mul(pool: &ThreadPool, gate: &mut [f32], up: &[f32]) {
     assert!(up.len() >= n);
     const CHUNK: usize = 4096;
     let isa = Isa::detect();
-    let (g, u) = (SharedPtr(gate.as_mut_ptr()), SharedPtr(up.as_ptr() as *mut f32));
+    let (g, u) = (
+        SharedPtr(gate.as_mut_ptr()),
+        SharedPtr(up.as_ptr() as *mut f32),
+    );
     for_rows(pool, n.div_ceil(CHUNK), CHUNK, |c| {
         let start = c * CHUNK;
         // SAFETY: each chunk is visited by one thread only.

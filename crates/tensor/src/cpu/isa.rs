@@ -18,7 +18,10 @@ impl Isa {
         static DETECTED: OnceLock<Isa> = OnceLock::new();
         *DETECTED.get_or_init(|| {
             let best = Self::available()[0];
-            match std::env::var("EMBER_CPU_ISA").ok().and_then(|name| Self::from_name(&name)) {
+            match std::env::var("EMBER_CPU_ISA")
+                .ok()
+                .and_then(|name| Self::from_name(&name))
+            {
                 Some(wanted) if Self::available().contains(&wanted) => wanted,
                 _ => best,
             }
@@ -38,7 +41,10 @@ impl Isa {
             {
                 sets.push(Isa::Avx512);
             }
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
+            if is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+            {
                 sets.push(Isa::Avx2);
             }
         }

@@ -14,9 +14,11 @@ use crate::dtype::DType;
 use crate::pool::{ThreadPool, split_range};
 
 /// Weight rows computed together: each activation vector loaded feeds this many FMAs.
-const NR: usize = 4;
+const NR: usize = 6;
 /// Activation rows computed together in prefill.
 const MR: usize = 4;
+/// How far ahead of its loads decode prefetches each weight row, in elements.
+const PREFETCH_ELEMENTS: usize = 256;
 /// Bytes of activation rows a prefill block keeps in a core's L2 while panels stream past.
 const ACTIVATION_BLOCK_BYTES: usize = 768 * 1024;
 
@@ -31,15 +33,33 @@ pub struct MatRef<'a> {
 
 impl<'a> MatRef<'a> {
     pub fn new(dtype: DType, data: &'a [u8], rows: usize, cols: usize) -> Self {
-        assert_eq!(data.len(), rows * cols * dtype.size_in_bytes(), "matrix bytes must match its shape");
-        assert_eq!(data.as_ptr() as usize % dtype.size_in_bytes(), 0, "matrix data must be aligned to its element");
-        MatRef { dtype, data, rows, cols }
+        assert_eq!(
+            data.len(),
+            rows * cols * dtype.size_in_bytes(),
+            "matrix bytes must match its shape"
+        );
+        assert_eq!(
+            data.as_ptr() as usize % dtype.size_in_bytes(),
+            0,
+            "matrix data must be aligned to its element"
+        );
+        MatRef {
+            dtype,
+            data,
+            rows,
+            cols,
+        }
     }
 
     /// Rows `start..end` as a matrix of their own.
     pub fn slice_rows(&self, start: usize, end: usize) -> MatRef<'a> {
         let row_bytes = self.cols * self.dtype.size_in_bytes();
-        MatRef { dtype: self.dtype, data: &self.data[start * row_bytes..end * row_bytes], rows: end - start, cols: self.cols }
+        MatRef {
+            dtype: self.dtype,
+            data: &self.data[start * row_bytes..end * row_bytes],
+            rows: end - start,
+            cols: self.cols,
+        }
     }
 }
 
@@ -51,15 +71,33 @@ pub fn matmul_scratch_len(n_threads: usize, k: usize) -> usize {
 /// `y[i, j] = Σ_p x[i, p] · w[j, p]` for `i < m`, `j < w.rows`, `p < w.cols`.
 ///
 /// `scratch` holds at least [`matmul_scratch_len`] f32s (used when `m > MR`).
-pub fn matmul(pool: &ThreadPool, x: &[f32], m: usize, w: &MatRef<'_>, y: &mut [f32], scratch: &mut [f32]) {
+pub fn matmul(
+    pool: &ThreadPool,
+    x: &[f32],
+    m: usize,
+    w: &MatRef<'_>,
+    y: &mut [f32],
+    scratch: &mut [f32],
+) {
     let (n, k) = (w.rows, w.cols);
-    assert!(x.len() >= m * k, "matmul: x has {} values, needs {m}×{k}", x.len());
-    assert!(y.len() >= m * n, "matmul: y has {} values, needs {m}×{n}", y.len());
+    assert!(
+        x.len() >= m * k,
+        "matmul: x has {} values, needs {m}×{k}",
+        x.len()
+    );
+    assert!(
+        y.len() >= m * n,
+        "matmul: y has {} values, needs {m}×{n}",
+        y.len()
+    );
     if m == 0 || n == 0 {
         return;
     }
     if m > MR {
-        assert!(scratch.len() >= matmul_scratch_len(pool.n_threads(), k), "matmul: scratch too small");
+        assert!(
+            scratch.len() >= matmul_scratch_len(pool.n_threads(), k),
+            "matmul: scratch too small"
+        );
     }
     let isa = Isa::detect();
     let x_ptr = SharedPtr(x.as_ptr() as *mut f32);
@@ -76,7 +114,17 @@ pub fn matmul(pool: &ThreadPool, x: &[f32], m: usize, w: &MatRef<'_>, y: &mut [f
         let blocks = split_range(blocks, parts, thread);
         let rows = blocks.start * NR..(blocks.end * NR).min(n);
         let panel = SharedPtr(unsafe { scratch_ptr.get().add(thread * NR * k) });
-        let job = Job { x: x_ptr, m, k, w: w_ptr, n, y: y_ptr, rows_start: rows.start, rows_end: rows.end, panel };
+        let job = Job {
+            x: x_ptr,
+            m,
+            k,
+            w: w_ptr,
+            n,
+            y: y_ptr,
+            rows_start: rows.start,
+            rows_end: rows.end,
+            panel,
+        };
         match dtype {
             DType::F32 => matmul_rows_f32(isa, job),
             DType::BF16 => matmul_rows_bf16(isa, job),
@@ -129,15 +177,18 @@ unsafe fn matmul_rows<S: Simd, W: WeightElem>(job: Job) {
         if m == 1 {
             let mut j = job.rows_start;
             while j < job.rows_end {
-                let out = tile::<S, W, 1, NR>([x_row(0)], [w_row(j), w_row(j + 1), w_row(j + 2), w_row(j + 3)], k);
+                let out = tile::<S, W, 1, NR>([x_row(0)], std::array::from_fn(|c| w_row(j + c)), k);
                 store_tile::<1, NR>(&out, y, n, 0, 1, j, job.rows_end);
                 j += NR;
             }
         } else if m <= MR {
             let mut j = job.rows_start;
             while j < job.rows_end {
-                let xs = [x_row(0), x_row(1), x_row(2), x_row(3)];
-                let out = tile::<S, W, MR, NR>(xs, [w_row(j), w_row(j + 1), w_row(j + 2), w_row(j + 3)], k);
+                let out = tile::<S, W, MR, NR>(
+                    std::array::from_fn(x_row),
+                    std::array::from_fn(|c| w_row(j + c)),
+                    k,
+                );
                 store_tile::<MR, NR>(&out, y, n, 0, m, j, job.rows_end);
                 j += NR;
             }
@@ -157,11 +208,12 @@ unsafe fn matmul_rows<S: Simd, W: WeightElem>(job: Job) {
                             *dst.add(p) = (*src.add(p)).to_f32();
                         }
                     }
-                    let ws = [panel as *const f32, panel.add(k), panel.add(2 * k), panel.add(3 * k)];
+                    let ws: [*const f32; NR] =
+                        std::array::from_fn(|c| panel.add(c * k) as *const f32);
                     let mut i = i0;
                     while i < i_end {
-                        let xs = [x_row(i), x_row(i + 1), x_row(i + 2), x_row(i + 3)];
-                        let out = tile::<S, f32, MR, NR>(xs, ws, k);
+                        let out =
+                            tile::<S, f32, MR, NR>(std::array::from_fn(|r| x_row(i + r)), ws, k);
                         store_tile::<MR, NR>(&out, y, n, i, i_end, j, job.rows_end);
                         i += MR;
                     }
@@ -209,6 +261,12 @@ unsafe fn tile<S: Simd, W: WeightElem, const R: usize, const C: usize>(
         let full = k / S::LANES * S::LANES;
         let mut p = 0;
         while p < full {
+            if R == 1 {
+                // Decode streams each weight row once: ask for it a few lines ahead.
+                for row in &w {
+                    S::prefetch(row.add(p + PREFETCH_ELEMENTS).cast());
+                }
+            }
             for c in 0..C {
                 wv[c] = W::load::<S>(w[c].add(p));
             }
@@ -247,23 +305,40 @@ mod tests {
     use super::*;
 
     fn lcg(seed: &mut u64) -> f32 {
-        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
 
     fn encode(values: &[f32], dtype: DType) -> Vec<u8> {
         match dtype {
             DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            DType::BF16 => values.iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect(),
-            DType::F16 => values.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect(),
+            DType::BF16 => values
+                .iter()
+                .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+                .collect(),
+            DType::F16 => values
+                .iter()
+                .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+                .collect(),
         }
     }
 
     fn decode(bytes: &[u8], dtype: DType) -> Vec<f32> {
         match dtype {
-            DType::F32 => bytes.chunks(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect(),
-            DType::BF16 => bytes.chunks(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-            DType::F16 => bytes.chunks(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            DType::F32 => bytes
+                .chunks(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect(),
+            DType::BF16 => bytes
+                .chunks(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            DType::F16 => bytes
+                .chunks(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
         }
     }
 
@@ -285,26 +360,57 @@ mod tests {
         let pool = ThreadPool::new(threads);
         let mut scratch = vec![0f32; matmul_scratch_len(threads, k)];
         let mut y = vec![f32::NAN; m * n];
-        matmul(&pool, &x, m, &MatRef::new(dtype, w_stored, n, k), &mut y, &mut scratch);
+        matmul(
+            &pool,
+            &x,
+            m,
+            &MatRef::new(dtype, w_stored, n, k),
+            &mut y,
+            &mut scratch,
+        );
         for i in 0..m {
             for j in 0..n {
-                let want: f64 = (0..k).map(|p| x[i * k + p] as f64 * w_exact[j * k + p] as f64).sum();
+                let want: f64 = (0..k)
+                    .map(|p| x[i * k + p] as f64 * w_exact[j * k + p] as f64)
+                    .sum();
                 let got = y[i * n + j] as f64;
-                assert!((got - want).abs() <= 1e-4 * (k as f64).sqrt(), "m={m} n={n} k={k} {dtype}: y[{i},{j}] = {got}, want {want}");
+                assert!(
+                    (got - want).abs() <= 1e-4 * (k as f64).sqrt(),
+                    "m={m} n={n} k={k} {dtype}: y[{i},{j}] = {got}, want {want}"
+                );
             }
         }
         // Row independence: each row alone gives the very same bits as inside the batch.
         for i in [0, m / 2, m - 1] {
             let mut y1 = vec![0f32; n];
-            matmul(&pool, &x[i * k..(i + 1) * k], 1, &MatRef::new(dtype, w_stored, n, k), &mut y1, &mut scratch);
-            assert_eq!(y1, &y[i * n..(i + 1) * n], "row {i} alone differs from row {i} in a batch of {m}");
+            matmul(
+                &pool,
+                &x[i * k..(i + 1) * k],
+                1,
+                &MatRef::new(dtype, w_stored, n, k),
+                &mut y1,
+                &mut scratch,
+            );
+            assert_eq!(
+                y1,
+                &y[i * n..(i + 1) * n],
+                "row {i} alone differs from row {i} in a batch of {m}"
+            );
         }
     }
 
     #[test]
     fn matches_f64_reference_and_is_batch_invariant() {
         for dtype in [DType::F32, DType::BF16, DType::F16] {
-            for &(m, n, k) in &[(1, 1, 1), (1, 7, 33), (3, 9, 16), (4, 4, 64), (5, 13, 100), (37, 21, 200), (9, 64, 17)] {
+            for &(m, n, k) in &[
+                (1, 1, 1),
+                (1, 7, 33),
+                (3, 9, 16),
+                (4, 4, 64),
+                (5, 13, 100),
+                (37, 21, 200),
+                (9, 64, 17),
+            ] {
                 for threads in [1, 2, 3] {
                     check(m, n, k, dtype, threads);
                 }

@@ -12,7 +12,9 @@ mod probe;
 pub(crate) mod simd;
 
 pub use attention::{AttentionShape, attention_scratch_len, causal_attention};
-pub use elementwise::{add_assign, add_bias, rms_norm, rms_norm_in_place, rope_in_place, silu_mul, softmax_in_place};
+pub use elementwise::{
+    add_assign, add_bias, rms_norm, rms_norm_in_place, rope_in_place, silu_mul, softmax_in_place,
+};
 pub use isa::Isa;
 pub use matmul::{MatRef, matmul, matmul_scratch_len};
 pub use probe::read_sum;

@@ -7,17 +7,26 @@ use crate::pool::ThreadPool;
 /// Sums `data` with every thread reading its own contiguous part, at full vector width and with
 /// independent accumulators, so the loop is limited by memory, not by arithmetic.
 pub fn read_sum(pool: &ThreadPool, data: &[f32]) -> f32 {
-    let partial: Vec<std::sync::Mutex<f32>> = (0..pool.n_threads()).map(|_| std::sync::Mutex::new(0.0)).collect();
+    let partial: Vec<std::sync::Mutex<f32>> = (0..pool.n_threads())
+        .map(|_| std::sync::Mutex::new(0.0))
+        .collect();
     let isa = Isa::detect();
     let base = SharedPtr(data.as_ptr() as *mut f32);
     let parts = pool.n_threads();
     pool.broadcast(&|thread| {
         let range = crate::pool::split_range(data.len(), parts, thread);
         // SAFETY: each thread reads its own range of `data`.
-        let sum = sum_range(isa, SharedPtr(unsafe { base.get().add(range.start) }), range.len());
+        let sum = sum_range(
+            isa,
+            SharedPtr(unsafe { base.get().add(range.start) }),
+            range.len(),
+        );
         *partial[thread].lock().unwrap_or_else(|p| p.into_inner()) = sum;
     });
-    partial.iter().map(|p| *p.lock().unwrap_or_else(|e| e.into_inner())).sum()
+    partial
+        .iter()
+        .map(|p| *p.lock().unwrap_or_else(|e| e.into_inner()))
+        .sum()
 }
 
 simd_dispatch!(fn sum_range(ptr: SharedPtr<f32>, len: usize) -> f32 => sum_generic);

@@ -37,18 +37,32 @@ pub(crate) unsafe trait Simd: Copy {
     /// `2^n` for lanes holding integers `n` in the normal exponent range.
     unsafe fn pow2i(n: Self::V) -> Self::V;
     unsafe fn hsum(v: Self::V) -> f32;
+    /// Hints that the cache line at `p` will be read soon.
+    #[inline(always)]
+    unsafe fn prefetch(p: *const u8) {
+        let _ = p;
+    }
 
     /// `e^x`, within 2 ulp over the range where the result is a normal f32 (Cephes' expf:
     /// reduce by ln 2, a degree-5 polynomial, scale by a power of two).
     #[inline(always)]
     unsafe fn exp(x: Self::V) -> Self::V {
         unsafe {
-            let x = Self::min(Self::max(x, Self::splat(-87.336_54)), Self::splat(88.722_83));
+            let x = Self::min(
+                Self::max(x, Self::splat(-87.336_54)),
+                Self::splat(88.722_83),
+            );
             let n = Self::round(Self::mul(x, Self::splat(std::f32::consts::LOG2_E)));
             let r = Self::fma(n, Self::splat(-0.693_359_4), x);
             let r = Self::fma(n, Self::splat(2.121_944_4e-4), r);
             let mut p = Self::splat(1.987_569_1e-4);
-            for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
+            for c in [
+                1.398_199_9e-3,
+                8.333_452e-3,
+                4.166_579_6e-2,
+                0.166_666_65,
+                0.5,
+            ] {
                 p = Self::fma(p, r, Self::splat(c));
             }
             let y = Self::fma(p, Self::mul(r, r), Self::add(r, Self::splat(1.0)));
@@ -328,7 +342,16 @@ mod x86 {
         }
         #[inline(always)]
         unsafe fn pow2i(n: __m512) -> __m512 {
-            unsafe { _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)))) }
+            unsafe {
+                _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(
+                    _mm512_cvtps_epi32(n),
+                    _mm512_set1_epi32(127),
+                )))
+            }
+        }
+        #[inline(always)]
+        unsafe fn prefetch(p: *const u8) {
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
         }
         #[inline(always)]
         unsafe fn hsum(v: __m512) -> f32 {
@@ -448,7 +471,16 @@ mod x86 {
         }
         #[inline(always)]
         unsafe fn pow2i(n: __m256) -> __m256 {
-            unsafe { _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)))) }
+            unsafe {
+                _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
+                    _mm256_cvtps_epi32(n),
+                    _mm256_set1_epi32(127),
+                )))
+            }
+        }
+        #[inline(always)]
+        unsafe fn prefetch(p: *const u8) {
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
         }
         #[inline(always)]
         unsafe fn hsum(v: __m256) -> f32 {
@@ -471,7 +503,10 @@ mod tests {
                 out[0]
             };
             let want = (x as f64).exp();
-            assert!(((got as f64 - want) / want).abs() < 3e-7, "exp({x}) = {got}, want {want}");
+            assert!(
+                ((got as f64 - want) / want).abs() < 3e-7,
+                "exp({x}) = {got}, want {want}"
+            );
         }
     }
 

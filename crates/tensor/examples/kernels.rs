@@ -1,0 +1,61 @@
+//! Kernel micro-benchmarks: `cargo run --release -p ember-tensor --example kernels [threads]`.
+//! Prints the read bandwidth of the probe beside matrix-vector and matrix-matrix rates.
+
+use std::time::Instant;
+
+use ember_tensor::cpu::{MatRef, matmul, matmul_scratch_len, read_sum};
+use ember_tensor::{BufferKind, BufferOwner, DType, ThreadPool};
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() {
+    let threads: usize = std::env::args()
+        .nth(1)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(2);
+    let pool = ThreadPool::new(threads);
+    let owner = BufferOwner::new();
+    let probe = owner.alloc(BufferKind::Scratch, "probe", 1 << 30).unwrap();
+    let rates: Vec<f64> = (0..5)
+        .map(|_| {
+            let t = Instant::now();
+            std::hint::black_box(read_sum(&pool, probe.as_slice()));
+            (1u64 << 30) as f64 / t.elapsed().as_secs_f64() / 1e9
+        })
+        .collect();
+    println!("probe read          {:6.1} GB/s", median(rates));
+    drop(probe);
+
+    // A 600 MB bf16 matrix: far past the 260 MB L3, as decode's weights are.
+    let (n, k) = (300_000usize, 1024usize);
+    let mut w = owner.alloc(BufferKind::Scratch, "w", n * k * 2).unwrap();
+    for (i, v) in w.as_mut_slice::<u16>().iter_mut().enumerate() {
+        *v = half::bf16::from_f32(((i * 7919) % 1000) as f32 * 1e-3 - 0.5).to_bits();
+    }
+    let x: Vec<f32> = (0..k * 512).map(|i| (i % 13) as f32 * 0.01).collect();
+    let mut y = vec![0f32; n.max(512 * 4096)];
+    let mut scratch = vec![0f32; matmul_scratch_len(threads, k)];
+    let mat = MatRef::new(DType::BF16, w.bytes(), n, k);
+    let rates: Vec<f64> = (0..5)
+        .map(|_| {
+            let t = Instant::now();
+            matmul(&pool, &x, 1, &mat, &mut y, &mut scratch);
+            (n * k * 2) as f64 / t.elapsed().as_secs_f64() / 1e9
+        })
+        .collect();
+    println!("bf16 matvec         {:6.1} GB/s of weights", median(rates));
+
+    let (n, m) = (4096usize, 512usize);
+    let small = MatRef::new(DType::BF16, &w.bytes()[..n * k * 2], n, k);
+    let rates: Vec<f64> = (0..3)
+        .map(|_| {
+            let t = Instant::now();
+            matmul(&pool, &x, m, &small, &mut y, &mut scratch);
+            (2 * m * n * k) as f64 / t.elapsed().as_secs_f64() / 1e9
+        })
+        .collect();
+    println!("bf16 gemm 512x4096x1024 {:6.1} GFLOP/s", median(rates));
+}
