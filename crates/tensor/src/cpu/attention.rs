@@ -108,10 +108,12 @@ unsafe fn attend_items<S: Simd>(job: Job) {
     let group = n_heads / n_kv_heads;
     let kv_row = n_kv_heads * d;
     let scores = unsafe { job.scratch.get().add(job.thread * job.per_thread) };
-    // Items are dealt out in turn: a later query sees more keys, so contiguous shares of a
-    // prompt would leave the first thread idle while the last works.
+    // Items go head by head, so one head's keys and values stay in cache across its queries;
+    // they are dealt out in turn, since a later query sees more keys and contiguous shares of
+    // a prompt would leave the first thread idle while the last works.
+    let n = job.items / n_heads;
     for item in (job.thread..job.items).step_by(job.parts) {
-        let (i, h) = (item / n_heads, item % n_heads);
+        let (h, i) = (item / n, item % n);
         let visible = job.pos0 + i + 1;
         let kv_offset = (h / group) * d;
         unsafe {
