@@ -15,6 +15,8 @@ pub struct Cli {
 pub enum Command {
     /// Generate a completion for one prompt; the text goes to stdout, timings to stderr.
     Run(RunArgs),
+    /// Serve an OpenAI-compatible HTTP API (chat and text completions, streaming or not).
+    Serve(ServeArgs),
     /// Measure speed.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -74,6 +76,33 @@ pub struct RunArgs {
     /// Disable thinking in templates that support it (passes enable_thinking=false).
     #[arg(long)]
     pub no_think: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Address to listen on; loopback by default, so nothing outside this machine can reach it.
+    #[arg(long, default_value = "127.0.0.1", env = "EMBER_HOST")]
+    pub host: String,
+    /// Port to listen on (0 picks a free one; the log line says which).
+    #[arg(long, default_value_t = 8026, env = "EMBER_PORT")]
+    pub port: u16,
+    /// File of API keys, one per line; then /v1/* requires `Authorization: Bearer KEY`.
+    #[arg(long, env = "EMBER_API_KEYS_FILE")]
+    pub api_keys_file: Option<PathBuf>,
+    /// Model name reported by /v1/models and in responses [default: the model directory's name].
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Seconds in-flight requests may run on after SIGINT/SIGTERM before they are cancelled.
+    #[arg(long, default_value_t = 5.0)]
+    pub shutdown_timeout: f64,
+    /// Requests that may wait for the engine; beyond this the server answers 503.
+    #[arg(long, default_value_t = 64)]
+    pub max_queue: usize,
+    /// Largest request body in bytes; larger bodies get 413.
+    #[arg(long, default_value_t = 4 * 1024 * 1024)]
+    pub max_body_bytes: usize,
 }
 
 #[derive(Subcommand, Debug)]

@@ -42,7 +42,7 @@ impl Default for EngineOptions {
 }
 
 /// One generation request.
-#[derive(Clone, Debug)]
+#[derive(Clone, Copy, Debug)]
 pub struct GenerateParams {
     pub max_tokens: usize,
     pub sampling: SamplingParams,
@@ -78,13 +78,63 @@ pub struct Generation {
     pub decode_time: Duration,
 }
 
+/// Turns prompts and chats into token ids; cheap to clone and usable from any thread, so a
+/// server can validate requests while the engine generates.
+#[derive(Clone)]
+pub struct PromptEncoder {
+    dir: PathBuf,
+    tokenizer: Arc<Tokenizer>,
+    template: Option<Arc<ChatTemplate>>,
+}
+
+impl PromptEncoder {
+    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
+        &self.tokenizer
+    }
+
+    pub fn has_chat_template(&self) -> bool {
+        self.template.is_some()
+    }
+
+    /// The chat template's source, if the model has one.
+    pub fn chat_template_source(&self) -> Option<&str> {
+        self.tokenizer.chat_template()
+    }
+
+    /// Tokens of a raw prompt, with the tokenizer's own special tokens (a BOS, for Llama).
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>> {
+        Ok(self.tokenizer.encode(text, true)?)
+    }
+
+    /// Renders messages with the model's chat template and tokenizes the result as is.
+    pub fn encode_chat(
+        &self,
+        messages: &[ChatMessage],
+        kwargs: &serde_json::Map<String, Value>,
+    ) -> Result<Vec<u32>> {
+        let text = self.render_chat(messages, kwargs)?;
+        Ok(self.tokenizer.encode(&text, false)?)
+    }
+
+    pub fn render_chat(
+        &self,
+        messages: &[ChatMessage],
+        kwargs: &serde_json::Map<String, Value>,
+    ) -> Result<String> {
+        let template = self
+            .template
+            .as_ref()
+            .ok_or_else(|| Error::NoChatTemplate(self.dir.clone()))?;
+        Ok(template.render(messages, true, kwargs)?)
+    }
+}
+
 pub struct Engine {
     dir: PathBuf,
     owner: BufferOwner,
     pool: ThreadPool,
     model: Transformer,
-    tokenizer: Arc<Tokenizer>,
-    template: Option<ChatTemplate>,
+    encoder: PromptEncoder,
     eos_ids: Vec<u32>,
     workspace: Workspace,
     kv: KvCache,
@@ -110,11 +160,13 @@ impl Engine {
         let config = ModelConfig::from_dir(dir)?;
         let tokenizer = Arc::new(Tokenizer::from_dir(dir)?);
         let template = match tokenizer.chat_template() {
-            Some(source) => Some(ChatTemplate::new(
-                source,
-                tokenizer.bos_token().map(str::to_owned),
-                tokenizer.eos_token().map(str::to_owned),
-            )?),
+            Some(source) => {
+                let (bos, eos) = (
+                    tokenizer.bos_token().map(str::to_owned),
+                    tokenizer.eos_token().map(str::to_owned),
+                );
+                Some(Arc::new(ChatTemplate::new(source, bos, eos)?))
+            }
             None => None,
         };
         let eos_ids = eos_token_ids(dir, &config, &tokenizer)?;
@@ -145,13 +197,17 @@ impl Engine {
             &owner,
         )?;
         let kv = KvCache::new(&model.config, context, &owner)?;
+        let encoder = PromptEncoder {
+            dir: dir.to_path_buf(),
+            tokenizer,
+            template,
+        };
         Ok(Engine {
             dir: dir.to_path_buf(),
             owner,
             pool,
             model,
-            tokenizer,
-            template,
+            encoder,
             eos_ids,
             workspace,
             kv,
@@ -172,7 +228,12 @@ impl Engine {
     }
 
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {
-        &self.tokenizer
+        &self.encoder.tokenizer
+    }
+
+    /// A handle that tokenizes prompts and chats for this model, usable from other threads.
+    pub fn encoder(&self) -> &PromptEncoder {
+        &self.encoder
     }
 
     pub fn threads(&self) -> usize {
@@ -201,34 +262,30 @@ impl Engine {
     }
 
     pub fn has_chat_template(&self) -> bool {
-        self.template.is_some()
+        self.encoder.has_chat_template()
     }
 
-    /// Tokens of a raw prompt, with the tokenizer's own special tokens (a BOS, for Llama).
+    /// See [`PromptEncoder::encode_prompt`].
     pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>> {
-        Ok(self.tokenizer.encode(text, true)?)
+        self.encoder.encode_prompt(text)
     }
 
-    /// Renders messages with the model's chat template and tokenizes the result as is.
+    /// See [`PromptEncoder::encode_chat`].
     pub fn encode_chat(
         &self,
         messages: &[ChatMessage],
         kwargs: &serde_json::Map<String, Value>,
     ) -> Result<Vec<u32>> {
-        let text = self.render_chat(messages, kwargs)?;
-        Ok(self.tokenizer.encode(&text, false)?)
+        self.encoder.encode_chat(messages, kwargs)
     }
 
+    /// See [`PromptEncoder::render_chat`].
     pub fn render_chat(
         &self,
         messages: &[ChatMessage],
         kwargs: &serde_json::Map<String, Value>,
     ) -> Result<String> {
-        let template = self
-            .template
-            .as_ref()
-            .ok_or_else(|| Error::NoChatTemplate(self.dir.clone()))?;
-        Ok(template.render(messages, true, kwargs)?)
+        self.encoder.render_chat(messages, kwargs)
     }
 
     /// Forgets the sequence: the next prefill starts at position 0.

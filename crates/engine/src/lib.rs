@@ -15,6 +15,7 @@ pub mod synthetic;
 pub mod tokenizer;
 
 pub use engine::{
-    DEFAULT_CONTEXT, Engine, EngineOptions, FinishReason, GenerateParams, Generation, Step,
+    DEFAULT_CONTEXT, Engine, EngineOptions, FinishReason, GenerateParams, Generation,
+    PromptEncoder, Step,
 };
 pub use error::{Error, Result};

@@ -1,6 +1,7 @@
 pub mod bench;
 pub mod gen_checkpoint;
 pub mod run;
+pub mod serve;
 
 use anyhow::Context;
 use ember_engine::{Engine, EngineOptions};
@@ -30,4 +31,12 @@ pub fn load_engine(args: &ModelArgs) -> anyhow::Result<Engine> {
         engine.context(),
     );
     Ok(engine)
+}
+
+pub fn engine_options(args: &ModelArgs) -> EngineOptions {
+    EngineOptions {
+        threads: args.threads,
+        context: args.context,
+        ..EngineOptions::default()
+    }
 }

@@ -1,0 +1,33 @@
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use ember_server::ServerOptions;
+
+use crate::args::ServeArgs;
+
+pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
+    if !(args.shutdown_timeout.is_finite() && args.shutdown_timeout >= 0.0) {
+        bail!("--shutdown-timeout must be a number of seconds >= 0");
+    }
+    let options = ServerOptions {
+        host: args.host,
+        port: args.port,
+        model: args.model.model.clone(),
+        engine: super::engine_options(&args.model),
+        api_keys_file: args.api_keys_file,
+        served_model_name: args.served_model_name,
+        shutdown_timeout: Duration::from_secs_f64(args.shutdown_timeout),
+        max_queue: args.max_queue,
+        max_body_bytes: args.max_body_bytes,
+    };
+    // The engine computes on its own threads; the runtime only moves bytes.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(ember_server::run(options))?;
+    tracing::info!("stopped");
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,180 @@
+//! Prometheus counters, gauges and histograms for `/metrics`, in the text exposition format.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+
+/// Latency buckets in seconds, from a fast token to a slow first token.
+const LATENCY_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
+pub struct Histogram {
+    buckets: &'static [f64],
+    counts: Vec<AtomicU64>,
+    count: AtomicU64,
+    /// Sum in microseconds, so it can be an atomic integer.
+    sum_micros: AtomicU64,
+}
+
+impl Histogram {
+    fn new(buckets: &'static [f64]) -> Self {
+        Histogram {
+            buckets,
+            counts: buckets.iter().map(|_| AtomicU64::new(0)).collect(),
+            count: AtomicU64::new(0),
+            sum_micros: AtomicU64::new(0),
+        }
+    }
+
+    pub fn observe(&self, seconds: f64) {
+        for (bound, count) in self.buckets.iter().zip(&self.counts) {
+            if seconds <= *bound {
+                count.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.sum_micros
+            .fetch_add((seconds * 1e6) as u64, Ordering::Relaxed);
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for (bound, count) in self.buckets.iter().zip(&self.counts) {
+            let _ = writeln!(
+                out,
+                "{name}_bucket{{le=\"{bound}\"}} {}",
+                count.load(Ordering::Relaxed)
+            );
+        }
+        let count = self.count.load(Ordering::Relaxed);
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
+        let _ = writeln!(
+            out,
+            "{name}_sum {}",
+            self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6
+        );
+        let _ = writeln!(out, "{name}_count {count}");
+    }
+}
+
+pub struct Metrics {
+    requests: Mutex<BTreeMap<(&'static str, u16), u64>>,
+    pub prompt_tokens: AtomicU64,
+    pub generation_tokens: AtomicU64,
+    pub time_to_first_token: Histogram,
+    pub inter_token_latency: Histogram,
+    pub running: AtomicI64,
+    pub queued: AtomicI64,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics {
+            requests: Mutex::new(BTreeMap::new()),
+            prompt_tokens: AtomicU64::new(0),
+            generation_tokens: AtomicU64::new(0),
+            time_to_first_token: Histogram::new(LATENCY_BUCKETS),
+            inter_token_latency: Histogram::new(LATENCY_BUCKETS),
+            running: AtomicI64::new(0),
+            queued: AtomicI64::new(0),
+        }
+    }
+}
+
+impl Metrics {
+    /// Counts a finished request by endpoint (a route template, never the raw path) and status.
+    pub fn count_request(&self, endpoint: &'static str, status: u16) {
+        *self
+            .requests
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry((endpoint, status))
+            .or_default() += 1;
+    }
+
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        out.push_str("# HELP ember_requests_total Requests answered, by endpoint and HTTP status.\n# TYPE ember_requests_total counter\n");
+        for ((endpoint, status), count) in self
+            .requests
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+        {
+            let _ = writeln!(
+                out,
+                "ember_requests_total{{endpoint=\"{endpoint}\",status=\"{status}\"}} {count}"
+            );
+        }
+        let counter = |out: &mut String, name: &str, help: &str, value: u64| {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}"
+            );
+        };
+        let gauge = |out: &mut String, name: &str, help: &str, value: i64| {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
+            );
+        };
+        counter(
+            &mut out,
+            "ember_prompt_tokens_total",
+            "Prompt tokens processed.",
+            self.prompt_tokens.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut out,
+            "ember_generation_tokens_total",
+            "Tokens generated.",
+            self.generation_tokens.load(Ordering::Relaxed),
+        );
+        self.time_to_first_token.render(
+            &mut out,
+            "ember_time_to_first_token_seconds",
+            "From request arrival to the first generated token.",
+        );
+        self.inter_token_latency.render(
+            &mut out,
+            "ember_inter_token_latency_seconds",
+            "Between consecutive generated tokens of a request.",
+        );
+        gauge(
+            &mut out,
+            "ember_requests_running",
+            "Requests generating now.",
+            self.running.load(Ordering::Relaxed),
+        );
+        gauge(
+            &mut out,
+            "ember_requests_queued",
+            "Requests waiting for the engine.",
+            self.queued.load(Ordering::Relaxed),
+        );
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_prometheus_text() {
+        let m = Metrics::default();
+        m.count_request("/v1/completions", 200);
+        m.count_request("/v1/completions", 200);
+        m.time_to_first_token.observe(0.02);
+        let text = m.render();
+        assert!(
+            text.contains("ember_requests_total{endpoint=\"/v1/completions\",status=\"200\"} 2")
+        );
+        assert!(text.contains("ember_time_to_first_token_seconds_bucket{le=\"0.025\"} 1"));
+        assert!(text.contains("ember_time_to_first_token_seconds_bucket{le=\"0.01\"} 0"));
+        assert!(text.contains("ember_time_to_first_token_seconds_count 1"));
+        assert!(text.contains("# TYPE ember_requests_queued gauge"));
+    }
+}

@@ -1,0 +1,231 @@
+//! Binding, loading, serving and shutting down.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use ember_engine::{Engine, EngineOptions, PromptEncoder};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+
+use crate::metrics::Metrics;
+use crate::worker::{self, Job};
+
+#[derive(Clone, Debug)]
+pub struct ServerOptions {
+    pub host: String,
+    pub port: u16,
+    pub model: PathBuf,
+    pub engine: EngineOptions,
+    /// One key per line; when set, `/v1/*` needs `Authorization: Bearer KEY`.
+    pub api_keys_file: Option<PathBuf>,
+    /// The model name clients see; defaults to the model directory's name.
+    pub served_model_name: Option<String>,
+    /// How long in-flight requests may run on after SIGINT/SIGTERM before they are cancelled.
+    pub shutdown_timeout: Duration,
+    /// Requests that may wait for the engine; more get 503.
+    pub max_queue: usize,
+    /// Largest request body accepted; larger gets 413.
+    pub max_body_bytes: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error("{}: {message}", path.display())]
+    ApiKeys { path: PathBuf, message: String },
+    #[error("loading the model failed: {0}")]
+    Load(#[from] ember_engine::Error),
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// What the routes need once the model is loaded.
+pub(crate) struct Ready {
+    pub queue: mpsc::Sender<Job>,
+    pub encoder: PromptEncoder,
+    pub context: usize,
+}
+
+pub(crate) struct AppState {
+    pub ready: OnceLock<Ready>,
+    pub model_name: String,
+    pub api_keys: Vec<String>,
+    pub metrics: Arc<Metrics>,
+    pub max_body_bytes: usize,
+    pub created: u64,
+}
+
+/// Binds to `--host:--port`, then serves until SIGINT or SIGTERM.
+pub async fn run(options: ServerOptions) -> Result<(), ServerError> {
+    let addr = format!("{}:{}", options.host, options.port);
+    let listener = TcpListener::bind(&addr)
+        .await
+        .map_err(|source| ServerError::Bind {
+            addr: addr.clone(),
+            source,
+        })?;
+    serve(listener, options, shutdown_signal()).await
+}
+
+/// Serves on `listener` until `shutdown` completes; then stops accepting, lets in-flight
+/// requests finish for up to the shutdown timeout, cancels what is left, and returns.
+pub async fn serve(
+    listener: TcpListener,
+    options: ServerOptions,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServerError> {
+    let api_keys = match &options.api_keys_file {
+        Some(path) => read_api_keys(path)?,
+        None => Vec::new(),
+    };
+    let model_name = options.served_model_name.clone().unwrap_or_else(|| {
+        options
+            .model
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "ember".into())
+    });
+    let local: SocketAddr = listener.local_addr()?;
+    tracing::info!(
+        "listening on http://{local}; loading {}",
+        options.model.display()
+    );
+    let state = Arc::new(AppState {
+        ready: OnceLock::new(),
+        model_name,
+        api_keys,
+        metrics: Arc::new(Metrics::default()),
+        max_body_bytes: options.max_body_bytes,
+        created: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+    });
+    let abort = Arc::new(AtomicBool::new(false));
+
+    let (load_failed_tx, load_failed_rx) = tokio::sync::oneshot::channel::<ember_engine::Error>();
+    let worker = {
+        let (state, abort, options) = (Arc::clone(&state), Arc::clone(&abort), options.clone());
+        std::thread::Builder::new()
+            .name("ember-engine".into())
+            .spawn(move || {
+                let engine = match Engine::load(&options.model, &options.engine) {
+                    Ok(engine) => engine,
+                    Err(e) => {
+                        let _ = load_failed_tx.send(e);
+                        return;
+                    }
+                };
+                let (queue, receiver) = mpsc::channel(options.max_queue.max(1));
+                let ready = Ready {
+                    queue,
+                    encoder: engine.encoder().clone(),
+                    context: engine.context(),
+                };
+                tracing::info!(
+                    "ready: serving {} on http://{local} (context {}, {} threads)",
+                    state.model_name,
+                    engine.context(),
+                    engine.threads()
+                );
+                let _ = state.ready.set(ready);
+                worker::run(engine, receiver, Arc::clone(&state.metrics), abort);
+            })?
+    };
+
+    let router = crate::routes::router(Arc::clone(&state));
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let graceful = {
+        let mut stop_rx = stop_rx.clone();
+        async move {
+            let _ = stop_rx.wait_for(|stop| *stop).await;
+        }
+    };
+    let server = axum::serve(listener, router).with_graceful_shutdown(graceful);
+    let mut server = std::pin::pin!(server.into_future());
+
+    let load_failed = async move {
+        match load_failed_rx.await {
+            Ok(e) => Some(e),
+            Err(_) => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        result = &mut server => return result.map_err(ServerError::Io),
+        error = load_failed => {
+            let _ = stop_tx.send(true);
+            return Err(ServerError::Load(error.expect("a load error")));
+        }
+        () = shutdown => {}
+    }
+
+    let in_flight = state.metrics.running.load(Ordering::Relaxed)
+        + state.metrics.queued.load(Ordering::Relaxed);
+    tracing::info!(
+        "shutting down: no new connections; {in_flight} requests get up to {:?} to finish",
+        options.shutdown_timeout
+    );
+    let _ = stop_tx.send(true);
+    if tokio::time::timeout(options.shutdown_timeout, &mut server)
+        .await
+        .is_err()
+    {
+        tracing::warn!("shutdown timeout passed: cancelling the requests still running");
+        abort.store(true, Ordering::Relaxed);
+        // Cancelled streams end at their next token; give them a moment to say so.
+        let _ = tokio::time::timeout(Duration::from_secs(1), &mut server).await;
+    }
+    abort.store(true, Ordering::Relaxed);
+    drop(worker);
+    Ok(())
+}
+
+fn read_api_keys(path: &PathBuf) -> Result<Vec<String>, ServerError> {
+    let text = std::fs::read_to_string(path).map_err(|e| ServerError::ApiKeys {
+        path: path.clone(),
+        message: e.to_string(),
+    })?;
+    let keys: Vec<String> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(str::to_owned)
+        .collect();
+    if keys.is_empty() {
+        return Err(ServerError::ApiKeys {
+            path: path.clone(),
+            message: "no keys in the file (one key per line)".into(),
+        });
+    }
+    Ok(keys)
+}
+
+/// Completes on SIGINT (Ctrl-C) or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = terminate => {}
+    }
+}

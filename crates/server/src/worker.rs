@@ -1,0 +1,144 @@
+//! The engine thread: takes jobs off a bounded queue, in order, and streams token events back.
+//!
+//! The engine is not `Sync` and a forward pass takes milliseconds to seconds, so it lives on a
+//! thread of its own rather than in the async runtime. Routes talk to it through [`Job`]s and
+//! per-job event channels; a job is cancelled (at its next token) when its cancel flag is set
+//! or nobody listens to its events any more.
+
+use std::ops::ControlFlow;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use ember_engine::detokenizer::StreamDecoder;
+use ember_engine::sampler::{logprob_of, top_logprobs};
+use ember_engine::{Engine, FinishReason, GenerateParams};
+use tokio::sync::mpsc;
+
+use crate::metrics::Metrics;
+
+/// One generation request, tokenized and validated.
+pub struct Job {
+    pub prompt: Vec<u32>,
+    pub params: GenerateParams,
+    /// Report each token's log-probability and this many alternatives.
+    pub logprobs: Option<usize>,
+    pub cancel: Arc<AtomicBool>,
+    pub events: mpsc::UnboundedSender<Event>,
+}
+
+#[derive(Debug)]
+pub enum Event {
+    /// The job left the queue and generation began.
+    Started,
+    Token(TokenEvent),
+    /// Text the detokenizer held back until the end.
+    Tail(String),
+    Finished {
+        finish_reason: FinishReason,
+        completion_tokens: usize,
+    },
+    /// The engine failed; the message is for the client.
+    Failed(String),
+}
+
+#[derive(Debug, Clone)]
+pub struct TokenEvent {
+    pub id: u32,
+    /// New text, complete UTF-8; empty for special tokens and held-back partial characters.
+    pub text: String,
+    pub logprob: Option<f32>,
+    pub top_logprobs: Vec<(u32, f32)>,
+}
+
+/// Sets a job's cancel flag when dropped: a client that goes away stops its generation.
+pub struct CancelOnDrop(pub Arc<AtomicBool>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Runs jobs until the queue closes. `abort` cancels the running job and fails queued ones
+/// (a shutdown past its grace period).
+pub fn run(
+    mut engine: Engine,
+    mut queue: mpsc::Receiver<Job>,
+    metrics: Arc<Metrics>,
+    abort: Arc<AtomicBool>,
+) {
+    let tokenizer = engine.tokenizer().clone();
+    while let Some(job) = queue.blocking_recv() {
+        metrics.queued.fetch_sub(1, Ordering::Relaxed);
+        if abort.load(Ordering::Relaxed) {
+            let _ = job
+                .events
+                .send(Event::Failed("the server is shutting down".into()));
+            continue;
+        }
+        if job.cancel.load(Ordering::Relaxed) || job.events.send(Event::Started).is_err() {
+            continue;
+        }
+        metrics.running.fetch_add(1, Ordering::Relaxed);
+        metrics
+            .prompt_tokens
+            .fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
+        let mut decoder = StreamDecoder::new(tokenizer.clone());
+        let ignore_eos = job.params.ignore_eos;
+        let started = Instant::now();
+        let result = engine.generate(&job.prompt, &job.params, |step| {
+            if job.cancel.load(Ordering::Relaxed) || abort.load(Ordering::Relaxed) {
+                return ControlFlow::Break(());
+            }
+            let text = if step.is_eos && !ignore_eos {
+                String::new()
+            } else {
+                decoder.push(step.token).unwrap_or_default()
+            };
+            let (logprob, top) = match job.logprobs {
+                Some(n) => (
+                    Some(logprob_of(step.logits, step.token)),
+                    top_logprobs(step.logits, n),
+                ),
+                None => (None, Vec::new()),
+            };
+            let event = Event::Token(TokenEvent {
+                id: step.token,
+                text,
+                logprob,
+                top_logprobs: top,
+            });
+            if job.events.send(event).is_err() {
+                job.cancel.store(true, Ordering::Relaxed);
+                return ControlFlow::Break(());
+            }
+            ControlFlow::Continue(())
+        });
+        metrics.running.fetch_sub(1, Ordering::Relaxed);
+        match result {
+            Ok(generation) => {
+                metrics
+                    .generation_tokens
+                    .fetch_add(generation.tokens.len() as u64, Ordering::Relaxed);
+                if let Some(tail) = decoder.flush() {
+                    let _ = job.events.send(Event::Tail(tail));
+                }
+                let _ = job.events.send(Event::Finished {
+                    finish_reason: generation.finish_reason,
+                    completion_tokens: generation.tokens.len(),
+                });
+                tracing::debug!(
+                    prompt_tokens = generation.prompt_tokens,
+                    completion_tokens = generation.tokens.len(),
+                    seconds = started.elapsed().as_secs_f64(),
+                    "request done"
+                );
+            }
+            Err(e) => {
+                tracing::warn!("generation failed: {e}");
+                let _ = job.events.send(Event::Failed(e.to_string()));
+            }
+        }
+    }
+}
