@@ -265,13 +265,16 @@ async fn submit(
     }
 }
 
+/// A generated token with its log-probability and the top alternatives, when asked for.
+type TokenInfo = (u32, Option<f32>, Vec<(u32, f32)>);
+
 /// Text, reasoning and log-probabilities from one token, after stop strings and reasoning
 /// tags are handled.
 #[derive(Default)]
 struct Piece {
     content: String,
     reasoning: String,
-    token: Option<(u32, Option<f32>, Vec<(u32, f32)>)>,
+    token: Option<TokenInfo>,
 }
 
 /// Turns a job's events into pieces of output, applying stop strings and the reasoning split,

@@ -130,13 +130,14 @@ pub async fn serve(
                     encoder: engine.encoder().clone(),
                     context: engine.context(),
                 };
-                tracing::info!(
-                    "ready: serving {} on http://{local} (context {}, {} threads)",
-                    state.model_name,
-                    engine.context(),
-                    engine.threads()
-                );
+                let threads = engine.threads();
+                let context = ready.context;
                 let _ = state.ready.set(ready);
+                // Logged only once /health answers 200: tools wait for this line.
+                tracing::info!(
+                    "ready: serving {} on http://{local} (context {context}, {threads} threads)",
+                    state.model_name
+                );
                 worker::run(engine, receiver, Arc::clone(&state.metrics), abort);
             })?
     };

@@ -117,6 +117,12 @@ pub fn run(
         });
         metrics.running.fetch_sub(1, Ordering::Relaxed);
         match result {
+            // A generation cut short by shutdown must not look finished to its client.
+            Ok(_) if abort.load(Ordering::Relaxed) => {
+                let _ = job.events.send(Event::Failed(
+                    "the server shut down before the request finished".into(),
+                ));
+            }
             Ok(generation) => {
                 metrics
                     .generation_tokens

@@ -13,7 +13,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let options = ServerOptions {
         host: args.host,
         port: args.port,
-        model: args.model.model.clone(),
+        model: super::model_path(&args.model)?,
         engine: super::engine_options(&args.model),
         api_keys_file: args.api_keys_file,
         served_model_name: args.served_model_name,

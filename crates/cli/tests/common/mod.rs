@@ -43,11 +43,25 @@ pub fn ids(value: &Value) -> Vec<u32> {
 
 /// `ember run` on the same model: its stdout is exactly the generated text.
 pub fn ember_run(model: &str, prompt: &str, max_tokens: usize) -> String {
+    ember_run_args(
+        model,
+        &[
+            "--prompt",
+            prompt,
+            "-n",
+            &max_tokens.to_string(),
+            "--ignore-eos",
+        ],
+    )
+}
+
+/// `ember run --model <fixture> --threads 2 <args>`; returns stdout.
+pub fn ember_run_args(model: &str, args: &[&str]) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_ember"))
         .args(["run", "--model"])
         .arg(fixture(model))
-        .args(["--prompt", prompt, "-n", &max_tokens.to_string()])
-        .args(["--ignore-eos", "--threads", "2"])
+        .args(["--threads", "2"])
+        .args(args)
         .env("EMBER_LOG", "warn")
         .output()
         .expect("running ember run");
@@ -66,7 +80,8 @@ impl TempFile {
     pub fn new(tag: &str, contents: &str) -> TempFile {
         static COUNTER: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
         let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let path = std::env::temp_dir().join(format!("ember-test-{}-{tag}-{n}", std::process::id()));
+        let path =
+            std::env::temp_dir().join(format!("ember-test-{}-{tag}-{n}", std::process::id()));
         std::fs::write(&path, contents).expect("writing a temp file");
         TempFile(path)
     }
@@ -89,6 +104,9 @@ pub struct Server {
     lines: mpsc::Receiver<String>,
     log: Arc<Mutex<Vec<String>>>,
     ready: bool,
+    /// The `/health` status right after the `ready: serving` line was read (None when the line
+    /// came before the listening one was seen).
+    pub health_at_ready_line: Option<u16>,
 }
 
 impl Server {
@@ -133,9 +151,16 @@ impl Server {
                 }
             });
         }
-        let mut server =
-            Server { child: Some(child), addr: String::new(), lines, log, ready: false };
-        let line = server.wait_for_line(|l| l.contains("listening on") || l.contains("ready: serving"));
+        let mut server = Server {
+            child: Some(child),
+            addr: String::new(),
+            lines,
+            log,
+            ready: false,
+            health_at_ready_line: None,
+        };
+        let line =
+            server.wait_for_line(|l| l.contains("listening on") || l.contains("ready: serving"));
         server.addr = parse_addr(&line).unwrap_or_else(|| panic!("no address in {line:?}"));
         if line.contains("ready: serving") {
             server.ready = true;
@@ -143,15 +168,32 @@ impl Server {
         server
     }
 
-    /// Waits for the `ready: serving http://...` line.
+    /// Waits for the `ready: serving http://...` line, then until `/health` says 200.
+    ///
+    /// The server logs that line just before it marks itself ready, so a request sent the
+    /// moment the line appears can still get 503 "loading"; `health_at_ready_line` records what
+    /// the first one got, and the test `health_is_ok_as_soon_as_ready_is_logged` holds the
+    /// server to the line. Here, other tests are kept clear of that race.
     pub fn wait_ready(&mut self) {
-        if self.ready {
-            return;
+        if !self.ready {
+            let line = self.wait_for_line(|l| l.contains("ready: serving"));
+            let addr = parse_addr(&line).unwrap_or_else(|| panic!("no address in {line:?}"));
+            assert_eq!(
+                addr, self.addr,
+                "the ready line names the address the server listens on"
+            );
+            self.ready = true;
+            self.health_at_ready_line = Some(self.get("/health").status);
         }
-        let line = self.wait_for_line(|l| l.contains("ready: serving"));
-        let addr = parse_addr(&line).unwrap_or_else(|| panic!("no address in {line:?}"));
-        assert_eq!(addr, self.addr, "the ready line names the address the server listens on");
-        self.ready = true;
+        let deadline = Instant::now() + READY_TIMEOUT;
+        while self.get("/health").status != 200 {
+            assert!(
+                Instant::now() < deadline,
+                "/health never answered 200; log:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     fn wait_for_line(&mut self, want: impl Fn(&str) -> bool) -> String {
@@ -166,7 +208,10 @@ impl Server {
                 }
                 Err(mpsc::RecvTimeoutError::Disconnected) => {
                     let status = self.child.as_mut().and_then(|c| c.wait().ok());
-                    panic!("the server exited ({status:?}) before it was ready; log:\n{}", self.log())
+                    panic!(
+                        "the server exited ({status:?}) before it was ready; log:\n{}",
+                        self.log()
+                    )
                 }
             }
         }
@@ -251,14 +296,18 @@ impl Server {
             body.to_string().as_bytes(),
         )
         .unwrap_or_else(|e| panic!("POST {path}: {e}"));
-        assert_eq!(
-            stream.status,
-            200,
-            "streaming {path} failed: {}",
-            String::from_utf8_lossy(&stream.read_body().unwrap_or_default())
-        );
+        if stream.status != 200 {
+            let body = stream.read_body().unwrap_or_default();
+            panic!(
+                "streaming {path} failed: {} {}",
+                stream.status,
+                String::from_utf8_lossy(&body)
+            );
+        }
         assert!(
-            stream.header("content-type").is_some_and(|t| t.starts_with("text/event-stream")),
+            stream
+                .header("content-type")
+                .is_some_and(|t| t.starts_with("text/event-stream")),
             "content-type {:?}",
             stream.header("content-type")
         );
@@ -284,9 +333,13 @@ impl Drop for Server {
 
 /// The value of the series `name` (exactly as written before the value, labels included).
 pub fn metric(text: &str, series: &str) -> Option<f64> {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
+    text.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
+        l.strip_prefix(series)?
+            .strip_prefix(' ')?
+            .trim()
+            .parse()
+            .ok()
+    })
 }
 
 fn parse_addr(line: &str) -> Option<String> {
@@ -307,7 +360,10 @@ pub struct HttpResponse {
 impl HttpResponse {
     pub fn header(&self, name: &str) -> Option<&str> {
         let name = name.to_ascii_lowercase();
-        self.headers.iter().find(|(n, _)| *n == name).map(|(_, v)| v.as_str())
+        self.headers
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, v)| v.as_str())
     }
 
     pub fn text(&self) -> String {
@@ -316,7 +372,11 @@ impl HttpResponse {
 
     pub fn json(&self) -> Value {
         serde_json::from_slice(&self.body).unwrap_or_else(|e| {
-            panic!("status {}: the body is not JSON ({e}): {:?}", self.status, self.text())
+            panic!(
+                "status {}: the body is not JSON ({e}): {:?}",
+                self.status,
+                self.text()
+            )
         })
     }
 }
@@ -347,10 +407,13 @@ fn write_request(
     stream.write_all(head.as_bytes())?;
     // A server may answer (413) and close before reading a large body; its answer is still
     // readable, so a failed write of the body is not an error by itself.
-    if let Err(e) = stream.write_all(body) {
-        if !matches!(e.kind(), io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset) {
-            return Err(e);
-        }
+    if let Err(e) = stream.write_all(body)
+        && !matches!(
+            e.kind(),
+            io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset
+        )
+    {
+        return Err(e);
     }
     stream.flush()
 }
@@ -359,18 +422,29 @@ fn write_request(
 fn read_head(reader: &mut BufReader<TcpStream>) -> io::Result<(u16, Vec<(String, String)>)> {
     let mut line = String::new();
     if reader.read_line(&mut line)? == 0 {
-        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed before a status line"));
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "connection closed before a status line",
+        ));
     }
     let status = line
         .split_whitespace()
         .nth(1)
         .and_then(|s| s.parse().ok())
-        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, format!("bad status line {line:?}")))?;
+        .ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("bad status line {line:?}"),
+            )
+        })?;
     let mut headers = Vec::new();
     loop {
         line.clear();
         if reader.read_line(&mut line)? == 0 {
-            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed in the headers"));
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "connection closed in the headers",
+            ));
         }
         let trimmed = line.trim_end();
         if trimmed.is_empty() {
@@ -393,10 +467,25 @@ struct Body {
 
 impl Body {
     fn new(reader: BufReader<TcpStream>, headers: &[(String, String)]) -> Body {
-        let get = |name: &str| headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str());
-        let chunked = get("transfer-encoding").is_some_and(|v| v.to_ascii_lowercase().contains("chunked"));
-        let remaining = if chunked { None } else { get("content-length").and_then(|v| v.parse().ok()) };
-        Body { reader, chunked, remaining, ended: false }
+        let get = |name: &str| {
+            headers
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, v)| v.as_str())
+        };
+        let chunked =
+            get("transfer-encoding").is_some_and(|v| v.to_ascii_lowercase().contains("chunked"));
+        let remaining = if chunked {
+            None
+        } else {
+            get("content-length").and_then(|v| v.parse().ok())
+        };
+        Body {
+            reader,
+            chunked,
+            remaining,
+            ended: false,
+        }
     }
 
     /// The next piece of the body; `None` at its end.
@@ -407,11 +496,18 @@ impl Body {
         if self.chunked {
             let mut line = String::new();
             if self.reader.read_line(&mut line)? == 0 {
-                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed inside a chunked body"));
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "connection closed inside a chunked body",
+                ));
             }
             let size_text = line.trim().split(';').next().unwrap_or("");
-            let size = usize::from_str_radix(size_text, 16)
-                .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, format!("bad chunk size {line:?}")))?;
+            let size = usize::from_str_radix(size_text, 16).map_err(|_| {
+                io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("bad chunk size {line:?}"),
+                )
+            })?;
             if size == 0 {
                 // Trailers, then the blank line.
                 loop {
@@ -439,7 +535,10 @@ impl Body {
         if n == 0 {
             self.ended = true;
             if self.remaining.is_some() {
-                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed before Content-Length bytes"));
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "connection closed before Content-Length bytes",
+                ));
             }
             return Ok(None);
         }
@@ -472,7 +571,11 @@ pub fn request(
     let mut reader = BufReader::new(stream);
     let (status, headers) = read_head(&mut reader)?;
     let body = Body::new(reader, &headers).read_all()?;
-    Ok(HttpResponse { status, headers, body })
+    Ok(HttpResponse {
+        status,
+        headers,
+        body,
+    })
 }
 
 /// A response read as server-sent events.
@@ -495,12 +598,20 @@ impl SseStream {
         let mut reader = BufReader::new(stream);
         let (status, headers) = read_head(&mut reader)?;
         let body = Body::new(reader, &headers);
-        Ok(SseStream { status, headers, body, buffer: Vec::new() })
+        Ok(SseStream {
+            status,
+            headers,
+            body,
+            buffer: Vec::new(),
+        })
     }
 
     pub fn header(&self, name: &str) -> Option<&str> {
         let name = name.to_ascii_lowercase();
-        self.headers.iter().find(|(n, _)| *n == name).map(|(_, v)| v.as_str())
+        self.headers
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, v)| v.as_str())
     }
 
     /// The whole (non-event) body, for error answers.
@@ -521,7 +632,9 @@ impl SseStream {
                 }
             }
             match self.body.next()? {
-                Some(piece) => self.buffer.extend(piece.into_iter().filter(|&b| b != b'\r')),
+                Some(piece) => self
+                    .buffer
+                    .extend(piece.into_iter().filter(|&b| b != b'\r')),
                 None => {
                     let rest = std::mem::take(&mut self.buffer);
                     return Ok(event_data(&rest));
@@ -550,17 +663,32 @@ fn event_data(event: &[u8]) -> Option<String> {
     (!data.is_empty()).then(|| data.join("\n"))
 }
 
-/// Checks the OpenAI error shape: `{"error": {"message", "type", "param", "code"}}`.
-pub fn assert_error_shape(body: &Value) {
-    let error = body.get("error").unwrap_or_else(|| panic!("no `error` in {body}"));
-    assert!(error.is_object(), "`error` is not an object: {body}");
-    assert!(
-        error["message"].as_str().is_some_and(|m| !m.is_empty()),
-        "no message: {body}"
-    );
-    assert!(error["type"].is_string(), "no type: {body}");
+/// What is wrong with an error body, if anything; the OpenAI shape is
+/// `{"error": {"message", "type", "param", "code"}}` (`param` and `code` may be null).
+pub fn error_shape_problem(body: &Value) -> Option<String> {
+    let Some(error) = body.get("error") else {
+        return Some(format!("no `error` in {body}"));
+    };
+    if !error.is_object() {
+        return Some(format!("`error` is not an object: {body}"));
+    }
+    if error["message"].as_str().is_none_or(str::is_empty) {
+        return Some(format!("no message: {body}"));
+    }
+    if !error["type"].is_string() {
+        return Some(format!("no type: {body}"));
+    }
     for key in ["param", "code"] {
-        assert!(error.get(key).is_some(), "no `{key}` key (null is fine): {body}");
+        if error.get(key).is_none() {
+            return Some(format!("no `{key}` key (null is fine): {body}"));
+        }
+    }
+    None
+}
+
+pub fn assert_error_shape(body: &Value) {
+    if let Some(problem) = error_shape_problem(body) {
+        panic!("{problem}");
     }
 }
 
