@@ -30,6 +30,8 @@ pub enum CheckpointError {
     },
     #[error("{}: not a valid safetensors file: {message}", path.display())]
     Safetensors { path: PathBuf, message: String },
+    #[error("{}: not a valid GGUF file: {message}", path.display())]
+    Gguf { path: PathBuf, message: String },
     #[error("{}: tensor `{name}` is missing", path.display())]
     MissingTensor { path: PathBuf, name: String },
     #[error("{}: tensor `{name}` has shape {found:?}, expected {expected:?}", path.display())]
@@ -39,7 +41,7 @@ pub enum CheckpointError {
         expected: Vec<usize>,
         found: Vec<usize>,
     },
-    #[error("{}: tensor `{name}` has dtype {found}; ember reads F32, F16 and BF16", path.display())]
+    #[error("{}: tensor `{name}` has type {found}, which ember does not read", path.display())]
     TensorDtype {
         path: PathBuf,
         name: String,

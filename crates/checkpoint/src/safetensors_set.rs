@@ -164,20 +164,6 @@ impl SafetensorsSet {
         })
     }
 
-    /// Looks a tensor up and checks its shape.
-    pub fn get_shaped(&self, name: &str, expected: &[usize]) -> Result<TensorRef<'_>> {
-        let tensor = self.get(name)?;
-        if tensor.shape != expected {
-            return Err(CheckpointError::TensorShape {
-                path: tensor.path.into(),
-                name: name.into(),
-                expected: expected.to_vec(),
-                found: tensor.shape.to_vec(),
-            });
-        }
-        Ok(tensor)
-    }
-
     /// The mapped files, so callers can keep them alive as long as views into them.
     pub fn buffers(&self) -> impl Iterator<Item = &Arc<Buffer>> {
         self.files.iter().map(|(_, b)| b)

@@ -27,9 +27,10 @@ pub enum Command {
 /// Flags every command that loads a model shares.
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
-    /// Model directory in the Hugging Face layout (config.json, *.safetensors, tokenizer.json).
+    /// A GGUF file, or a directory in the Hugging Face layout (config.json, *.safetensors,
+    /// tokenizer.json) [default: SmolLM2-135M-Instruct Q4_1 from `scripts/fetch-model smollm2`].
     #[arg(long, short = 'm', env = "EMBER_MODEL")]
-    pub model: PathBuf,
+    pub model: Option<PathBuf>,
     /// Compute threads [default: the cores this process may use].
     #[arg(long, short = 't', env = "EMBER_THREADS")]
     pub threads: Option<usize>,

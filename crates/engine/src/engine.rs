@@ -5,13 +5,14 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ember_checkpoint::{SafetensorsSet, read_json};
+use ember_checkpoint::{GgufFile, SafetensorsSet, TensorSource, read_json};
 use ember_models::{KvCache, Logits, ModelConfig, Transformer, Workspace};
 use ember_tensor::{BufferInfo, BufferOwner, ThreadPool};
 use serde_json::Value;
 
 use crate::chat_template::{ChatMessage, ChatTemplate};
 use crate::error::{Error, Result};
+use crate::gguf_tokenizer::tokenizer_from_gguf;
 use crate::sampler::{Sampler, SamplingParams};
 use crate::tokenizer::Tokenizer;
 
@@ -139,7 +140,7 @@ pub struct Engine {
     workspace: Workspace,
     kv: KvCache,
     /// Keeps the mapped files listed for as long as the weights are used.
-    _weights: SafetensorsSet,
+    _weights: WeightFiles,
 }
 
 impl Engine {
@@ -154,11 +155,18 @@ impl Engine {
         options: &EngineOptions,
         owner: BufferOwner,
     ) -> Result<Engine> {
-        if !dir.is_dir() {
-            return Err(Error::ModelDirMissing(dir.to_path_buf()));
-        }
-        let config = ModelConfig::from_dir(dir)?;
-        let tokenizer = Arc::new(Tokenizer::from_dir(dir)?);
+        // A GGUF file (or a directory holding one) carries config, tokenizer and weights
+        // together; a Hugging Face directory spreads them over several files.
+        let gguf = match gguf_path(dir) {
+            Some(path) => Some(GgufFile::open(&path, &owner)?),
+            None if dir.is_dir() => None,
+            None => return Err(Error::ModelDirMissing(dir.to_path_buf())),
+        };
+        let (config, tokenizer) = match &gguf {
+            Some(file) => (ModelConfig::from_gguf(file)?, tokenizer_from_gguf(file)?),
+            None => (ModelConfig::from_dir(dir)?, Tokenizer::from_dir(dir)?),
+        };
+        let tokenizer = Arc::new(tokenizer);
         let template = match tokenizer.chat_template() {
             Some(source) => {
                 let (bos, eos) = (
@@ -169,7 +177,16 @@ impl Engine {
             }
             None => None,
         };
-        let eos_ids = eos_token_ids(dir, &config, &tokenizer)?;
+        let eos_ids = match gguf {
+            Some(_) => unique(
+                config
+                    .eos_token_ids
+                    .iter()
+                    .copied()
+                    .chain(tokenizer.eos_token_id()),
+            ),
+            None => eos_token_ids(dir, &config, &tokenizer)?,
+        };
         let context = options
             .context
             .unwrap_or(DEFAULT_CONTEXT.min(config.max_position_embeddings))
@@ -186,8 +203,11 @@ impl Engine {
             .unwrap_or_else(ThreadPool::available_parallelism)
             .max(1);
         let pool = ThreadPool::new(threads);
-        let weights = SafetensorsSet::open(dir, &owner)?;
-        let model = Transformer::load(config, &weights, &owner, context)?;
+        let weights = match gguf {
+            Some(file) => WeightFiles::Gguf(file),
+            None => WeightFiles::Safetensors(SafetensorsSet::open(dir, &owner)?),
+        };
+        let model = Transformer::load(config, weights.source(), &owner, context)?;
         let workspace = Workspace::new(
             &model.config,
             options.max_batch,
@@ -394,6 +414,53 @@ impl Engine {
     }
 }
 
+/// The checkpoint files a model was loaded from.
+enum WeightFiles {
+    Safetensors(SafetensorsSet),
+    Gguf(GgufFile),
+}
+
+impl WeightFiles {
+    fn source(&self) -> &dyn TensorSource {
+        match self {
+            WeightFiles::Safetensors(set) => set,
+            WeightFiles::Gguf(file) => file,
+        }
+    }
+}
+
+/// The GGUF file `path` names: the file itself, or the only `.gguf` in a directory that has no
+/// `config.json`.
+fn gguf_path(path: &Path) -> Option<PathBuf> {
+    let is_gguf = |p: &Path| {
+        p.extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+    };
+    if path.is_file() {
+        return is_gguf(path).then(|| path.to_path_buf());
+    }
+    if !path.is_dir() || path.join("config.json").exists() {
+        return None;
+    }
+    let mut found = std::fs::read_dir(path)
+        .ok()?
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| is_gguf(p));
+    let first = found.next()?;
+    found.next().is_none().then_some(first)
+}
+
+fn unique(ids: impl IntoIterator<Item = u32>) -> Vec<u32> {
+    let mut out = Vec::new();
+    for id in ids {
+        if !out.contains(&id) {
+            out.push(id);
+        }
+    }
+    out
+}
+
 /// End-of-sequence ids: generation_config.json's (an int or a list), config.json's, and the
 /// tokenizer's eos token, together (as vLLM does; checkpoints disagree among these files).
 fn eos_token_ids(dir: &Path, config: &ModelConfig, tokenizer: &Tokenizer) -> Result<Vec<u32>> {
@@ -405,11 +472,5 @@ fn eos_token_ids(dir: &Path, config: &ModelConfig, tokenizer: &Tokenizer) -> Res
     }
     ids.extend(&config.eos_token_ids);
     ids.extend(tokenizer.eos_token_id());
-    let mut unique = Vec::new();
-    for id in ids {
-        if !unique.contains(&id) {
-            unique.push(id);
-        }
-    }
-    Ok(unique)
+    Ok(unique(ids))
 }

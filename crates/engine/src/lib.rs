@@ -10,6 +10,7 @@ pub mod chat_template;
 pub mod detokenizer;
 mod engine;
 mod error;
+mod gguf_tokenizer;
 pub mod sampler;
 pub mod synthetic;
 pub mod tokenizer;

@@ -53,14 +53,14 @@ pub struct Tokenizer {
     vocab_size: usize,
 }
 
-/// What we read from `tokenizer_config.json` (all optional).
+/// What we read from `tokenizer_config.json` (all optional), or from GGUF metadata.
 #[derive(Debug, Default)]
-struct TokenizerConfig {
-    bos_token: Option<String>,
-    eos_token: Option<String>,
-    pad_token: Option<String>,
-    add_bos_token: Option<bool>,
-    chat_template: Option<String>,
+pub struct TokenizerConfig {
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
+    pub pad_token: Option<String>,
+    pub add_bos_token: Option<bool>,
+    pub chat_template: Option<String>,
 }
 
 impl Tokenizer {
@@ -86,6 +86,18 @@ impl Tokenizer {
             config.chat_template = Some(text);
         }
         Self::from_parts(inner, config, &tokenizer_path)
+    }
+
+    /// Builds from `tokenizer.json` text made elsewhere (from GGUF metadata); `origin` names
+    /// where it came from in errors.
+    pub fn from_json(
+        json: &str,
+        config: TokenizerConfig,
+        origin: &Path,
+    ) -> Result<Self, TokenizerError> {
+        let inner = tokenizers::Tokenizer::from_bytes(json.as_bytes())
+            .map_err(|err| load_error(origin, err))?;
+        Self::from_parts(inner, config, origin)
     }
 
     /// Builds from an already-parsed `tokenizers::Tokenizer` and the config pieces.

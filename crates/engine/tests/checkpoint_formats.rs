@@ -123,7 +123,7 @@ fn misaligned_tensors_are_copied_and_give_the_same_bits() {
         data.extend_from_slice(bytes);
     }
     let mut header_text = Value::Object(header).to_string();
-    if (8 + header_text.len()) % 2 == 0 {
+    if (8 + header_text.len()).is_multiple_of(2) {
         header_text.push(' ');
     }
     let mut file = (header_text.len() as u64).to_le_bytes().to_vec();

@@ -93,7 +93,7 @@ fn check_fixture(name: &str) {
             let tops = case["top_logprobs"].as_array().unwrap();
             let params = GenerateParams {
                 max_tokens: want.len(),
-                ..greedy.clone()
+                ..greedy
             };
             let mut step = 0;
             let generation = engine

@@ -6,7 +6,8 @@
 
 use std::path::{Path, PathBuf};
 
-use ember_checkpoint::{CheckpointError, read_json};
+use ember_checkpoint::gguf::Value as GgufValue;
+use ember_checkpoint::{CheckpointError, GgufFile, read_json};
 use serde_json::{Map, Value};
 
 use crate::error::Result;
@@ -89,6 +90,9 @@ pub struct ModelConfig {
     pub mlp_bias: bool,
     /// Per-head RMSNorm of queries and keys before RoPE (Qwen3).
     pub qk_norm: bool,
+    /// RoPE rotates adjacent pairs `(2i, 2i+1)` instead of halves `(i, i + d/2)`: GGUF Llama
+    /// checkpoints store q/k permuted for it.
+    pub rope_interleaved: bool,
     pub moe: Option<MoeConfig>,
     /// The dtype the checkpoint says it was saved in, if it says.
     pub dtype: Option<String>,
@@ -269,6 +273,7 @@ impl ModelConfig {
             o_bias,
             mlp_bias: fields.bool_or("mlp_bias", false)?,
             qk_norm: matches!(architecture, Architecture::Qwen3 | Architecture::Qwen3Moe),
+            rope_interleaved: false,
             moe,
             dtype: fields
                 .opt_str("torch_dtype")
@@ -279,6 +284,128 @@ impl ModelConfig {
                 .flatten()
                 .map(|v| v as u32),
             eos_token_ids: token_ids(fields.map.get("eos_token_id")),
+        })
+    }
+
+    /// Reads the hyperparameters of a GGUF file (`{arch}.embedding_length` and friends).
+    pub fn from_gguf(file: &GgufFile) -> Result<Self> {
+        let path = file.path();
+        let arch = file.architecture().unwrap_or("").to_owned();
+        let architecture = match arch.as_str() {
+            "llama" => Architecture::Llama,
+            "qwen2" => Architecture::Qwen2,
+            "qwen3" => Architecture::Qwen3,
+            "qwen3moe" => Architecture::Qwen3Moe,
+            _ => {
+                return Err(CheckpointError::UnsupportedArchitecture {
+                    path: path.into(),
+                    name: format!("{arch} (general.architecture)"),
+                    supported: "llama, qwen2, qwen3, qwen3moe".into(),
+                }
+                .into());
+            }
+        };
+        let key = |name: &str| format!("{arch}.{name}");
+        let opt_usize = |name: &str| {
+            file.metadata(&key(name))
+                .and_then(GgufValue::as_u64)
+                .map(|v| v as usize)
+        };
+        let usize_field = |name: &str| opt_usize(name).ok_or_else(|| missing(path, &key(name)));
+        let hidden_size = usize_field("embedding_length")?;
+        let num_attention_heads = usize_field("attention.head_count")?;
+        let num_key_value_heads =
+            opt_usize("attention.head_count_kv").unwrap_or(num_attention_heads);
+        if num_attention_heads == 0
+            || num_key_value_heads == 0
+            || num_attention_heads % num_key_value_heads != 0
+        {
+            return Err(invalid(
+                path,
+                &key("attention.head_count_kv"),
+                "must divide attention.head_count",
+            ));
+        }
+        let head_dim =
+            opt_usize("attention.key_length").unwrap_or(hidden_size / num_attention_heads);
+        let vocab_size = match opt_usize("vocab_size") {
+            Some(v) => v,
+            None => file
+                .metadata("tokenizer.ggml.tokens")
+                .and_then(|v| v.as_array())
+                .map(<[_]>::len)
+                .ok_or_else(|| missing(path, &key("vocab_size")))?,
+        };
+        if file.contains_gguf("rope_freqs.weight") {
+            return Err(invalid(
+                path,
+                "rope_freqs.weight",
+                "per-frequency rope factors (Llama 3.1 scaling in GGUF) are not supported yet",
+            ));
+        }
+        let moe = if architecture == Architecture::Qwen3Moe {
+            Some(MoeConfig {
+                num_experts: usize_field("expert_count")?,
+                num_experts_per_tok: usize_field("expert_used_count")?,
+                moe_intermediate_size: usize_field("expert_feed_forward_length")?,
+                norm_topk_prob: file
+                    .metadata(&key("expert_weights_norm"))
+                    .and_then(GgufValue::as_bool)
+                    .unwrap_or(true),
+                decoder_sparse_step: 1,
+                mlp_only_layers: Vec::new(),
+            })
+        } else {
+            None
+        };
+        let token_id = |name: &str| {
+            file.metadata(name)
+                .and_then(GgufValue::as_u64)
+                .map(|v| v as u32)
+        };
+        let eos_token_ids = [
+            "tokenizer.ggml.eos_token_id",
+            "tokenizer.ggml.eot_token_id",
+            "tokenizer.ggml.eom_token_id",
+        ]
+        .iter()
+        .filter_map(|name| token_id(name))
+        .fold(Vec::new(), |mut ids, id| {
+            if !ids.contains(&id) {
+                ids.push(id);
+            }
+            ids
+        });
+        let has_bias = |name: &str| file.contains_gguf(&format!("blk.0.{name}.bias"));
+        Ok(ModelConfig {
+            architecture,
+            hidden_size,
+            intermediate_size: opt_usize("feed_forward_length").unwrap_or(0),
+            num_hidden_layers: usize_field("block_count")?,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            vocab_size,
+            rms_norm_eps: file
+                .metadata(&key("attention.layer_norm_rms_epsilon"))
+                .and_then(GgufValue::as_f64)
+                .unwrap_or(1e-6) as f32,
+            rope_theta: file
+                .metadata(&key("rope.freq_base"))
+                .and_then(GgufValue::as_f64)
+                .unwrap_or(10_000.0),
+            rope_scaling: None,
+            max_position_embeddings: opt_usize("context_length").unwrap_or(4096),
+            tie_word_embeddings: !file.contains_gguf("output.weight"),
+            qkv_bias: has_bias("attn_q"),
+            o_bias: has_bias("attn_output"),
+            mlp_bias: has_bias("ffn_up"),
+            qk_norm: file.contains_gguf("blk.0.attn_q_norm.weight"),
+            rope_interleaved: architecture == Architecture::Llama,
+            moe,
+            dtype: None,
+            bos_token_id: token_id("tokenizer.ggml.bos_token_id"),
+            eos_token_ids,
         })
     }
 

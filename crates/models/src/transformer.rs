@@ -4,8 +4,8 @@
 //! per-head q/k norms (Qwen3), Llama 3 rope scaling, and mixture-of-experts MLPs on some
 //! layers (Qwen3-MoE). There is one forward pass, written once against the CPU kernels.
 
-use ember_checkpoint::SafetensorsSet;
-use ember_tensor::cpu::{self, AttentionShape};
+use ember_checkpoint::TensorSource;
+use ember_tensor::cpu::{self, AttentionShape, RopeLayout, RopeTables};
 use ember_tensor::{BufferOwner, ThreadPool};
 
 use crate::config::ModelConfig;
@@ -139,7 +139,7 @@ impl Transformer {
     /// Builds the model over the mapped checkpoint; `context` sizes the rotary tables.
     pub fn load(
         config: ModelConfig,
-        set: &SafetensorsSet,
+        set: &dyn TensorSource,
         owner: &BufferOwner,
         context: usize,
     ) -> Result<Self> {
@@ -389,24 +389,18 @@ impl Transformer {
                 cpu::rms_norm_in_place(pool, q, qn.as_slice(), c.rms_norm_eps);
                 cpu::rms_norm_in_place(pool, keys, kn.as_slice(), c.rms_norm_eps);
             }
-            cpu::rope_in_place(
-                pool,
-                q,
-                c.num_attention_heads,
-                c.head_dim,
-                pos0,
-                self.rope.cos(),
-                self.rope.sin(),
-            );
-            cpu::rope_in_place(
-                pool,
-                keys,
-                c.num_key_value_heads,
-                c.head_dim,
-                pos0,
-                self.rope.cos(),
-                self.rope.sin(),
-            );
+            let layout = if c.rope_interleaved {
+                RopeLayout::Pairs
+            } else {
+                RopeLayout::Halves
+            };
+            let tables = RopeTables {
+                cos: self.rope.cos(),
+                sin: self.rope.sin(),
+                layout,
+            };
+            cpu::rope_in_place(pool, q, c.num_attention_heads, c.head_dim, pos0, tables);
+            cpu::rope_in_place(pool, keys, c.num_key_value_heads, c.head_dim, pos0, tables);
         }
         let (keys, values) = kv.layer(index);
         let shape = AttentionShape {
@@ -520,8 +514,10 @@ fn load_mlp(
 }
 
 /// Experts are stored one tensor per expert (`experts.{e}.gate_proj.weight`, the layout on the
-/// Hub) or stacked (`experts.gate_up_proj` `[E, 2·I, H]` and `experts.down_proj` `[E, H, I]`,
-/// as transformers 5 keeps them in memory). Both become per-expert views without copying.
+/// Hub), stacked with gate and up fused (`experts.gate_up_proj` `[E, 2·I, H]` and
+/// `experts.down_proj` `[E, H, I]`, as transformers 5 keeps them in memory), or stacked apart
+/// (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps` in GGUF). All become per-expert views
+/// without copying.
 fn load_moe(w: &WeightLoader<'_>, c: &ModelConfig, layer_prefix: &str) -> Result<Moe> {
     let moe = c
         .moe
@@ -556,6 +552,34 @@ fn load_moe(w: &WeightLoader<'_>, c: &ModelConfig, layer_prefix: &str) -> Result
                         bias: None,
                     },
                 }
+            })
+            .collect()
+    } else if w
+        .set
+        .contains(&format!("{prefix}.experts.gate_proj.weight"))
+    {
+        let stack = |name: &str, rows: usize, cols: usize| {
+            w.stacked(
+                &format!("{prefix}.experts.{name}.weight"),
+                e_count,
+                rows,
+                cols,
+            )
+        };
+        let (gate, up, down) = (
+            stack("gate_proj", width, hidden)?,
+            stack("up_proj", width, hidden)?,
+            stack("down_proj", hidden, width)?,
+        );
+        let view = |m: &Matrix, e: usize, rows: usize| Linear {
+            weight: m.rows(e * rows, (e + 1) * rows),
+            bias: None,
+        };
+        (0..e_count)
+            .map(|e| Mlp {
+                gate: view(&gate, e, width),
+                up: view(&up, e, width),
+                down: view(&down, e, hidden),
             })
             .collect()
     } else {

@@ -2,8 +2,9 @@
 
 use std::sync::Arc;
 
-use ember_checkpoint::{SafetensorsSet, TensorRef};
+use ember_checkpoint::{TensorRef, TensorSource};
 use ember_tensor::cpu::MatRef;
+use ember_tensor::quant::dequantize_row;
 use ember_tensor::{Buffer, BufferKind, BufferOwner, DType};
 
 use crate::error::Result;
@@ -20,7 +21,7 @@ pub struct Matrix {
 
 impl Matrix {
     pub fn as_mat(&self) -> MatRef<'_> {
-        let len = self.rows * self.cols * self.dtype.size_in_bytes();
+        let len = self.size_in_bytes();
         MatRef::new(
             self.dtype,
             &self.buffer.bytes()[self.offset..self.offset + len],
@@ -31,7 +32,7 @@ impl Matrix {
 
     /// Rows `start..end` as a matrix of their own (one expert of a stacked tensor).
     pub fn rows(&self, start: usize, end: usize) -> Matrix {
-        let row_bytes = self.cols * self.dtype.size_in_bytes();
+        let row_bytes = self.dtype.row_bytes(self.cols);
         Matrix {
             buffer: Arc::clone(&self.buffer),
             offset: self.offset + start * row_bytes,
@@ -42,27 +43,15 @@ impl Matrix {
     }
 
     pub fn size_in_bytes(&self) -> usize {
-        self.rows * self.cols * self.dtype.size_in_bytes()
+        self.rows * self.dtype.row_bytes(self.cols)
     }
 
     /// One row converted to f32 (an embedding lookup).
     pub fn row_to_f32(&self, row: usize, out: &mut [f32]) {
         let m = self.as_mat();
-        let size = self.dtype.size_in_bytes();
-        let bytes = &m.data[row * self.cols * size..(row + 1) * self.cols * size];
-        match self.dtype {
-            DType::F32 => out.copy_from_slice(bytemuck::cast_slice(bytes)),
-            DType::BF16 => {
-                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                    *o = ember_tensor::dtype::bf16_to_f32(u16::from_le_bytes([b[0], b[1]]));
-                }
-            }
-            DType::F16 => {
-                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                    *o = ember_tensor::dtype::f16_to_f32(u16::from_le_bytes([b[0], b[1]]));
-                }
-            }
-        }
+        let row_bytes = self.dtype.row_bytes(self.cols);
+        let bytes = &m.data[row * row_bytes..(row + 1) * row_bytes];
+        dequantize_row(self.dtype, bytes, &mut out[..self.cols]);
     }
 }
 
@@ -77,7 +66,7 @@ impl Vector {
 
 /// Reads tensors out of a checkpoint by name, checking shapes.
 pub struct WeightLoader<'a> {
-    pub set: &'a SafetensorsSet,
+    pub set: &'a dyn TensorSource,
     pub owner: &'a BufferOwner,
 }
 
@@ -94,7 +83,7 @@ impl WeightLoader<'_> {
     }
 
     fn place(&self, t: &TensorRef<'_>, rows: usize, cols: usize) -> Result<Matrix> {
-        let aligned = (t.bytes.as_ptr() as usize).is_multiple_of(t.dtype.size_in_bytes());
+        let aligned = (t.bytes.as_ptr() as usize).is_multiple_of(t.dtype.alignment());
         let (buffer, offset) = if aligned {
             (Arc::clone(t.buffer), t.offset)
         } else {
@@ -118,15 +107,7 @@ impl WeightLoader<'_> {
         let t = self.set.get_shaped(name, &[len])?;
         let mut buf = self.owner.alloc(BufferKind::Repacked, name, len * 4)?;
         let out = buf.as_mut_slice::<f32>();
-        let size = t.dtype.size_in_bytes();
-        for (i, o) in out.iter_mut().enumerate() {
-            let b = &t.bytes[i * size..(i + 1) * size];
-            *o = match t.dtype {
-                DType::F32 => f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
-                DType::BF16 => ember_tensor::dtype::bf16_to_f32(u16::from_le_bytes([b[0], b[1]])),
-                DType::F16 => ember_tensor::dtype::f16_to_f32(u16::from_le_bytes([b[0], b[1]])),
-            };
-        }
+        dequantize_row(t.dtype, t.bytes, out);
         Ok(Vector(buf))
     }
 }

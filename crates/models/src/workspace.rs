@@ -66,7 +66,10 @@ impl Workspace {
             gate: alloc("mlp gate", b * ffn)?,
             up: alloc("mlp up", b * ffn)?,
             logits: alloc("logits", logit_rows.max(1) * config.vocab_size)?,
-            matmul_scratch: alloc("matmul panels", matmul_scratch_len(n_threads, widest_input))?,
+            matmul_scratch: alloc(
+                "matmul panels",
+                matmul_scratch_len(n_threads, b, widest_input),
+            )?,
             attention_scratch: alloc(
                 "attention scores",
                 attention_scratch_len(n_threads, context),

@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use ember_tensor::cpu::{MatRef, matmul, matmul_scratch_len, read_sum};
-use ember_tensor::{BufferKind, BufferOwner, DType, ThreadPool};
+use ember_tensor::{Buffer, BufferKind, BufferOwner, DType, ThreadPool};
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -37,7 +37,7 @@ fn main() {
     }
     let x: Vec<f32> = (0..k * 512).map(|i| (i % 13) as f32 * 0.01).collect();
     let mut y = vec![0f32; n.max(512 * 4096)];
-    let mut scratch = vec![0f32; matmul_scratch_len(threads, k)];
+    let mut scratch = vec![0f32; matmul_scratch_len(threads, 512, 4096)];
     let mat = MatRef::new(DType::BF16, w.bytes(), n, k);
     let rates: Vec<f64> = (0..5)
         .map(|_| {
@@ -58,4 +58,63 @@ fn main() {
         })
         .collect();
     println!("bf16 gemm 512x4096x1024 {:6.1} GFLOP/s", median(rates));
+    drop(w);
+
+    // Quantized weights: bytes of a pseudo-random pattern with sane f16 scales, ~460-510 MB.
+    let (n, k) = (200_000usize, 4096usize);
+    let x: Vec<f32> = (0..k * 512)
+        .map(|i| (i % 13) as f32 * 0.01 - 0.06)
+        .collect();
+    for dtype in [DType::Q4_K, DType::Q4_1] {
+        let w = quantized(&owner, dtype, n, k);
+        let mat = MatRef::new(dtype, w.bytes(), n, k);
+        let bytes = w.bytes().len();
+        let rates: Vec<f64> = (0..5)
+            .map(|_| {
+                let t = Instant::now();
+                matmul(&pool, &x, 1, &mat, &mut y, &mut scratch);
+                bytes as f64 / t.elapsed().as_secs_f64() / 1e9
+            })
+            .collect();
+        println!(
+            "{:<4} matvec         {:6.1} GB/s of weights",
+            dtype.name().to_lowercase(),
+            median(rates)
+        );
+        if dtype == DType::Q4_K {
+            let (n, m) = (4096usize, 512usize);
+            let rb = dtype.row_bytes(k);
+            let small = MatRef::new(dtype, &w.bytes()[..n * rb], n, k);
+            let rates: Vec<f64> = (0..3)
+                .map(|_| {
+                    let t = Instant::now();
+                    matmul(&pool, &x, m, &small, &mut y, &mut scratch);
+                    (2 * m * n * k) as f64 / t.elapsed().as_secs_f64() / 1e9
+                })
+                .collect();
+            println!("q4_k gemm 512x4096x4096 {:6.1} GFLOP/s", median(rates));
+        }
+    }
+}
+
+/// `n × k` weights of `dtype`: pseudo-random bytes, every block's f16 scales set to small
+/// normal values so that no float in the kernels is subnormal or infinite.
+fn quantized(owner: &BufferOwner, dtype: DType, n: usize, k: usize) -> Buffer {
+    let mut w = owner
+        .alloc(BufferKind::Scratch, dtype.name(), n * dtype.row_bytes(k))
+        .unwrap();
+    let bytes = w.as_mut_slice::<u8>();
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    for chunk in bytes.chunks_mut(8) {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        chunk.copy_from_slice(&state.to_le_bytes()[..chunk.len()]);
+    }
+    let scale = half::f16::from_f32(0.01).to_le_bytes();
+    for block in bytes.chunks_exact_mut(dtype.block_bytes()) {
+        block[..2].copy_from_slice(&scale);
+        block[2..4].copy_from_slice(&scale);
+    }
+    w
 }

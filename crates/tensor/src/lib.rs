@@ -5,6 +5,8 @@
 //! - [`cpu`]: CPU kernels (matrix products, attention, norms), dispatched at run time over
 //!   AVX-512, AVX2 and a portable fallback.
 //! - [`dtype`]: the stored element types.
+//! - [`quant`]: ggml's block-quantized formats (layouts, dequantization, activation
+//!   quantization).
 //!
 //! Architecture invariant: this crate knows no model and no file format beyond "a file that is
 //! mapped". Only this crate allocates or maps engine memory.
@@ -14,6 +16,7 @@ pub mod cpu;
 pub mod dtype;
 mod error;
 pub mod pool;
+pub mod quant;
 
 pub use buffer::{Buffer, BufferId, BufferInfo, BufferKind, BufferOwner};
 pub use dtype::DType;

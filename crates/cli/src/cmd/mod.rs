@@ -3,6 +3,8 @@ pub mod gen_checkpoint;
 pub mod run;
 pub mod serve;
 
+use std::path::PathBuf;
+
 use anyhow::Context;
 use ember_engine::{Engine, EngineOptions};
 
@@ -10,18 +12,15 @@ use crate::args::ModelArgs;
 
 /// Loads the model named by the shared flags, logging what was loaded and how long it took.
 pub fn load_engine(args: &ModelArgs) -> anyhow::Result<Engine> {
-    let options = EngineOptions {
-        threads: args.threads,
-        context: args.context,
-        ..EngineOptions::default()
-    };
+    let options = engine_options(args);
+    let model = model_path(args)?;
     let start = std::time::Instant::now();
-    let engine = Engine::load(&args.model, &options)
-        .with_context(|| format!("loading {}", args.model.display()))?;
+    let engine =
+        Engine::load(&model, &options).with_context(|| format!("loading {}", model.display()))?;
     let bytes: usize = engine.buffers().iter().map(|b| b.bytes).sum();
     tracing::info!(
         "loaded {} ({}, {} layers) in {:.2} s: {} buffers, {:.2} GiB, {} threads, context {}",
-        args.model.display(),
+        model.display(),
         engine.config().architecture.hf_name(),
         engine.config().num_hidden_layers,
         start.elapsed().as_secs_f64(),
@@ -39,4 +38,34 @@ pub fn engine_options(args: &ModelArgs) -> EngineOptions {
         context: args.context,
         ..EngineOptions::default()
     }
+}
+
+/// The default model's file name, as `scripts/fetch-model smollm2` writes it.
+pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// `--model`, or the default model: in `$EMBER_MODELS_DIR`, `./models`, or the `models/` folder
+/// of the checkout this binary was built in.
+pub fn model_path(args: &ModelArgs) -> anyhow::Result<PathBuf> {
+    if let Some(model) = &args.model {
+        return Ok(model.clone());
+    }
+    let mut candidates = Vec::new();
+    if let Some(dir) = std::env::var_os("EMBER_MODELS_DIR") {
+        candidates.push(PathBuf::from(dir).join(DEFAULT_MODEL_FILE));
+    }
+    candidates.push(PathBuf::from("models").join(DEFAULT_MODEL_FILE));
+    candidates.push(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../models")
+            .join(DEFAULT_MODEL_FILE),
+    );
+    if let Some(found) = candidates.iter().find(|p| p.is_file()) {
+        return Ok(found.clone());
+    }
+    anyhow::bail!(
+        "no --model given and the default model is missing (looked for {DEFAULT_MODEL_FILE} in $EMBER_MODELS_DIR, ./models and {}); fetch it with: scripts/fetch-model smollm2",
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../models")
+            .display()
+    )
 }

@@ -73,40 +73,57 @@ fn norm_row(row: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
-/// Rotary embedding, "rotate half" layout (as in HF Llama/Qwen): within each head of
-/// `head_dim`, element `i` pairs with `i + head_dim/2`. Row `r` is at position
-/// `pos0 + r`; `cos`/`sin` hold `head_dim/2` values per position.
+/// Which elements of a head RoPE rotates together.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeLayout {
+    /// Element `i` with `i + head_dim/2` ("rotate half", HF Llama/Qwen, GGUF Qwen).
+    Halves,
+    /// Element `2i` with `2i + 1` (GGUF Llama, whose q/k rows are stored permuted for it).
+    Pairs,
+}
+
+/// cos and sin of every (position, frequency), `head_dim/2` values per position.
+#[derive(Clone, Copy, Debug)]
+pub struct RopeTables<'a> {
+    pub cos: &'a [f32],
+    pub sin: &'a [f32],
+    pub layout: RopeLayout,
+}
+
+/// Rotary embedding of rows of `n_heads` heads of `head_dim`; row `r` is at position `pos0 + r`.
 pub fn rope_in_place(
     pool: &ThreadPool,
     x: &mut [f32],
     n_heads: usize,
     head_dim: usize,
     pos0: usize,
-    cos: &[f32],
-    sin: &[f32],
+    tables: RopeTables<'_>,
 ) {
     let half = head_dim / 2;
     let row_len = n_heads * head_dim;
     let rows = x.len() / row_len;
     assert!(
-        (pos0 + rows) * half <= cos.len(),
+        (pos0 + rows) * half <= tables.cos.len(),
         "rope: positions beyond the table"
     );
     let ptr = SharedPtr(x.as_mut_ptr());
     for_rows(pool, rows, row_len, |r| {
         let pos = pos0 + r;
         let (c, s) = (
-            &cos[pos * half..(pos + 1) * half],
-            &sin[pos * half..(pos + 1) * half],
+            &tables.cos[pos * half..(pos + 1) * half],
+            &tables.sin[pos * half..(pos + 1) * half],
         );
         // SAFETY: each row index is visited by one thread only.
         let row = unsafe { std::slice::from_raw_parts_mut(ptr.get().add(r * row_len), row_len) };
         for head in row.chunks_exact_mut(head_dim) {
-            let (a, b) = head.split_at_mut(half);
             for i in 0..half {
-                let (x1, x2) = (a[i], b[i]);
-                a[i] = x1 * c[i] - x2 * s[i];
-                b[i] = x2 * c[i] + x1 * s[i];
+                let (a, b) = match tables.layout {
+                    RopeLayout::Halves => (i, i + half),
+                    RopeLayout::Pairs => (2 * i, 2 * i + 1),
+                };
+                let (x1, x2) = (head[a], head[b]);
+                head[a] = x1 * c[i] - x2 * s[i];
+                head[b] = x2 * c[i] + x1 * s[i];
             }
         }
     });
@@ -202,8 +219,26 @@ mod tests {
         let pool = ThreadPool::new(1);
         let mut x = [1.0f32, 2.0, 3.0, 4.0];
         let (c, s) = ([0.0f32, 1.0, 0.5, 0.5], [1.0f32, 0.0, 0.5, 0.5]);
-        rope_in_place(&pool, &mut x, 1, 4, 0, &c, &s);
+        let tables = RopeTables {
+            cos: &c,
+            sin: &s,
+            layout: RopeLayout::Halves,
+        };
+        rope_in_place(&pool, &mut x, 1, 4, 0, tables);
         assert_eq!(x, [1.0 * 0.0 - 3.0 * 1.0, 2.0, 3.0 * 0.0 + 1.0, 4.0]);
+        let mut y = [1.0f32, 2.0, 3.0, 4.0];
+        rope_in_place(
+            &pool,
+            &mut y,
+            1,
+            4,
+            0,
+            RopeTables {
+                layout: RopeLayout::Pairs,
+                ..tables
+            },
+        );
+        assert_eq!(y, [1.0 * 0.0 - 2.0 * 1.0, 2.0 * 0.0 + 1.0, 3.0, 4.0]);
     }
 
     #[test]

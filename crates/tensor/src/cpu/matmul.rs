@@ -1,6 +1,12 @@
-//! `y = x · Wᵀ` for weights stored F32, BF16 or F16 (row-major `[n, k]`, as in a HF Linear).
+//! `y = x · Wᵀ` for weights stored F32, BF16, F16 or in a ggml block-quantized format
+//! (row-major `[n, k]`, as in a HF Linear).
 //!
-//! Each output element is a dot product accumulated lane-wise over `k` in order, with one
+//! Quantized weights take another road (see [`super::quant_dot`]): the `m` activation rows are
+//! quantized once into scratch as llama.cpp quantizes them, then integer kernels take the dot
+//! products block by block. Decode streams the weights once; prefill keeps a block of
+//! quantized activation rows in cache and runs each group of weight rows past all of it.
+//!
+//! Float weights: each output element is a dot product accumulated lane-wise over `k` in order, with one
 //! fused multiply-add per lane and step and a masked tail, then summed by the fixed tree of
 //! [`Simd::hsum`]. Decode (few rows) reads the stored weights directly, converting in
 //! registers, so weight bandwidth is the only cost; prefill converts a small panel of weight
@@ -8,6 +14,7 @@
 //! units' rate. Both compute every element identically, which is what makes prefill and
 //! decode, batched and alone, agree to the bit.
 
+use super::quant_dot::{self, ActJob, ActKind, ActLayout, QIsa, QJob};
 use super::simd::{Bf16, F16, Simd, WeightElem};
 use super::{Isa, SharedPtr, simd_dispatch};
 use crate::dtype::DType;
@@ -22,7 +29,13 @@ const PREFETCH_ELEMENTS: usize = 256;
 /// Bytes of activation rows a prefill block keeps in a core's L2 while panels stream past.
 const ACTIVATION_BLOCK_BYTES: usize = 768 * 1024;
 
-/// A read-only matrix of stored weights, `rows × cols`, row-major.
+/// Quantized activation rows a prefill block keeps in a core's L2 while weight rows stream past.
+const QUANT_ACTIVATION_BLOCK_BYTES: usize = 512 * 1024;
+/// Below this many activation values, the calling thread quantizes them alone.
+const QUANTIZE_ALONE: usize = 16 * 1024;
+
+/// A read-only matrix of stored weights, `rows × cols`, row-major. A quantized row is
+/// `cols / block_size` consecutive blocks.
 #[derive(Clone, Copy, Debug)]
 pub struct MatRef<'a> {
     pub dtype: DType,
@@ -32,14 +45,17 @@ pub struct MatRef<'a> {
 }
 
 impl<'a> MatRef<'a> {
+    /// # Panics
+    /// When `data` is not `rows` rows of `dtype.row_bytes(cols)` (which needs `cols` to be a
+    /// whole number of blocks), or float data is not aligned to its element.
     pub fn new(dtype: DType, data: &'a [u8], rows: usize, cols: usize) -> Self {
         assert_eq!(
             data.len(),
-            rows * cols * dtype.size_in_bytes(),
+            rows * dtype.row_bytes(cols),
             "matrix bytes must match its shape"
         );
         assert_eq!(
-            data.as_ptr() as usize % dtype.size_in_bytes(),
+            data.as_ptr() as usize % dtype.alignment(),
             0,
             "matrix data must be aligned to its element"
         );
@@ -53,7 +69,7 @@ impl<'a> MatRef<'a> {
 
     /// Rows `start..end` as a matrix of their own.
     pub fn slice_rows(&self, start: usize, end: usize) -> MatRef<'a> {
-        let row_bytes = self.cols * self.dtype.size_in_bytes();
+        let row_bytes = self.dtype.row_bytes(self.cols);
         MatRef {
             dtype: self.dtype,
             data: &self.data[start * row_bytes..end * row_bytes],
@@ -63,14 +79,20 @@ impl<'a> MatRef<'a> {
     }
 }
 
-/// f32 elements of scratch [`matmul`] needs for `k` columns on `n_threads` threads.
-pub fn matmul_scratch_len(n_threads: usize, k: usize) -> usize {
-    n_threads * NR * k
+/// f32 elements of scratch [`matmul`] needs for up to `max_m` activation rows of `k` columns
+/// on `n_threads` threads, whatever the weights' type: float panels for prefill, or the
+/// quantized activation rows.
+pub fn matmul_scratch_len(n_threads: usize, max_m: usize, k: usize) -> usize {
+    let float_panels = n_threads * NR * k;
+    // 64 bytes of slack to align the rows.
+    let quantized = (max_m.max(1) * ActLayout::max_stride(k) + 64).div_ceil(4);
+    float_panels.max(quantized)
 }
 
 /// `y[i, j] = Σ_p x[i, p] · w[j, p]` for `i < m`, `j < w.rows`, `p < w.cols`.
 ///
-/// `scratch` holds at least [`matmul_scratch_len`] f32s (used when `m > MR`).
+/// `scratch` holds at least [`matmul_scratch_len`]`(pool.n_threads(), m, k)` f32s (float
+/// weights use it when `m > 4`, quantized weights always).
 pub fn matmul(
     pool: &ThreadPool,
     x: &[f32],
@@ -93,9 +115,13 @@ pub fn matmul(
     if m == 0 || n == 0 {
         return;
     }
+    if w.dtype.is_quantized() {
+        matmul_quantized(pool, x, m, w, y, scratch);
+        return;
+    }
     if m > MR {
         assert!(
-            scratch.len() >= matmul_scratch_len(pool.n_threads(), k),
+            scratch.len() >= pool.n_threads() * NR * k,
             "matmul: scratch too small"
         );
     }
@@ -129,7 +155,89 @@ pub fn matmul(
             DType::F32 => matmul_rows_f32(isa, job),
             DType::BF16 => matmul_rows_bf16(isa, job),
             DType::F16 => matmul_rows_f16(isa, job),
+            _ => unreachable!("quantized weights take matmul_quantized"),
         }
+    });
+}
+
+/// The quantized road: quantize the activation rows once, then run the integer kernels, the
+/// weight rows split over the threads in groups of [`quant_dot::QR`].
+fn matmul_quantized(
+    pool: &ThreadPool,
+    x: &[f32],
+    m: usize,
+    w: &MatRef<'_>,
+    y: &mut [f32],
+    scratch: &mut [f32],
+) {
+    let (n, k) = (w.rows, w.cols);
+    let layout = ActLayout::new(ActKind::for_weights(w.dtype), k);
+    let scratch_bytes: &mut [u8] = bytemuck::cast_slice_mut(scratch);
+    let offset = scratch_bytes.as_ptr().align_offset(64);
+    assert!(
+        scratch_bytes.len() >= offset + m * layout.stride,
+        "matmul: scratch too small for {m} quantized rows of {k}: give it matmul_scratch_len"
+    );
+    let acts = SharedPtr(scratch_bytes[offset..].as_mut_ptr());
+    let isa = Isa::detect();
+    let x_ptr = SharedPtr(x.as_ptr() as *mut f32);
+    let quantize = |rows: (usize, usize)| {
+        quant_dot::quantize_activations(
+            isa,
+            ActJob {
+                x: x_ptr.get(),
+                rows,
+                layout,
+                out: acts.get(),
+            },
+        )
+    };
+    if m * k <= QUANTIZE_ALONE || pool.n_threads() == 1 {
+        quantize((0, m));
+    } else {
+        let parts = pool.n_threads().min(m);
+        pool.broadcast(&|thread| {
+            if thread < parts {
+                let rows = split_range(m, parts, thread);
+                quantize((rows.start, rows.end));
+            }
+        });
+    }
+
+    let qisa = QIsa::from_isa(isa);
+    let y_ptr = SharedPtr(y.as_mut_ptr());
+    let groups = n.div_ceil(quant_dot::QR);
+    let parts = pool.n_threads().min(groups);
+    let block_rows = (QUANT_ACTIVATION_BLOCK_BYTES / layout.stride).max(quant_dot::QM)
+        / quant_dot::QM
+        * quant_dot::QM;
+    let dtype = w.dtype;
+    let w_ptr = w.data.as_ptr() as usize;
+    let row_bytes = dtype.row_bytes(k);
+    pool.broadcast(&|thread| {
+        if thread >= parts {
+            return;
+        }
+        let groups = split_range(groups, parts, thread);
+        let rows = (
+            groups.start * quant_dot::QR,
+            (groups.end * quant_dot::QR).min(n),
+        );
+        quant_dot::quant_rows(
+            qisa,
+            dtype,
+            QJob {
+                w: w_ptr as *const u8,
+                row_bytes,
+                n,
+                rows,
+                acts: acts.get(),
+                layout,
+                m,
+                block_rows,
+                y: y_ptr.get(),
+            },
+        );
     });
 }
 
@@ -322,6 +430,7 @@ mod tests {
                 .iter()
                 .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
                 .collect(),
+            _ => unreachable!(),
         }
     }
 
@@ -339,6 +448,7 @@ mod tests {
                 .chunks(2)
                 .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
                 .collect(),
+            _ => unreachable!(),
         }
     }
 
@@ -358,7 +468,7 @@ mod tests {
         let w_stored = &bytemuck::cast_slice::<u32, u8>(&w_words)[..w_bytes.len()];
         let w_exact = decode(w_stored, dtype);
         let pool = ThreadPool::new(threads);
-        let mut scratch = vec![0f32; matmul_scratch_len(threads, k)];
+        let mut scratch = vec![0f32; matmul_scratch_len(threads, m, k)];
         let mut y = vec![f32::NAN; m * n];
         matmul(
             &pool,
@@ -416,5 +526,104 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Quantized weights through `matmul`: against the f64 reference of the dequantized
+    /// weights and quantized-then-dequantized activations, and row by row bit-identical to the
+    /// same row alone, whatever the batch size and thread count.
+    fn check_quantized(m: usize, n: usize, k: usize, dtype: DType, threads: usize) {
+        let mut seed = (m * 1000 + n * 10 + k + dtype.ggml_type() as usize) as u64;
+        let w: Vec<u8> = (0..n)
+            .flat_map(|_| super::super::quant_dot::tests::random_row(dtype, k, &mut seed, false))
+            .collect();
+        let x: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed) * 2.0).collect();
+        let pool = ThreadPool::new(threads);
+        let mut scratch = vec![0f32; matmul_scratch_len(threads, m, k)];
+        let mat = MatRef::new(dtype, &w, n, k);
+        let mut y = vec![f32::NAN; m * n];
+        matmul(&pool, &x, m, &mat, &mut y, &mut scratch);
+        let rb = dtype.row_bytes(k);
+        for i in 0..m {
+            for j in 0..n {
+                let (want, size) = super::super::quant_dot::tests::reference(
+                    dtype,
+                    &w[j * rb..(j + 1) * rb],
+                    &x[i * k..(i + 1) * k],
+                );
+                let got = y[i * n + j] as f64;
+                assert!(
+                    (got - want).abs() <= 1e-5 * size + 1e-6,
+                    "m={m} n={n} k={k} {dtype} threads={threads}: y[{i},{j}] = {got}, want {want}"
+                );
+            }
+        }
+        for i in [0, m / 2, m - 1] {
+            let mut y1 = vec![0f32; n];
+            matmul(
+                &pool,
+                &x[i * k..(i + 1) * k],
+                1,
+                &mat,
+                &mut y1,
+                &mut scratch,
+            );
+            let same = y1
+                .iter()
+                .zip(&y[i * n..(i + 1) * n])
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "{dtype}: row {i} alone differs from row {i} in a batch of {m} on {threads} threads"
+            );
+        }
+    }
+
+    #[test]
+    fn quantized_matches_reference_and_is_batch_invariant() {
+        for dtype in [
+            DType::Q8_0,
+            DType::Q4_0,
+            DType::Q4_1,
+            DType::Q4_K,
+            DType::Q5_K,
+            DType::Q6_K,
+        ] {
+            let b = dtype.block_size();
+            for &(m, n, blocks) in &[
+                (1, 1, 1),
+                (1, 19, 3),
+                (2, 8, 2),
+                (3, 17, 1),
+                (5, 13, 2),
+                (37, 21, 2),
+            ] {
+                for threads in [1, 2, 3] {
+                    check_quantized(m, n, blocks * b, dtype, threads);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn quantized_prefill_blocks_and_threads_give_the_same_bits() {
+        // Enough rows for several activation blocks; results match one thread's, row alone.
+        let dtype = DType::Q4_K;
+        let (m, n, k) = (300, 24, 256 * 8);
+        let mut seed = 99u64;
+        let w: Vec<u8> = (0..n)
+            .flat_map(|_| super::super::quant_dot::tests::random_row(dtype, k, &mut seed, false))
+            .collect();
+        let x: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
+        let mat = MatRef::new(dtype, &w, n, k);
+        let mut results = Vec::new();
+        for threads in [1, 2, 3] {
+            let pool = ThreadPool::new(threads);
+            let mut scratch = vec![0f32; matmul_scratch_len(threads, m, k)];
+            let mut y = vec![0f32; m * n];
+            matmul(&pool, &x, m, &mat, &mut y, &mut scratch);
+            results.push(y.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+        }
+        assert_eq!(results[0], results[1]);
+        assert_eq!(results[0], results[2]);
     }
 }

@@ -9,11 +9,13 @@ mod elementwise;
 mod isa;
 mod matmul;
 mod probe;
+mod quant_dot;
 pub(crate) mod simd;
 
 pub use attention::{AttentionShape, attention_scratch_len, causal_attention};
 pub use elementwise::{
-    add_assign, add_bias, rms_norm, rms_norm_in_place, rope_in_place, silu_mul, softmax_in_place,
+    RopeLayout, RopeTables, add_assign, add_bias, rms_norm, rms_norm_in_place, rope_in_place,
+    silu_mul, softmax_in_place,
 };
 pub use isa::Isa;
 pub use matmul::{MatRef, matmul, matmul_scratch_len};

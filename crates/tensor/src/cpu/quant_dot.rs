@@ -1,0 +1,1786 @@
+//! Integer dot products of ggml block-quantized weight rows with quantized activation rows.
+//!
+//! A kernel computes [`QR`] weight rows against one or [`QM`] activation rows at a time. For
+//! each block (a pair of 32-element blocks, or one 256-element super-block) it forms every
+//! (weight row, activation row) integer sum exactly — `vpdpbusd`/`vpdpwssd` with AVX-512 VNNI,
+//! `vpmaddubsw` + `vpmaddwd` without — reduces them so that one f32 lane holds one weight row,
+//! and only then applies the float scales:
+//!
+//! | weights     | activations | per block, f32, added to the row's sum in block order       |
+//! |-------------|-------------|-------------------------------------------------------------|
+//! | Q8_0, Q4_0  | Q8_0        | `(dw·dx)·S`                                                  |
+//! | Q4_1        | Q8_1        | `(dw·dx)·S + mw·sx`                                          |
+//! | Q4_K, Q5_K  | Q8_K        | `(dw·dx)·Σ sc·S − (dminw·dx)·Σ m·bsum`                       |
+//! | Q6_K        | Q8_K        | `(dw·dx)·Σ sc·S`                                             |
+//!
+//! Integer sums are exact and every float operation is a lane-wise IEEE multiply, add or
+//! subtract in that fixed order, so an output is bit-identical whatever the instruction set,
+//! batch size, tile shape or thread count.
+
+use super::Isa;
+use crate::dtype::DType;
+use crate::quant::{quantize_block_q8, quantize_block_q8k, scales_mins_k4_u64};
+
+/// Weight rows computed together: one f32 lane each.
+pub(crate) const QR: usize = 8;
+/// Activation rows computed together in prefill.
+pub(crate) const QM: usize = 4;
+/// How far ahead of its reads decode prefetches each weight row.
+const PREFETCH_BYTES: usize = 512;
+
+// ---------------------------------------------------------------------------------------------
+// Activations
+// ---------------------------------------------------------------------------------------------
+
+/// The blocks activations are quantized to for a weight type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ActKind {
+    /// 32-element blocks: Q8_0 and Q8_1 at once, in order (Q8_0 weights).
+    Q8,
+    /// As `Q8`, each pair of blocks stored as the halves Q4_0/Q4_1 nibbles unpack to:
+    /// `b0[0..16], b1[0..16], b0[16..32], b1[16..32]` (Q4_0, Q4_1 weights).
+    Q8I,
+    /// 256-element blocks: Q8_K, in order (Q6_K weights).
+    Q8K,
+    /// As `Q8K`, each 128 values stored as Q4_K/Q5_K nibbles unpack:
+    /// `x[0..32], x[64..96], x[32..64], x[96..128]` (Q4_K, Q5_K weights).
+    Q8KI,
+}
+
+impl ActKind {
+    pub(crate) fn for_weights(dtype: DType) -> ActKind {
+        match dtype {
+            DType::Q4_K | DType::Q5_K => ActKind::Q8KI,
+            DType::Q6_K => ActKind::Q8K,
+            DType::Q4_0 | DType::Q4_1 => ActKind::Q8I,
+            _ => ActKind::Q8,
+        }
+    }
+}
+
+/// Where the parts of one quantized activation row lie, in bytes from the row's start. Rows
+/// are `stride` bytes apart and 64-byte aligned.
+///
+/// - `qs`: `k` i8 values at 0, padded to a multiple of 64;
+/// - `d`: one f32 scale per block (Q8: `f16(d)` widened, as ggml stores it; Q8K: f32 `d`);
+/// - `a`: Q8: `Σq` per block (i32); Q8K: `bsums` of each 16 values (i16);
+/// - `b`: Q8: `f16(d·Σq)` per block (f32, Q8_1's `s`); Q8K: sums of each 32 values (i16).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ActLayout {
+    pub kind: ActKind,
+    pub k: usize,
+    pub d: usize,
+    pub a: usize,
+    pub b: usize,
+    pub stride: usize,
+}
+
+impl ActLayout {
+    pub(crate) fn new(kind: ActKind, k: usize) -> ActLayout {
+        let qs = k.div_ceil(64) * 64;
+        let (d, a, b, end) = match kind {
+            ActKind::Q8 | ActKind::Q8I => {
+                let nb = k.div_ceil(32);
+                (qs, qs + 4 * nb, qs + 8 * nb, qs + 12 * nb)
+            }
+            ActKind::Q8K | ActKind::Q8KI => {
+                let nb = k.div_ceil(256);
+                let a = qs + 4 * nb;
+                let b = a + 2 * k.div_ceil(16);
+                (qs, a, b, b + 2 * k.div_ceil(32))
+            }
+        };
+        ActLayout {
+            kind,
+            k,
+            d,
+            a,
+            b,
+            stride: end.div_ceil(64) * 64,
+        }
+    }
+
+    /// Bytes of the largest layout for `k` columns, whatever the kind.
+    pub(crate) fn max_stride(k: usize) -> usize {
+        ActLayout::new(ActKind::Q8, k)
+            .stride
+            .max(ActLayout::new(ActKind::Q8K, k).stride)
+    }
+}
+
+/// Quantizes activation rows `rows` of `x` (`k` wide) into `out` (rows `stride` apart).
+#[derive(Clone, Copy)]
+pub(crate) struct ActJob {
+    pub x: *const f32,
+    pub rows: (usize, usize),
+    pub layout: ActLayout,
+    pub out: *mut u8,
+}
+
+// SAFETY: each thread writes its own rows of `out`.
+unsafe impl Send for ActJob {}
+unsafe impl Sync for ActJob {}
+
+super::simd_dispatch!(pub(crate) fn quantize_activations(job: ActJob) => quantize_activations_generic);
+
+/// Plain Rust; compiled inside each instruction set's entry point so that it vectorises with
+/// it. Every step is exact or correctly rounded, so each set gives the same bytes.
+#[inline(always)]
+unsafe fn quantize_activations_generic<S: super::simd::Simd>(job: ActJob) {
+    let ActJob {
+        x,
+        rows,
+        layout,
+        out,
+    } = job;
+    let k = layout.k;
+    for i in rows.0..rows.1 {
+        unsafe {
+            let x = std::slice::from_raw_parts(x.add(i * k), k);
+            let row = out.add(i * layout.stride);
+            quantize_activation_row(&layout, x, row);
+        }
+    }
+}
+
+/// # Safety
+/// `row` is valid for `layout.stride` bytes and 4-aligned.
+#[inline(always)]
+pub(crate) unsafe fn quantize_activation_row(layout: &ActLayout, x: &[f32], row: *mut u8) {
+    let k = layout.k;
+    unsafe {
+        let qs = std::slice::from_raw_parts_mut(row.cast::<i8>(), k);
+        match layout.kind {
+            ActKind::Q8 | ActKind::Q8I => {
+                let nb = k / 32;
+                let d = std::slice::from_raw_parts_mut(row.add(layout.d).cast::<f32>(), nb);
+                let sums = std::slice::from_raw_parts_mut(row.add(layout.a).cast::<i32>(), nb);
+                let s = std::slice::from_raw_parts_mut(row.add(layout.b).cast::<f32>(), nb);
+                for b in 0..nb {
+                    let (scale, sum) =
+                        quantize_block_q8(&x[32 * b..32 * b + 32], &mut qs[32 * b..32 * b + 32]);
+                    d[b] = round_f16(scale);
+                    sums[b] = sum;
+                    s[b] = round_f16(scale * sum as f32);
+                }
+                if layout.kind == ActKind::Q8I {
+                    // The padding after `k` holds the second half of a last, unpaired block.
+                    let padded =
+                        std::slice::from_raw_parts_mut(row.cast::<i8>(), k.div_ceil(64) * 64);
+                    for pair in padded.chunks_exact_mut(64) {
+                        interleave(pair, 16);
+                    }
+                }
+            }
+            ActKind::Q8K | ActKind::Q8KI => {
+                let nb = k / 256;
+                let d = std::slice::from_raw_parts_mut(row.add(layout.d).cast::<f32>(), nb);
+                let bs16 = std::slice::from_raw_parts_mut(row.add(layout.a).cast::<i16>(), k / 16);
+                let bs32 = std::slice::from_raw_parts_mut(row.add(layout.b).cast::<i16>(), k / 32);
+                for b in 0..nb {
+                    d[b] = quantize_block_q8k(
+                        &x[256 * b..256 * b + 256],
+                        &mut qs[256 * b..256 * b + 256],
+                        &mut bs16[16 * b..16 * b + 16],
+                    );
+                }
+                for (p, s) in bs32.iter_mut().zip(bs16.chunks_exact(2)) {
+                    *p = s[0] + s[1];
+                }
+                if layout.kind == ActKind::Q8KI {
+                    for chunk in qs.chunks_mut(128) {
+                        interleave(chunk, 32);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Reorders `q`, four quarters `[A, B, C, D]` of `part` values, to `[A, C, B, D]`.
+#[inline(always)]
+fn interleave(q: &mut [i8], part: usize) {
+    let mut tmp = [0i8; 128];
+    tmp[..4 * part].copy_from_slice(&q[..4 * part]);
+    q[part..2 * part].copy_from_slice(&tmp[2 * part..3 * part]);
+    q[2 * part..3 * part].copy_from_slice(&tmp[part..2 * part]);
+}
+
+#[inline(always)]
+fn round_f16(v: f32) -> f32 {
+    half::f16::from_f32(v).to_f32()
+}
+
+// ---------------------------------------------------------------------------------------------
+// The vector operations, once per instruction set
+// ---------------------------------------------------------------------------------------------
+
+/// 64 bytes of integer lanes, seen as two 32-byte groups `g0`, `g1` (which hold different
+/// blocks or sub-blocks), and the 8-lane i32/f32 vectors a reduction produces.
+///
+/// # Safety
+/// Implementations use instructions of one target feature set; callers only use one when the
+/// CPU has that set. Pointers must be valid for the bytes read.
+pub(crate) unsafe trait Qv: Copy {
+    type V: Copy;
+    type I: Copy;
+    type F: Copy;
+    unsafe fn zero() -> Self::V;
+    unsafe fn load(p: *const u8) -> Self::V;
+    /// `g0 = p0[..32]`, `g1 = p1[..32]`.
+    unsafe fn load2(p0: *const u8, p1: *const u8) -> Self::V;
+    /// 16 nibble bytes at `p0` and 16 at `p1`: `g0` = the low nibbles (`p0`'s, then `p1`'s),
+    /// `g1` = the high nibbles, in the same order.
+    unsafe fn nib_pair(p0: *const u8, p1: *const u8) -> Self::V;
+    /// `g0 = p[..32]`, `g1` = the same shifted right by `S` bits in 16-bit lanes.
+    unsafe fn dup_shr<const S: u32>(p: *const u8) -> Self::V;
+    unsafe fn and(a: Self::V, b: Self::V) -> Self::V;
+    unsafe fn or(a: Self::V, b: Self::V) -> Self::V;
+    unsafe fn splat8(v: u8) -> Self::V;
+    /// Shifts 16-bit lanes left by 3.
+    unsafe fn shl3(a: Self::V) -> Self::V;
+    /// Shifts 16-bit lanes left by 4.
+    unsafe fn shl4(a: Self::V) -> Self::V;
+    /// Shifts 16-bit lanes right by 4.
+    unsafe fn shr4(a: Self::V) -> Self::V;
+    /// `|a|` per i8 lane, as u8.
+    unsafe fn abs8(a: Self::V) -> Self::V;
+    /// `a` with the sign of `b` per i8 lane (any value where `b` is 0).
+    unsafe fn sign8(a: Self::V, b: Self::V) -> Self::V;
+    /// i32 lane `l` += Σ of the four products `a[4l+t]` (u8) · `b[4l+t]` (i8).
+    unsafe fn dpbusd(acc: Self::V, a: Self::V, b: Self::V) -> Self::V;
+    /// i16 lane `l` = `a[2l]·b[2l] + a[2l+1]·b[2l+1]`, `a` u8, `b` i8 (inputs never saturate).
+    unsafe fn maddubs(a: Self::V, b: Self::V) -> Self::V;
+    /// i32 lane `l` += `a[2l]·b[2l] + a[2l+1]·b[2l+1]` over i16 lanes.
+    unsafe fn dpwssd(acc: Self::V, a: Self::V, b: Self::V) -> Self::V;
+    /// Eight u8 scales (the bytes of `v`, little-endian), widened to i16 lanes 0–7 (the rest
+    /// unspecified): the form [`Qv::scale_pick`] picks from.
+    unsafe fn scales8(v: u64) -> Self::V;
+    /// i16 lanes: scale `j0` of `s` (from [`Qv::scales8`]) in all of `g0`, `j1` in `g1`.
+    unsafe fn scale_pick(s: Self::V, j0: usize, j1: usize) -> Self::V;
+    /// i16 lanes: the 16-byte quarter `q` all `p[q]` (i8), `q < 4`.
+    unsafe fn scales4(p: *const i8) -> Self::V;
+    /// For 8 vectors of i32 lanes: lane `r` of the first result is the sum of `v[r].g0`'s
+    /// lanes, of the second the sum of `v[r].g1`'s.
+    unsafe fn reduce(v: &[Self::V; QR]) -> (Self::I, Self::I);
+    /// As [`Qv::reduce`], but the first result sums 16-byte quarters 0 and 2 of each vector,
+    /// the second quarters 1 and 3 (the blocks [`Qv::nib_pair`] interleaves).
+    unsafe fn reduce_x(v: &[Self::V; QR]) -> (Self::I, Self::I);
+    /// Lane `r`: `Σ_t mins[r].byte(t)·s[t]`, `t < 8`.
+    unsafe fn mins_dot8(mins: &[u64; QR], s: *const i16) -> Self::I;
+    /// Lane `r`: `Σ_j sc[r][j]·s[j]`, `j < 16`.
+    unsafe fn scales_dot8(sc: [*const i8; QR], s: *const i16) -> Self::I;
+    unsafe fn isplat(v: i32) -> Self::I;
+    unsafe fn iadd(a: Self::I, b: Self::I) -> Self::I;
+    unsafe fn isub(a: Self::I, b: Self::I) -> Self::I;
+    /// Shifts each lane left by 5 (× 32).
+    unsafe fn ishl5(a: Self::I) -> Self::I;
+    unsafe fn cvt(a: Self::I) -> Self::F;
+    unsafe fn fzero() -> Self::F;
+    unsafe fn fsplat(v: f32) -> Self::F;
+    unsafe fn fmul(a: Self::F, b: Self::F) -> Self::F;
+    unsafe fn fadd(a: Self::F, b: Self::F) -> Self::F;
+    unsafe fn fsub(a: Self::F, b: Self::F) -> Self::F;
+    /// Eight f16 values (four per word, from the low bits up), widened.
+    unsafe fn f16x8(h: [u64; 2]) -> Self::F;
+    unsafe fn fstore(p: *mut f32, a: Self::F);
+    #[inline(always)]
+    unsafe fn prefetch(p: *const u8) {
+        let _ = p;
+    }
+}
+
+/// Plain Rust, one lane at a time.
+#[derive(Clone, Copy)]
+pub(crate) struct Portable;
+
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+pub(crate) struct Pv([u8; 64]);
+
+impl Pv {
+    #[inline(always)]
+    fn i8s(self) -> [i8; 64] {
+        bytemuck::cast(self.0)
+    }
+    #[inline(always)]
+    fn i16s(self) -> [i16; 32] {
+        bytemuck::cast(self.0)
+    }
+    #[inline(always)]
+    fn i32s(self) -> [i32; 16] {
+        bytemuck::cast(self.0)
+    }
+    #[inline(always)]
+    fn from_i16(v: [i16; 32]) -> Pv {
+        Pv(bytemuck::cast(v))
+    }
+    #[inline(always)]
+    fn from_i32(v: [i32; 16]) -> Pv {
+        Pv(bytemuck::cast(v))
+    }
+    #[inline(always)]
+    fn map16(self, f: impl Fn(u16) -> u16) -> Pv {
+        Pv(bytemuck::cast(
+            bytemuck::cast::<_, [u16; 32]>(self.0).map(f),
+        ))
+    }
+}
+
+/// Sum of i32 lanes `lanes` of `v`, wrapping as the vector units do.
+fn lane_sum(v: &Pv, lanes: impl Iterator<Item = usize>) -> i32 {
+    let v = v.i32s();
+    lanes.fold(0i32, |s, l| s.wrapping_add(v[l]))
+}
+
+unsafe impl Qv for Portable {
+    type V = Pv;
+    type I = [i32; 8];
+    type F = [f32; 8];
+
+    #[inline(always)]
+    unsafe fn zero() -> Pv {
+        Pv([0; 64])
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const u8) -> Pv {
+        Pv(unsafe { p.cast::<[u8; 64]>().read_unaligned() })
+    }
+    #[inline(always)]
+    unsafe fn load2(p0: *const u8, p1: *const u8) -> Pv {
+        let mut v = [0u8; 64];
+        unsafe {
+            std::ptr::copy_nonoverlapping(p0, v.as_mut_ptr(), 32);
+            std::ptr::copy_nonoverlapping(p1, v.as_mut_ptr().add(32), 32);
+        }
+        Pv(v)
+    }
+    #[inline(always)]
+    unsafe fn nib_pair(p0: *const u8, p1: *const u8) -> Pv {
+        let mut v = [0u8; 64];
+        for (h, p) in [p0, p1].into_iter().enumerate() {
+            for j in 0..16 {
+                let b = unsafe { *p.add(j) };
+                v[16 * h + j] = b & 0xF;
+                v[32 + 16 * h + j] = b >> 4;
+            }
+        }
+        Pv(v)
+    }
+    #[inline(always)]
+    unsafe fn dup_shr<const S: u32>(p: *const u8) -> Pv {
+        let v = unsafe { Self::load2(p, p) };
+        let mut w = v.map16(|x| x >> S);
+        w.0[..32].copy_from_slice(&v.0[..32]);
+        w
+    }
+    #[inline(always)]
+    unsafe fn and(a: Pv, b: Pv) -> Pv {
+        Pv(std::array::from_fn(|i| a.0[i] & b.0[i]))
+    }
+    #[inline(always)]
+    unsafe fn or(a: Pv, b: Pv) -> Pv {
+        Pv(std::array::from_fn(|i| a.0[i] | b.0[i]))
+    }
+    #[inline(always)]
+    unsafe fn splat8(v: u8) -> Pv {
+        Pv([v; 64])
+    }
+    #[inline(always)]
+    unsafe fn shl3(a: Pv) -> Pv {
+        a.map16(|x| x << 3)
+    }
+    #[inline(always)]
+    unsafe fn shl4(a: Pv) -> Pv {
+        a.map16(|x| x << 4)
+    }
+    #[inline(always)]
+    unsafe fn shr4(a: Pv) -> Pv {
+        a.map16(|x| x >> 4)
+    }
+    #[inline(always)]
+    unsafe fn abs8(a: Pv) -> Pv {
+        Pv(a.i8s().map(|x| x.unsigned_abs()))
+    }
+    #[inline(always)]
+    unsafe fn sign8(a: Pv, b: Pv) -> Pv {
+        let (a, b) = (a.i8s(), b.i8s());
+        Pv(std::array::from_fn(|i| match b[i].signum() {
+            -1 => a[i].wrapping_neg() as u8,
+            0 => 0,
+            _ => a[i] as u8,
+        }))
+    }
+    #[inline(always)]
+    unsafe fn dpbusd(acc: Pv, a: Pv, b: Pv) -> Pv {
+        let (mut acc, b8) = (acc.i32s(), b.i8s());
+        for (l, s) in acc.iter_mut().enumerate() {
+            for t in 0..4 {
+                *s = s.wrapping_add(a.0[4 * l + t] as i32 * b8[4 * l + t] as i32);
+            }
+        }
+        Pv::from_i32(acc)
+    }
+    #[inline(always)]
+    unsafe fn maddubs(a: Pv, b: Pv) -> Pv {
+        let b8 = b.i8s();
+        Pv::from_i16(std::array::from_fn(|l| {
+            let s =
+                a.0[2 * l] as i32 * b8[2 * l] as i32 + a.0[2 * l + 1] as i32 * b8[2 * l + 1] as i32;
+            s.clamp(i16::MIN as i32, i16::MAX as i32) as i16
+        }))
+    }
+    #[inline(always)]
+    unsafe fn dpwssd(acc: Pv, a: Pv, b: Pv) -> Pv {
+        let (mut acc, a, b) = (acc.i32s(), a.i16s(), b.i16s());
+        for (l, s) in acc.iter_mut().enumerate() {
+            let p = a[2 * l] as i32 * b[2 * l] as i32 + a[2 * l + 1] as i32 * b[2 * l + 1] as i32;
+            *s = s.wrapping_add(p);
+        }
+        Pv::from_i32(acc)
+    }
+    #[inline(always)]
+    unsafe fn scales8(v: u64) -> Pv {
+        let b = v.to_le_bytes();
+        Pv::from_i16(std::array::from_fn(|l| if l < 8 { b[l] as i16 } else { 0 }))
+    }
+    #[inline(always)]
+    unsafe fn scale_pick(s: Pv, j0: usize, j1: usize) -> Pv {
+        let s = s.i16s();
+        Pv::from_i16(std::array::from_fn(|l| if l < 16 { s[j0] } else { s[j1] }))
+    }
+    #[inline(always)]
+    unsafe fn scales4(p: *const i8) -> Pv {
+        Pv::from_i16(std::array::from_fn(|l| (unsafe { *p.add(l / 8) }) as i16))
+    }
+    #[inline(always)]
+    unsafe fn reduce(v: &[Pv; QR]) -> ([i32; 8], [i32; 8]) {
+        (
+            std::array::from_fn(|r| lane_sum(&v[r], 0..8)),
+            std::array::from_fn(|r| lane_sum(&v[r], 8..16)),
+        )
+    }
+    #[inline(always)]
+    unsafe fn reduce_x(v: &[Pv; QR]) -> ([i32; 8], [i32; 8]) {
+        (
+            std::array::from_fn(|r| lane_sum(&v[r], (0..4).chain(8..12))),
+            std::array::from_fn(|r| lane_sum(&v[r], (4..8).chain(12..16))),
+        )
+    }
+    #[inline(always)]
+    unsafe fn mins_dot8(mins: &[u64; QR], s: *const i16) -> [i32; 8] {
+        std::array::from_fn(|r| {
+            let m = mins[r].to_le_bytes();
+            (0..8).fold(0i32, |acc, t| {
+                acc + m[t] as i32 * unsafe { s.add(t).read_unaligned() } as i32
+            })
+        })
+    }
+    #[inline(always)]
+    unsafe fn scales_dot8(sc: [*const i8; QR], s: *const i16) -> [i32; 8] {
+        std::array::from_fn(|r| {
+            (0..16).fold(0i32, |acc, j| unsafe {
+                acc + *sc[r].add(j) as i32 * s.add(j).read_unaligned() as i32
+            })
+        })
+    }
+    #[inline(always)]
+    unsafe fn isplat(v: i32) -> [i32; 8] {
+        [v; 8]
+    }
+    #[inline(always)]
+    unsafe fn iadd(a: [i32; 8], b: [i32; 8]) -> [i32; 8] {
+        std::array::from_fn(|i| a[i].wrapping_add(b[i]))
+    }
+    #[inline(always)]
+    unsafe fn isub(a: [i32; 8], b: [i32; 8]) -> [i32; 8] {
+        std::array::from_fn(|i| a[i].wrapping_sub(b[i]))
+    }
+    #[inline(always)]
+    unsafe fn ishl5(a: [i32; 8]) -> [i32; 8] {
+        a.map(|x| x.wrapping_shl(5))
+    }
+    #[inline(always)]
+    unsafe fn cvt(a: [i32; 8]) -> [f32; 8] {
+        a.map(|x| x as f32)
+    }
+    #[inline(always)]
+    unsafe fn fzero() -> [f32; 8] {
+        [0.0; 8]
+    }
+    #[inline(always)]
+    unsafe fn fsplat(v: f32) -> [f32; 8] {
+        [v; 8]
+    }
+    #[inline(always)]
+    unsafe fn fmul(a: [f32; 8], b: [f32; 8]) -> [f32; 8] {
+        std::array::from_fn(|i| a[i] * b[i])
+    }
+    #[inline(always)]
+    unsafe fn fadd(a: [f32; 8], b: [f32; 8]) -> [f32; 8] {
+        std::array::from_fn(|i| a[i] + b[i])
+    }
+    #[inline(always)]
+    unsafe fn fsub(a: [f32; 8], b: [f32; 8]) -> [f32; 8] {
+        std::array::from_fn(|i| a[i] - b[i])
+    }
+    #[inline(always)]
+    unsafe fn f16x8(h: [u64; 2]) -> [f32; 8] {
+        std::array::from_fn(|i| crate::dtype::f16_to_f32((h[i / 4] >> (16 * (i % 4))) as u16))
+    }
+    #[inline(always)]
+    unsafe fn fstore(p: *mut f32, a: [f32; 8]) {
+        unsafe { p.cast::<[f32; 8]>().write_unaligned(a) }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) use x86::{Avx2, Avx512};
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{QR, Qv};
+    use std::arch::x86_64::*;
+
+    /// AVX2: a 64-byte vector is two `__m256i`, one per group.
+    #[derive(Clone, Copy)]
+    pub(crate) struct Avx2;
+
+    #[derive(Clone, Copy)]
+    pub(crate) struct Y2(__m256i, __m256i);
+
+    #[inline(always)]
+    unsafe fn loadu256(p: *const u8) -> __m256i {
+        unsafe { _mm256_loadu_si256(p.cast()) }
+    }
+    #[inline(always)]
+    unsafe fn loadu128(p: *const u8) -> __m128i {
+        unsafe { _mm_loadu_si128(p.cast()) }
+    }
+    /// 16 bytes at `p0`, then 16 at `p1`.
+    #[inline(always)]
+    unsafe fn load16x2(p0: *const u8, p1: *const u8) -> __m256i {
+        unsafe { _mm256_set_m128i(loadu128(p1), loadu128(p0)) }
+    }
+    /// Eight vectors of eight i32 to `[r0..r3 sums of the low 128 bits, r0..r3 of the high]`
+    /// for `v[0..4]`, and the same for `v[4..8]`.
+    #[inline(always)]
+    unsafe fn hadd_tree(v: [__m256i; 8]) -> (__m256i, __m256i) {
+        unsafe {
+            let s01 = _mm256_hadd_epi32(v[0], v[1]);
+            let s23 = _mm256_hadd_epi32(v[2], v[3]);
+            let s45 = _mm256_hadd_epi32(v[4], v[5]);
+            let s67 = _mm256_hadd_epi32(v[6], v[7]);
+            (_mm256_hadd_epi32(s01, s23), _mm256_hadd_epi32(s45, s67))
+        }
+    }
+    /// Eight vectors of eight i32 to one vector of their eight sums.
+    #[inline(always)]
+    unsafe fn reduce8(v: [__m256i; 8]) -> __m256i {
+        unsafe {
+            let (t0, t1) = hadd_tree(v);
+            _mm256_add_epi32(
+                _mm256_permute2x128_si256::<0x20>(t0, t1),
+                _mm256_permute2x128_si256::<0x31>(t0, t1),
+            )
+        }
+    }
+    /// Eight vectors of eight i32 to the sums of their low 128 bits and of their high 128 bits.
+    #[inline(always)]
+    unsafe fn reduce8_halves(v: [__m256i; 8]) -> (__m256i, __m256i) {
+        unsafe {
+            let (t0, t1) = hadd_tree(v);
+            (
+                _mm256_permute2x128_si256::<0x20>(t0, t1),
+                _mm256_permute2x128_si256::<0x31>(t0, t1),
+            )
+        }
+    }
+    #[inline(always)]
+    unsafe fn mins_dot8_x86(mins: &[u64; QR], s: *const i16) -> __m256i {
+        unsafe {
+            let b = _mm_loadu_si128(s.cast());
+            let row = |r: usize| {
+                let m = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(mins[r] as i64));
+                _mm_madd_epi16(m, b)
+            };
+            // [row r's four partial sums | row r+4's].
+            let y = |r: usize| _mm256_set_m128i(row(r + 4), row(r));
+            let h01 = _mm256_hadd_epi32(y(0), y(1));
+            let h23 = _mm256_hadd_epi32(y(2), y(3));
+            _mm256_hadd_epi32(h01, h23)
+        }
+    }
+    #[inline(always)]
+    unsafe fn scales_dot8_x86(sc: [*const i8; QR], s: *const i16) -> __m256i {
+        unsafe {
+            let b = _mm256_loadu_si256(s.cast());
+            reduce8(std::array::from_fn(|r| {
+                _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(sc[r].cast())), b)
+            }))
+        }
+    }
+    /// vpshufb control giving every i16 lane the value of lane `j` of its 128-bit half.
+    #[inline(always)]
+    unsafe fn pick16(j: usize) -> __m256i {
+        unsafe { _mm256_set1_epi16((((2 * j + 1) << 8) | (2 * j)) as i16) }
+    }
+
+    /// The 8-lane float and integer side, shared by both x86 sets.
+    macro_rules! float_side {
+        () => {
+            #[inline(always)]
+            unsafe fn mins_dot8(mins: &[u64; QR], s: *const i16) -> __m256i {
+                unsafe { mins_dot8_x86(mins, s) }
+            }
+            #[inline(always)]
+            unsafe fn scales_dot8(sc: [*const i8; QR], s: *const i16) -> __m256i {
+                unsafe { scales_dot8_x86(sc, s) }
+            }
+            #[inline(always)]
+            unsafe fn isplat(v: i32) -> __m256i {
+                unsafe { _mm256_set1_epi32(v) }
+            }
+            #[inline(always)]
+            unsafe fn iadd(a: __m256i, b: __m256i) -> __m256i {
+                unsafe { _mm256_add_epi32(a, b) }
+            }
+            #[inline(always)]
+            unsafe fn isub(a: __m256i, b: __m256i) -> __m256i {
+                unsafe { _mm256_sub_epi32(a, b) }
+            }
+            #[inline(always)]
+            unsafe fn ishl5(a: __m256i) -> __m256i {
+                unsafe { _mm256_slli_epi32::<5>(a) }
+            }
+            #[inline(always)]
+            unsafe fn cvt(a: __m256i) -> __m256 {
+                unsafe { _mm256_cvtepi32_ps(a) }
+            }
+            #[inline(always)]
+            unsafe fn fzero() -> __m256 {
+                unsafe { _mm256_setzero_ps() }
+            }
+            #[inline(always)]
+            unsafe fn fsplat(v: f32) -> __m256 {
+                unsafe { _mm256_set1_ps(v) }
+            }
+            #[inline(always)]
+            unsafe fn fmul(a: __m256, b: __m256) -> __m256 {
+                unsafe { _mm256_mul_ps(a, b) }
+            }
+            #[inline(always)]
+            unsafe fn fadd(a: __m256, b: __m256) -> __m256 {
+                unsafe { _mm256_add_ps(a, b) }
+            }
+            #[inline(always)]
+            unsafe fn fsub(a: __m256, b: __m256) -> __m256 {
+                unsafe { _mm256_sub_ps(a, b) }
+            }
+            #[inline(always)]
+            unsafe fn f16x8(h: [u64; 2]) -> __m256 {
+                unsafe { _mm256_cvtph_ps(_mm_set_epi64x(h[1] as i64, h[0] as i64)) }
+            }
+            #[inline(always)]
+            unsafe fn fstore(p: *mut f32, a: __m256) {
+                unsafe { _mm256_storeu_ps(p, a) }
+            }
+            #[inline(always)]
+            unsafe fn prefetch(p: *const u8) {
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
+            }
+        };
+    }
+
+    unsafe impl Qv for Avx2 {
+        type V = Y2;
+        type I = __m256i;
+        type F = __m256;
+
+        #[inline(always)]
+        unsafe fn zero() -> Y2 {
+            unsafe { Y2(_mm256_setzero_si256(), _mm256_setzero_si256()) }
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const u8) -> Y2 {
+            unsafe { Y2(loadu256(p), loadu256(p.add(32))) }
+        }
+        #[inline(always)]
+        unsafe fn load2(p0: *const u8, p1: *const u8) -> Y2 {
+            unsafe { Y2(loadu256(p0), loadu256(p1)) }
+        }
+        #[inline(always)]
+        unsafe fn nib_pair(p0: *const u8, p1: *const u8) -> Y2 {
+            unsafe {
+                let x = load16x2(p0, p1);
+                let m = _mm256_set1_epi8(0x0F);
+                Y2(
+                    _mm256_and_si256(x, m),
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(x), m),
+                )
+            }
+        }
+        #[inline(always)]
+        unsafe fn dup_shr<const S: u32>(p: *const u8) -> Y2 {
+            unsafe {
+                let x = loadu256(p);
+                Y2(x, _mm256_srl_epi16(x, _mm_cvtsi32_si128(S as i32)))
+            }
+        }
+        #[inline(always)]
+        unsafe fn and(a: Y2, b: Y2) -> Y2 {
+            unsafe { Y2(_mm256_and_si256(a.0, b.0), _mm256_and_si256(a.1, b.1)) }
+        }
+        #[inline(always)]
+        unsafe fn or(a: Y2, b: Y2) -> Y2 {
+            unsafe { Y2(_mm256_or_si256(a.0, b.0), _mm256_or_si256(a.1, b.1)) }
+        }
+        #[inline(always)]
+        unsafe fn splat8(v: u8) -> Y2 {
+            unsafe {
+                let x = _mm256_set1_epi8(v as i8);
+                Y2(x, x)
+            }
+        }
+        #[inline(always)]
+        unsafe fn shl3(a: Y2) -> Y2 {
+            unsafe { Y2(_mm256_slli_epi16::<3>(a.0), _mm256_slli_epi16::<3>(a.1)) }
+        }
+        #[inline(always)]
+        unsafe fn shl4(a: Y2) -> Y2 {
+            unsafe { Y2(_mm256_slli_epi16::<4>(a.0), _mm256_slli_epi16::<4>(a.1)) }
+        }
+        #[inline(always)]
+        unsafe fn shr4(a: Y2) -> Y2 {
+            unsafe { Y2(_mm256_srli_epi16::<4>(a.0), _mm256_srli_epi16::<4>(a.1)) }
+        }
+        #[inline(always)]
+        unsafe fn abs8(a: Y2) -> Y2 {
+            unsafe { Y2(_mm256_abs_epi8(a.0), _mm256_abs_epi8(a.1)) }
+        }
+        #[inline(always)]
+        unsafe fn sign8(a: Y2, b: Y2) -> Y2 {
+            unsafe { Y2(_mm256_sign_epi8(a.0, b.0), _mm256_sign_epi8(a.1, b.1)) }
+        }
+        #[inline(always)]
+        unsafe fn dpbusd(acc: Y2, a: Y2, b: Y2) -> Y2 {
+            unsafe {
+                let one = _mm256_set1_epi16(1);
+                Y2(
+                    _mm256_add_epi32(
+                        acc.0,
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(a.0, b.0), one),
+                    ),
+                    _mm256_add_epi32(
+                        acc.1,
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(a.1, b.1), one),
+                    ),
+                )
+            }
+        }
+        #[inline(always)]
+        unsafe fn maddubs(a: Y2, b: Y2) -> Y2 {
+            unsafe {
+                Y2(
+                    _mm256_maddubs_epi16(a.0, b.0),
+                    _mm256_maddubs_epi16(a.1, b.1),
+                )
+            }
+        }
+        #[inline(always)]
+        unsafe fn dpwssd(acc: Y2, a: Y2, b: Y2) -> Y2 {
+            unsafe {
+                Y2(
+                    _mm256_add_epi32(acc.0, _mm256_madd_epi16(a.0, b.0)),
+                    _mm256_add_epi32(acc.1, _mm256_madd_epi16(a.1, b.1)),
+                )
+            }
+        }
+        #[inline(always)]
+        unsafe fn scales8(v: u64) -> Y2 {
+            unsafe {
+                let s = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(v as i64));
+                let s = _mm256_broadcastsi128_si256(s);
+                Y2(s, s)
+            }
+        }
+        #[inline(always)]
+        unsafe fn scale_pick(s: Y2, j0: usize, j1: usize) -> Y2 {
+            unsafe {
+                Y2(
+                    _mm256_shuffle_epi8(s.0, pick16(j0)),
+                    _mm256_shuffle_epi8(s.1, pick16(j1)),
+                )
+            }
+        }
+        #[inline(always)]
+        unsafe fn scales4(p: *const i8) -> Y2 {
+            unsafe {
+                let s = |q: usize| _mm_set1_epi16(*p.add(q) as i16);
+                Y2(_mm256_set_m128i(s(1), s(0)), _mm256_set_m128i(s(3), s(2)))
+            }
+        }
+        #[inline(always)]
+        unsafe fn reduce(v: &[Y2; QR]) -> (__m256i, __m256i) {
+            unsafe {
+                (
+                    reduce8(std::array::from_fn(|r| v[r].0)),
+                    reduce8(std::array::from_fn(|r| v[r].1)),
+                )
+            }
+        }
+        #[inline(always)]
+        unsafe fn reduce_x(v: &[Y2; QR]) -> (__m256i, __m256i) {
+            unsafe { reduce8_halves(std::array::from_fn(|r| _mm256_add_epi32(v[r].0, v[r].1))) }
+        }
+        float_side!();
+    }
+
+    /// AVX-512 BW (with VNNI's `vpdpbusd`/`vpdpwssd` when `VNNI`): one `__m512i`, `g0` the
+    /// low half.
+    #[derive(Clone, Copy)]
+    pub(crate) struct Avx512<const VNNI: bool>;
+
+    unsafe impl<const VNNI: bool> Qv for Avx512<VNNI> {
+        type V = __m512i;
+        type I = __m256i;
+        type F = __m256;
+
+        #[inline(always)]
+        unsafe fn zero() -> __m512i {
+            unsafe { _mm512_setzero_si512() }
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const u8) -> __m512i {
+            unsafe { _mm512_loadu_si512(p.cast()) }
+        }
+        #[inline(always)]
+        unsafe fn load2(p0: *const u8, p1: *const u8) -> __m512i {
+            unsafe { _mm512_inserti64x4::<1>(_mm512_castsi256_si512(loadu256(p0)), loadu256(p1)) }
+        }
+        #[inline(always)]
+        unsafe fn nib_pair(p0: *const u8, p1: *const u8) -> __m512i {
+            unsafe {
+                let a = load16x2(p0, p1);
+                let v =
+                    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), _mm256_srli_epi16::<4>(a));
+                _mm512_and_si512(v, _mm512_set1_epi8(0x0F))
+            }
+        }
+        #[inline(always)]
+        unsafe fn dup_shr<const S: u32>(p: *const u8) -> __m512i {
+            unsafe {
+                let a = loadu256(p);
+                let shifted = _mm256_srl_epi16(a, _mm_cvtsi32_si128(S as i32));
+                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), shifted)
+            }
+        }
+        #[inline(always)]
+        unsafe fn and(a: __m512i, b: __m512i) -> __m512i {
+            unsafe { _mm512_and_si512(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn or(a: __m512i, b: __m512i) -> __m512i {
+            unsafe { _mm512_or_si512(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn splat8(v: u8) -> __m512i {
+            unsafe { _mm512_set1_epi8(v as i8) }
+        }
+        #[inline(always)]
+        unsafe fn shl3(a: __m512i) -> __m512i {
+            unsafe { _mm512_slli_epi16::<3>(a) }
+        }
+        #[inline(always)]
+        unsafe fn shl4(a: __m512i) -> __m512i {
+            unsafe { _mm512_slli_epi16::<4>(a) }
+        }
+        #[inline(always)]
+        unsafe fn shr4(a: __m512i) -> __m512i {
+            unsafe { _mm512_srli_epi16::<4>(a) }
+        }
+        #[inline(always)]
+        unsafe fn abs8(a: __m512i) -> __m512i {
+            unsafe { _mm512_abs_epi8(a) }
+        }
+        #[inline(always)]
+        unsafe fn sign8(a: __m512i, b: __m512i) -> __m512i {
+            unsafe {
+                let neg = _mm512_movepi8_mask(b);
+                _mm512_mask_sub_epi8(a, neg, _mm512_setzero_si512(), a)
+            }
+        }
+        #[inline(always)]
+        unsafe fn dpbusd(acc: __m512i, a: __m512i, b: __m512i) -> __m512i {
+            unsafe {
+                if VNNI {
+                    _mm512_dpbusd_epi32(acc, a, b)
+                } else {
+                    let pairs = _mm512_maddubs_epi16(a, b);
+                    _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)))
+                }
+            }
+        }
+        #[inline(always)]
+        unsafe fn maddubs(a: __m512i, b: __m512i) -> __m512i {
+            unsafe { _mm512_maddubs_epi16(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn dpwssd(acc: __m512i, a: __m512i, b: __m512i) -> __m512i {
+            unsafe {
+                if VNNI {
+                    _mm512_dpwssd_epi32(acc, a, b)
+                } else {
+                    _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
+                }
+            }
+        }
+        #[inline(always)]
+        unsafe fn scales8(v: u64) -> __m512i {
+            unsafe { _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(v as i64))) }
+        }
+        #[inline(always)]
+        unsafe fn scale_pick(s: __m512i, j0: usize, j1: usize) -> __m512i {
+            unsafe {
+                let idx = _mm512_inserti64x4::<1>(
+                    _mm512_set1_epi16(j0 as i16),
+                    _mm256_set1_epi16(j1 as i16),
+                );
+                _mm512_permutexvar_epi16(idx, s)
+            }
+        }
+        #[inline(always)]
+        unsafe fn scales4(p: *const i8) -> __m512i {
+            unsafe {
+                let s = _mm_cvtepi8_epi16(_mm_cvtsi32_si128(p.cast::<i32>().read_unaligned()));
+                let idx = _mm512_set_epi64(
+                    0x0003_0003_0003_0003,
+                    0x0003_0003_0003_0003,
+                    0x0002_0002_0002_0002,
+                    0x0002_0002_0002_0002,
+                    0x0001_0001_0001_0001,
+                    0x0001_0001_0001_0001,
+                    0,
+                    0,
+                );
+                _mm512_permutexvar_epi16(idx, _mm512_castsi128_si512(s))
+            }
+        }
+        #[inline(always)]
+        unsafe fn reduce(v: &[__m512i; QR]) -> (__m256i, __m256i) {
+            unsafe {
+                // Per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3].
+                let pair = |a: __m512i, b: __m512i| {
+                    _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b))
+                };
+                // Per 128-bit lane: the four rows' sums over that lane.
+                let quad = |ab: __m512i, cd: __m512i| {
+                    _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd))
+                };
+                let u0 = quad(pair(v[0], v[1]), pair(v[2], v[3]));
+                let u1 = quad(pair(v[4], v[5]), pair(v[6], v[7]));
+                // Lanes 0,1 hold g0, lanes 2,3 hold g1: add lane 0 to 1 and lane 2 to 3.
+                let a = _mm512_shuffle_i64x2::<0b10_00_10_00>(u0, u1);
+                let b = _mm512_shuffle_i64x2::<0b11_01_11_01>(u0, u1);
+                let s = _mm512_add_epi32(a, b);
+                let s = _mm512_shuffle_i64x2::<0b11_01_10_00>(s, s);
+                (_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64::<1>(s))
+            }
+        }
+        #[inline(always)]
+        unsafe fn reduce_x(v: &[__m512i; QR]) -> (__m256i, __m256i) {
+            unsafe {
+                reduce8_halves(std::array::from_fn(|r| {
+                    _mm256_add_epi32(
+                        _mm512_castsi512_si256(v[r]),
+                        _mm512_extracti64x4_epi64::<1>(v[r]),
+                    )
+                }))
+            }
+        }
+        float_side!();
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernels
+// ---------------------------------------------------------------------------------------------
+
+#[inline(always)]
+unsafe fn rd16(p: *const u8) -> u16 {
+    unsafe { p.cast::<u16>().read_unaligned() }
+}
+
+/// Puts row `r`'s f16 bits where [`Qv::f16x8`] takes them: kept in registers, not memory.
+#[inline(always)]
+fn put16(h: &mut [u64; 2], r: usize, bits: u16) {
+    h[r / 4] |= (bits as u64) << (16 * (r % 4));
+}
+
+#[inline(always)]
+unsafe fn rdf32(p: *const u8, i: usize) -> f32 {
+    unsafe { p.cast::<f32>().add(i).read() }
+}
+
+/// One weight type's tile: `QR` weight rows (`w`, each `k` columns) against `M` activation
+/// rows (`a`, laid out by `lay`); `out[i][r]` receives row `r`'s dot with activation `i`.
+pub(crate) trait Kernel {
+    unsafe fn tile<Q: Qv, const M: usize>(
+        w: [*const u8; QR],
+        a: [*const u8; M],
+        lay: &ActLayout,
+        out: &mut [[f32; QR]; M],
+    );
+}
+
+/// Q8_0, Q4_0, Q4_1: 32-element blocks, taken two at a time.
+#[inline(always)]
+unsafe fn tile_q32<Q: Qv, const M: usize, const T: u8>(
+    w: [*const u8; QR],
+    a: [*const u8; M],
+    lay: &ActLayout,
+    out: &mut [[f32; QR]; M],
+) {
+    const Q8_0: u8 = 0;
+    const Q4_0: u8 = 1;
+    let (bb, qoff) = match T {
+        Q8_0 => (34, 2),
+        Q4_0 => (18, 2),
+        _ => (20, 4),
+    };
+    let has_m = T != Q8_0 && T != Q4_0;
+    let nb = lay.k / 32;
+    unsafe {
+        let mut acc = [Q::fzero(); M];
+        let mut b0 = 0;
+        while b0 < nb {
+            let has1 = b0 + 1 < nb;
+            let b1 = if has1 { b0 + 1 } else { b0 };
+            let xs: [Q::V; M] = std::array::from_fn(|i| Q::load(a[i].add(32 * b0)));
+            let mut d0 = [0u64; 2];
+            let mut d1 = [0u64; 2];
+            let mut m0 = [0u64; 2];
+            let mut m1 = [0u64; 2];
+            let mut ints = [[Q::zero(); QR]; M];
+            for r in 0..QR {
+                let p0 = w[r].add(b0 * bb);
+                let p1 = w[r].add(b1 * bb);
+                if M == 1 {
+                    Q::prefetch(p0.add(PREFETCH_BYTES));
+                }
+                put16(&mut d0, r, rd16(p0));
+                put16(&mut d1, r, rd16(p1));
+                if has_m {
+                    put16(&mut m0, r, rd16(p0.add(2)));
+                    put16(&mut m1, r, rd16(p1.add(2)));
+                }
+                if T == Q8_0 {
+                    let wv = Q::load2(p0.add(qoff), p1.add(qoff));
+                    let wa = Q::abs8(wv);
+                    for i in 0..M {
+                        ints[i][r] = Q::dpbusd(Q::zero(), wa, Q::sign8(xs[i], wv));
+                    }
+                } else {
+                    let wv = Q::nib_pair(p0.add(qoff), p1.add(qoff));
+                    for i in 0..M {
+                        ints[i][r] = Q::dpbusd(Q::zero(), wv, xs[i]);
+                    }
+                }
+            }
+            let fd0 = Q::f16x8(d0);
+            let fd1 = Q::f16x8(d1);
+            let (fm0, fm1) = if has_m {
+                (Q::f16x8(m0), Q::f16x8(m1))
+            } else {
+                (Q::fzero(), Q::fzero())
+            };
+            for i in 0..M {
+                let (s0, s1) = if T == Q8_0 {
+                    Q::reduce(&ints[i])
+                } else {
+                    Q::reduce_x(&ints[i])
+                };
+                let row = a[i];
+                for (half, b, s, fd, fm) in [(0, b0, s0, fd0, fm0), (1, b1, s1, fd1, fm1)] {
+                    if half == 1 && !has1 {
+                        break;
+                    }
+                    let s = if T == Q4_0 {
+                        let sum = row.add(lay.a).cast::<i32>().add(b).read();
+                        Q::isub(s, Q::isplat(8 * sum))
+                    } else {
+                        s
+                    };
+                    let dx = Q::fsplat(rdf32(row.add(lay.d), b));
+                    let mut t = Q::fmul(Q::fmul(fd, dx), Q::cvt(s));
+                    if has_m {
+                        t = Q::fadd(t, Q::fmul(fm, Q::fsplat(rdf32(row.add(lay.b), b))));
+                    }
+                    acc[i] = Q::fadd(acc[i], t);
+                }
+            }
+            b0 += 2;
+        }
+        for i in 0..M {
+            Q::fstore(out[i].as_mut_ptr(), acc[i]);
+        }
+    }
+}
+
+/// Q4_K and Q5_K (`Q5`): 256-element super-blocks of eight 32-element sub-blocks, taken 128
+/// elements at a time: 64 bytes of `qs` hold sub-blocks `4c` and `4c + 2` in their low
+/// nibbles and `4c + 1`, `4c + 3` in their high ones, which is the order the activations are
+/// stored in ([`ActKind::Q8KI`]).
+#[inline(always)]
+unsafe fn tile_q45k<Q: Qv, const M: usize, const Q5: bool>(
+    w: [*const u8; QR],
+    a: [*const u8; M],
+    lay: &ActLayout,
+    out: &mut [[f32; QR]; M],
+) {
+    let (bb, qs_off) = if Q5 { (176, 48) } else { (144, 16) };
+    let nsb = lay.k / 256;
+    unsafe {
+        let mut acc = [Q::fzero(); M];
+        for sb in 0..nsb {
+            let mut dw = [0u64; 2];
+            let mut dm = [0u64; 2];
+            let mut mins = [0u64; QR];
+            let mut ints = [[Q::zero(); QR]; M];
+            for r in 0..QR {
+                let blk = w[r].add(sb * bb);
+                if M == 1 {
+                    for line in 0..bb.div_ceil(64) {
+                        Q::prefetch(blk.add(PREFETCH_BYTES + 64 * line));
+                    }
+                }
+                put16(&mut dw, r, rd16(blk));
+                put16(&mut dm, r, rd16(blk.add(2)));
+                let (sc, mn) = scales_mins_k4_u64(&*blk.add(4).cast::<[u8; 12]>());
+                mins[r] = mn;
+                let scales = Q::scales8(sc);
+                let mut hv = if Q5 {
+                    Q::dup_shr::<2>(blk.add(16))
+                } else {
+                    Q::zero()
+                };
+                let low = Q::splat8(0x0F);
+                let mut ai = [Q::zero(); M];
+                for c in 0..2 {
+                    let q = Q::load(blk.add(qs_off + 64 * c));
+                    let mut lo = Q::and(q, low);
+                    let mut hi = Q::and(Q::shr4(q), low);
+                    if Q5 {
+                        let bit = Q::splat8(0x10);
+                        lo = Q::or(lo, Q::and(Q::shl4(hv), bit));
+                        hi = Q::or(hi, Q::and(Q::shl3(hv), bit));
+                        hv = Q::shr4(hv);
+                    }
+                    let sc_lo = Q::scale_pick(scales, 4 * c, 4 * c + 2);
+                    let sc_hi = Q::scale_pick(scales, 4 * c + 1, 4 * c + 3);
+                    for i in 0..M {
+                        let x = a[i].add(256 * sb + 128 * c);
+                        ai[i] = Q::dpwssd(ai[i], Q::maddubs(lo, Q::load(x)), sc_lo);
+                        ai[i] = Q::dpwssd(ai[i], Q::maddubs(hi, Q::load(x.add(64))), sc_hi);
+                    }
+                }
+                for i in 0..M {
+                    ints[i][r] = ai[i];
+                }
+            }
+            let fdw = Q::f16x8(dw);
+            let fdm = Q::f16x8(dm);
+            for i in 0..M {
+                let (g0, g1) = Q::reduce(&ints[i]);
+                let s1 = Q::iadd(g0, g1);
+                let s2 = Q::mins_dot8(&mins, a[i].add(lay.b).cast::<i16>().add(8 * sb));
+                let dx = Q::fsplat(rdf32(a[i].add(lay.d), sb));
+                let t = Q::fsub(
+                    Q::fmul(Q::fmul(fdw, dx), Q::cvt(s1)),
+                    Q::fmul(Q::fmul(fdm, dx), Q::cvt(s2)),
+                );
+                acc[i] = Q::fadd(acc[i], t);
+            }
+        }
+        for i in 0..M {
+            Q::fstore(out[i].as_mut_ptr(), acc[i]);
+        }
+    }
+}
+
+/// Q6_K: 256-element super-blocks of sixteen 16-element sub-blocks with i8 scales. The
+/// values are stored `+32`; `32·Σ sc·bsum` comes off the integer sum.
+#[inline(always)]
+unsafe fn tile_q6k<Q: Qv, const M: usize>(
+    w: [*const u8; QR],
+    a: [*const u8; M],
+    lay: &ActLayout,
+    out: &mut [[f32; QR]; M],
+) {
+    const BB: usize = 210;
+    let nsb = lay.k / 256;
+    unsafe {
+        let mut acc = [Q::fzero(); M];
+        for sb in 0..nsb {
+            let mut dw = [0u64; 2];
+            let mut ints = [[Q::zero(); QR]; M];
+            for r in 0..QR {
+                let blk = w[r].add(sb * BB);
+                if M == 1 {
+                    for line in 0..BB.div_ceil(64) {
+                        Q::prefetch(blk.add(PREFETCH_BYTES + 64 * line));
+                    }
+                }
+                put16(&mut dw, r, rd16(blk.add(208)));
+                let sc = blk.add(192).cast::<i8>();
+                let mut ai = [Q::zero(); M];
+                for h in 0..2 {
+                    let ql = Q::load(blk.add(64 * h));
+                    let hv = Q::dup_shr::<2>(blk.add(128 + 32 * h));
+                    for s in 0..2 {
+                        let (nib, hb) = if s == 0 {
+                            (ql, Q::shl4(hv))
+                        } else {
+                            (Q::shr4(ql), hv)
+                        };
+                        let wv = Q::or(Q::and(nib, Q::splat8(0x0F)), Q::and(hb, Q::splat8(0x30)));
+                        let scv = Q::scales4(sc.add(8 * h + 4 * s));
+                        for i in 0..M {
+                            let x = Q::load(a[i].add(256 * sb + 128 * h + 64 * s));
+                            ai[i] = Q::dpwssd(ai[i], Q::maddubs(wv, x), scv);
+                        }
+                    }
+                }
+                for i in 0..M {
+                    ints[i][r] = ai[i];
+                }
+            }
+            let fdw = Q::f16x8(dw);
+            let scales: [*const i8; QR] =
+                std::array::from_fn(|r| w[r].add(sb * BB + 192).cast::<i8>());
+            for i in 0..M {
+                let (g0, g1) = Q::reduce(&ints[i]);
+                let bs16 = a[i].add(lay.a).cast::<i16>().add(16 * sb);
+                let s = Q::isub(Q::iadd(g0, g1), Q::ishl5(Q::scales_dot8(scales, bs16)));
+                let dx = Q::fsplat(rdf32(a[i].add(lay.d), sb));
+                acc[i] = Q::fadd(acc[i], Q::fmul(Q::fmul(fdw, dx), Q::cvt(s)));
+            }
+        }
+        for i in 0..M {
+            Q::fstore(out[i].as_mut_ptr(), acc[i]);
+        }
+    }
+}
+
+macro_rules! kernel {
+    ($name:ident, $tile:ident $(, $arg:expr)?) => {
+        pub(crate) struct $name;
+        impl Kernel for $name {
+            #[inline(always)]
+            unsafe fn tile<Q: Qv, const M: usize>(
+                w: [*const u8; QR],
+                a: [*const u8; M],
+                lay: &ActLayout,
+                out: &mut [[f32; QR]; M],
+            ) {
+                unsafe { $tile::<Q, M $(, $arg)?>(w, a, lay, out) }
+            }
+        }
+    };
+}
+
+kernel!(KQ8_0, tile_q32, 0);
+kernel!(KQ4_0, tile_q32, 1);
+kernel!(KQ4_1, tile_q32, 2);
+kernel!(KQ4K, tile_q45k, false);
+kernel!(KQ5K, tile_q45k, true);
+kernel!(KQ6K, tile_q6k);
+
+// ---------------------------------------------------------------------------------------------
+// One thread's share of a matrix product
+// ---------------------------------------------------------------------------------------------
+
+/// The instruction sets the integer kernels come in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum QIsa {
+    Avx512Vnni,
+    Avx512,
+    Avx2,
+    Portable,
+}
+
+impl QIsa {
+    /// The set for the float kernels' [`Isa`], with VNNI when the CPU has it.
+    pub(crate) fn from_isa(isa: Isa) -> QIsa {
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 if std::is_x86_feature_detected!("avx512vnni") => QIsa::Avx512Vnni,
+            Isa::Avx512 => QIsa::Avx512,
+            Isa::Avx2 => QIsa::Avx2,
+            Isa::Portable => QIsa::Portable,
+        }
+    }
+
+    /// Every set this CPU can run.
+    #[cfg(test)]
+    pub(crate) fn available() -> Vec<QIsa> {
+        let mut sets = Vec::new();
+        for isa in Isa::available() {
+            let q = QIsa::from_isa(isa);
+            if q == QIsa::Avx512Vnni {
+                sets.push(q);
+            }
+            sets.push(match isa {
+                Isa::Avx512 => QIsa::Avx512,
+                Isa::Avx2 => QIsa::Avx2,
+                Isa::Portable => QIsa::Portable,
+            });
+        }
+        sets
+    }
+}
+
+/// Weight rows `rows` of a quantized matrix against activation rows `0..m`.
+#[derive(Clone, Copy)]
+pub(crate) struct QJob {
+    pub w: *const u8,
+    pub row_bytes: usize,
+    pub n: usize,
+    pub rows: (usize, usize),
+    pub acts: *const u8,
+    pub layout: ActLayout,
+    pub m: usize,
+    /// Activation rows a prefill block keeps in cache while weight rows stream past.
+    pub block_rows: usize,
+    pub y: *mut f32,
+}
+
+// SAFETY: each thread writes its own columns of `y`.
+unsafe impl Send for QJob {}
+unsafe impl Sync for QJob {}
+
+/// Runs `job` with the kernels of `dtype` compiled for `isa`.
+pub(crate) fn quant_rows(isa: QIsa, dtype: DType, job: QJob) {
+    match dtype {
+        DType::Q8_0 => rows_dispatch::<KQ8_0>(isa, job),
+        DType::Q4_0 => rows_dispatch::<KQ4_0>(isa, job),
+        DType::Q4_1 => rows_dispatch::<KQ4_1>(isa, job),
+        DType::Q4_K => rows_dispatch::<KQ4K>(isa, job),
+        DType::Q5_K => rows_dispatch::<KQ5K>(isa, job),
+        DType::Q6_K => rows_dispatch::<KQ6K>(isa, job),
+        _ => unreachable!("quant_rows: {dtype} is not quantized"),
+    }
+}
+
+fn rows_dispatch<K: Kernel>(isa: QIsa, job: QJob) {
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn vnni<K: Kernel>(job: QJob) {
+        unsafe { rows::<Avx512<true>, K>(job) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    unsafe fn avx512<K: Kernel>(job: QJob) {
+        unsafe { rows::<Avx512<false>, K>(job) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn avx2<K: Kernel>(job: QJob) {
+        unsafe { rows::<Avx2, K>(job) }
+    }
+    // SAFETY: `QIsa` values only name sets the CPU has (`from_isa`, `available`).
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        QIsa::Avx512Vnni => unsafe { vnni::<K>(job) },
+        #[cfg(target_arch = "x86_64")]
+        QIsa::Avx512 => unsafe { avx512::<K>(job) },
+        #[cfg(target_arch = "x86_64")]
+        QIsa::Avx2 => unsafe { avx2::<K>(job) },
+        _ => unsafe { rows::<Portable, K>(job) },
+    }
+}
+
+#[inline(always)]
+unsafe fn rows<Q: Qv, K: Kernel>(job: QJob) {
+    let QJob {
+        w,
+        row_bytes,
+        n,
+        rows: (start, end),
+        acts,
+        layout,
+        m,
+        block_rows,
+        y,
+    } = job;
+    if start >= end || m == 0 {
+        return;
+    }
+    // A tile past the last row repeats it and its result is dropped: no extra code for edges.
+    let w_rows = |j: usize| -> [*const u8; QR] {
+        std::array::from_fn(|r| unsafe { w.add((j + r).min(end - 1) * row_bytes) })
+    };
+    let act = |i: usize| unsafe { acts.add(i.min(m - 1) * layout.stride) };
+    let store = |out: &[[f32; QR]], i0: usize, i_end: usize, j: usize| {
+        for (di, vals) in out.iter().enumerate() {
+            if i0 + di >= i_end {
+                break;
+            }
+            for (r, &v) in vals.iter().enumerate() {
+                if j + r < end {
+                    unsafe { *y.add((i0 + di) * n + j + r) = v };
+                }
+            }
+        }
+    };
+    unsafe {
+        if m == 1 {
+            let mut j = start;
+            while j < end {
+                let mut out = [[0f32; QR]; 1];
+                K::tile::<Q, 1>(w_rows(j), [act(0)], &layout, &mut out);
+                store(&out, 0, 1, j);
+                j += QR;
+            }
+            return;
+        }
+        let mut i0 = 0;
+        while i0 < m {
+            let i_end = (i0 + block_rows).min(m);
+            let mut j = start;
+            while j < end {
+                let ws = w_rows(j);
+                let mut i = i0;
+                while i < i_end {
+                    let mut out = [[0f32; QR]; QM];
+                    K::tile::<Q, QM>(ws, std::array::from_fn(|c| act(i + c)), &layout, &mut out);
+                    store(&out, i, i_end, j);
+                    i += QM;
+                }
+                j += QR;
+            }
+            i0 = i_end;
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::quant::{
+        BlockQ8_0, BlockQ8_1, BlockQ8K, dequantize_row, quantize_row_q8_0, quantize_row_q8_1,
+        quantize_row_q8_k,
+    };
+    use bytemuck::Zeroable;
+
+    fn lcg(seed: &mut u64) -> u64 {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        *seed >> 33
+    }
+
+    fn unit(seed: &mut u64) -> f32 {
+        (lcg(seed) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+    }
+
+    /// An f16 scale of varied magnitude: zero, tiny (subnormal), huge, negative or ordinary.
+    fn scale(seed: &mut u64, extreme: bool) -> u16 {
+        let v = match lcg(seed) % if extreme { 8 } else { 3 } {
+            0..=2 => 0.002 + unit(seed).abs() * 0.05,
+            3 => 0.0,
+            4 => 6e-8,
+            5 => 30000.0,
+            6 => -0.04,
+            _ => 1.0,
+        };
+        half::f16::from_f32(v).to_bits()
+    }
+
+    /// Random blocks of `dtype`: random bytes with scales put where the format has them. With
+    /// `all_max`, every quantized value is at its largest.
+    pub(crate) fn random_row(dtype: DType, k: usize, seed: &mut u64, extreme: bool) -> Vec<u8> {
+        let bb = dtype.block_bytes();
+        let mut bytes: Vec<u8> = (0..dtype.row_bytes(k)).map(|_| lcg(seed) as u8).collect();
+        for blk in bytes.chunks_exact_mut(bb) {
+            let all_max = extreme && lcg(seed).is_multiple_of(6);
+            if all_max {
+                blk.fill(0xFF);
+            }
+            let offsets: &[usize] = match dtype {
+                DType::Q8_0 | DType::Q4_0 => &[0],
+                DType::Q4_1 | DType::Q4_K | DType::Q5_K => &[0, 2],
+                DType::Q6_K => &[208],
+                _ => unreachable!(),
+            };
+            for &off in offsets {
+                blk[off..off + 2].copy_from_slice(&scale(seed, extreme).to_le_bytes());
+            }
+            if dtype == DType::Q6_K && all_max {
+                for s in &mut blk[192..208] {
+                    *s = if lcg(seed).is_multiple_of(2) {
+                        0x7F
+                    } else {
+                        0x80
+                    };
+                }
+            }
+            if dtype == DType::Q8_0 && lcg(seed).is_multiple_of(4) {
+                blk[2] = 0x80; // -128: a value ggml never writes, which files may still hold.
+            }
+        }
+        bytes
+    }
+
+    /// Activations as the kernel sees them: quantized with the public ggml-format functions,
+    /// then dequantized.
+    pub(crate) fn dequantized_activations(dtype: DType, x: &[f32]) -> Vec<f64> {
+        let k = x.len();
+        match dtype {
+            DType::Q4_1 => {
+                let mut b = vec![BlockQ8_1::zeroed(); k / 32];
+                quantize_row_q8_1(x, &mut b);
+                b.iter()
+                    .flat_map(|b| {
+                        let d = half::f16::from_le_bytes(b.d).to_f64();
+                        b.qs.map(|q| q as f64 * d)
+                    })
+                    .collect()
+            }
+            DType::Q8_0 | DType::Q4_0 => {
+                let mut b = vec![BlockQ8_0::zeroed(); k / 32];
+                quantize_row_q8_0(x, &mut b);
+                b.iter()
+                    .flat_map(|b| {
+                        let d = half::f16::from_le_bytes(b.d).to_f64();
+                        b.qs.map(|q| q as f64 * d)
+                    })
+                    .collect()
+            }
+            _ => {
+                let mut b = vec![BlockQ8K::zeroed(); k / 256];
+                quantize_row_q8_k(x, &mut b);
+                b.iter()
+                    .flat_map(|b| b.qs.map(|q| q as f64 * b.d as f64))
+                    .collect()
+            }
+        }
+    }
+
+    /// The plain reference for one output: weights dequantized to f32, activations quantized
+    /// and dequantized as the kernel's are, the dot in f64 (Q4_1 takes Q8_1's f16 `s` for the
+    /// `m` term, as llama.cpp does). Also returns a bound of the terms' sizes, for tolerances:
+    /// `Σ|w·x|` plus, for formats with an offset term (Q4_1's `m`, the K formats' mins), that
+    /// term's size (the row decoded with `d = 0`).
+    pub(crate) fn reference(dtype: DType, row: &[u8], x: &[f32]) -> (f64, f64) {
+        let k = x.len();
+        let xs = dequantized_activations(dtype, x);
+        let mut wf = vec![0f32; k];
+        dequantize_row(dtype, row, &mut wf);
+        let mut w0 = vec![0f32; k];
+        if matches!(dtype, DType::Q4_1 | DType::Q4_K | DType::Q5_K) {
+            let mut zeroed = row.to_vec();
+            for blk in zeroed.chunks_exact_mut(dtype.block_bytes()) {
+                blk[..2].fill(0);
+            }
+            dequantize_row(dtype, &zeroed, &mut w0);
+        }
+        let mut want: f64 = (0..k).map(|p| wf[p] as f64 * xs[p]).sum();
+        let size: f64 = (0..k)
+            .map(|p| xs[p].abs() * (wf[p].abs() + 2.0 * w0[p].abs()) as f64)
+            .sum();
+        if dtype == DType::Q4_1 {
+            let mut b = vec![BlockQ8_1::zeroed(); k / 32];
+            quantize_row_q8_1(x, &mut b);
+            for (q8, w) in b.iter().zip(row.chunks_exact(20)) {
+                let m = half::f16::from_le_bytes([w[2], w[3]]).to_f64();
+                let d = half::f16::from_le_bytes(q8.d).to_f64();
+                let sum: f64 = q8.qs.iter().map(|&q| q as f64).sum();
+                let s = half::f16::from_le_bytes(q8.s).to_f64();
+                want += m * (s - d * sum);
+            }
+        }
+        (want, size)
+    }
+
+    fn quantize_acts(dtype: DType, x: &[f32], m: usize, k: usize) -> (ActLayout, Vec<u64>) {
+        let layout = ActLayout::new(ActKind::for_weights(dtype), k);
+        let mut buf = vec![0u64; (m * layout.stride).div_ceil(8) + 8];
+        let base = buf.as_mut_ptr().cast::<u8>();
+        let base = unsafe { base.add(base.align_offset(64)) };
+        for i in 0..m {
+            unsafe {
+                quantize_activation_row(
+                    &layout,
+                    &x[i * k..(i + 1) * k],
+                    base.add(i * layout.stride),
+                )
+            };
+        }
+        (layout, buf)
+    }
+
+    fn run(
+        isa: QIsa,
+        dtype: DType,
+        w: &[u8],
+        n: usize,
+        acts: &[u64],
+        layout: ActLayout,
+        m: usize,
+    ) -> Vec<f32> {
+        let base = acts.as_ptr().cast::<u8>();
+        let base = unsafe { base.add(base.align_offset(64)) };
+        let mut y = vec![f32::NAN; m * n];
+        quant_rows(
+            isa,
+            dtype,
+            QJob {
+                w: w.as_ptr(),
+                row_bytes: dtype.row_bytes(layout.k),
+                n,
+                rows: (0, n),
+                acts: base,
+                layout,
+                m,
+                block_rows: 8,
+                y: y.as_mut_ptr(),
+            },
+        );
+        y
+    }
+
+    #[test]
+    fn activation_rows_hold_what_the_ggml_format_functions_make() {
+        let mut seed = 11u64;
+        let k = 512;
+        let x: Vec<f32> = (0..k).map(|_| unit(&mut seed) * 4.0).collect();
+        let row_of = |buf: &Vec<u64>| unsafe {
+            let p = buf.as_ptr().cast::<u8>();
+            p.add(p.align_offset(64))
+        };
+        let (lay, buf) = quantize_acts(DType::Q8_0, &x, 1, k);
+        let row = row_of(&buf);
+        let mut b1 = vec![BlockQ8_1::zeroed(); k / 32];
+        quantize_row_q8_1(&x, &mut b1);
+        for (b, blk) in b1.iter().enumerate() {
+            unsafe {
+                let qs = std::slice::from_raw_parts(row.cast::<i8>().add(32 * b), 32);
+                assert_eq!(qs, &blk.qs);
+                assert_eq!(
+                    rdf32(row.add(lay.d), b),
+                    half::f16::from_le_bytes(blk.d).to_f32()
+                );
+                assert_eq!(
+                    rdf32(row.add(lay.b), b),
+                    half::f16::from_le_bytes(blk.s).to_f32()
+                );
+                let sum: i32 = blk.qs.iter().map(|&q| q as i32).sum();
+                assert_eq!(row.add(lay.a).cast::<i32>().add(b).read(), sum);
+            }
+        }
+        let natural = unsafe { std::slice::from_raw_parts(row.cast::<i8>(), k).to_vec() };
+        // Q4_0's layout: pairs of blocks as their nibbles unpack.
+        let (_, buf) = quantize_acts(DType::Q4_0, &x, 1, k);
+        let inter = unsafe { std::slice::from_raw_parts(row_of(&buf).cast::<i8>(), k) };
+        for (n, i) in natural.chunks(64).zip(inter.chunks(64)) {
+            assert_eq!(&i[..16], &n[..16]);
+            assert_eq!(&i[16..32], &n[32..48]);
+            assert_eq!(&i[32..48], &n[16..32]);
+            assert_eq!(&i[48..], &n[48..]);
+        }
+
+        let (lay, buf) = quantize_acts(DType::Q6_K, &x, 1, k);
+        let row = row_of(&buf);
+        let mut bk = vec![BlockQ8K::zeroed(); k / 256];
+        quantize_row_q8_k(&x, &mut bk);
+        for (b, blk) in bk.iter().enumerate() {
+            unsafe {
+                let qs = std::slice::from_raw_parts(row.cast::<i8>().add(256 * b), 256);
+                assert_eq!(qs, &blk.qs);
+                assert_eq!(rdf32(row.add(lay.d), b), blk.d);
+                let bs = std::slice::from_raw_parts(row.add(lay.a).cast::<i16>().add(16 * b), 16);
+                assert_eq!(bs, &blk.bsums);
+                for t in 0..8 {
+                    let p = row.add(lay.b).cast::<i16>().add(8 * b + t).read();
+                    assert_eq!(p, blk.bsums[2 * t] + blk.bsums[2 * t + 1]);
+                }
+            }
+        }
+        // Q4_K's layout: each 128 values as sub-blocks 0, 2, 1, 3.
+        let natural = unsafe { std::slice::from_raw_parts(row.cast::<i8>(), k).to_vec() };
+        let (_, buf) = quantize_acts(DType::Q4_K, &x, 1, k);
+        let inter = unsafe { std::slice::from_raw_parts(row_of(&buf).cast::<i8>(), k) };
+        for (n, i) in natural.chunks(128).zip(inter.chunks(128)) {
+            assert_eq!(&i[..32], &n[..32]);
+            assert_eq!(&i[32..64], &n[64..96]);
+            assert_eq!(&i[64..96], &n[32..64]);
+            assert_eq!(&i[96..], &n[96..]);
+        }
+    }
+
+    /// Every kernel, every instruction set, against `Σ dequant(w)·dequant(quant(x))` in f64;
+    /// every set gives the portable kernel's bits.
+    #[test]
+    fn kernels_match_f64_reference_and_agree_across_sets() {
+        let dtypes = [
+            DType::Q8_0,
+            DType::Q4_0,
+            DType::Q4_1,
+            DType::Q4_K,
+            DType::Q5_K,
+            DType::Q6_K,
+        ];
+        for dtype in dtypes {
+            for &(n, blocks, m, extreme) in &[
+                (1, 1, 1, false),
+                (8, 2, 1, false),
+                (13, 3, 5, true),
+                (17, 5, 4, false),
+                (9, 4, 2, true),
+                (3, 1, 9, true),
+            ] {
+                let k = blocks * dtype.block_size();
+                let mut seed = (n * 31 + k * 7 + m) as u64 + dtype.ggml_type() as u64 * 1000;
+                let w: Vec<u8> = (0..n)
+                    .flat_map(|_| random_row(dtype, k, &mut seed, extreme))
+                    .collect();
+                let mut x: Vec<f32> = (0..m * k).map(|_| unit(&mut seed) * 3.0).collect();
+                if extreme {
+                    // An all-zero block and a huge one.
+                    x[..dtype.block_size().min(k)].fill(0.0);
+                    x[(m - 1) * k] = 1e4;
+                }
+                let (layout, acts) = quantize_acts(dtype, &x, m, k);
+                let rb = dtype.row_bytes(k);
+                let (want, magnitude): (Vec<f64>, Vec<f64>) = (0..m * n)
+                    .map(|idx| {
+                        let (i, j) = (idx / n, idx % n);
+                        reference(dtype, &w[j * rb..(j + 1) * rb], &x[i * k..(i + 1) * k])
+                    })
+                    .unzip();
+                let portable = run(QIsa::Portable, dtype, &w, n, &acts, layout, m);
+                for (idx, (&got, &want)) in portable.iter().zip(&want).enumerate() {
+                    let tol = 2e-6 * magnitude[idx] * (k as f64 / 32.0).sqrt() + 1e-30;
+                    assert!(
+                        (got as f64 - want).abs() <= tol,
+                        "{dtype} n={n} k={k} m={m}: y[{}, {}] = {got}, want {want} (tol {tol})",
+                        idx / n,
+                        idx % n
+                    );
+                }
+                for isa in QIsa::available() {
+                    let got = run(isa, dtype, &w, n, &acts, layout, m);
+                    let same = got
+                        .iter()
+                        .zip(&portable)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(
+                        same,
+                        "{dtype} {isa:?} n={n} k={k} m={m}: {got:?} vs portable {portable:?}"
+                    );
+                }
+            }
+        }
+    }
+}
