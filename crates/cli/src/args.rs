@@ -38,6 +38,9 @@ pub struct ModelArgs {
     /// model's trained length, at most 4096].
     #[arg(long, short = 'c', env = "EMBER_CONTEXT")]
     pub context: Option<usize>,
+    /// KV cache element type: f32 or f16 [default: f16 for GGUF models, f32 otherwise].
+    #[arg(long, value_parser = ["f32", "f16"])]
+    pub kv_type: Option<String>,
 }
 
 #[derive(Args, Debug)]

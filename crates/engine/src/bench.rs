@@ -134,7 +134,7 @@ pub fn bench_decode(
     }
     let mean_position = options.prompt_tokens as f64 + options.decode_tokens as f64 / 2.0;
     let bytes_per_token = engine.model().weight_bytes_per_token() as f64
-        + mean_position * KvCache::bytes_per_position(engine.config()) as f64;
+        + mean_position * KvCache::bytes_per_position(engine.config(), engine.kv_dtype()) as f64;
     Ok(DecodeBenchReport {
         model: engine.dir().display().to_string(),
         threads: engine.threads(),

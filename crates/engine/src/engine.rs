@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ember_checkpoint::{GgufFile, SafetensorsSet, TensorSource, read_json};
-use ember_models::{KvCache, Logits, ModelConfig, Transformer, Workspace};
+use ember_models::{KvCache, KvDtype, Logits, ModelConfig, Transformer, Workspace};
 use ember_tensor::{BufferInfo, BufferOwner, ThreadPool};
 use serde_json::Value;
 
@@ -30,6 +30,9 @@ pub struct EngineOptions {
     pub context: Option<usize>,
     /// Tokens per forward pass in prefill; longer prompts run in chunks of this size.
     pub max_batch: usize,
+    /// How the KV cache stores keys and values; `None` takes f16 for GGUF models (as
+    /// llama.cpp does) and f32 for Hugging Face checkpoints (exact against transformers).
+    pub kv_dtype: Option<KvDtype>,
 }
 
 impl Default for EngineOptions {
@@ -38,6 +41,7 @@ impl Default for EngineOptions {
             threads: None,
             context: None,
             max_batch: 512,
+            kv_dtype: None,
         }
     }
 }
@@ -216,7 +220,17 @@ impl Engine {
             threads,
             &owner,
         )?;
-        let kv = KvCache::new(&model.config, context, &owner)?;
+        let default_kv = if matches!(weights, WeightFiles::Gguf(_)) {
+            KvDtype::F16
+        } else {
+            KvDtype::F32
+        };
+        let kv = KvCache::new(
+            &model.config,
+            context,
+            options.kv_dtype.unwrap_or(default_kv),
+            &owner,
+        )?;
         let encoder = PromptEncoder {
             dir: dir.to_path_buf(),
             tokenizer,
@@ -275,6 +289,10 @@ impl Engine {
 
     pub fn context(&self) -> usize {
         self.kv.capacity()
+    }
+
+    pub fn kv_dtype(&self) -> KvDtype {
+        self.kv.dtype()
     }
 
     pub fn eos_token_ids(&self) -> &[u32] {

@@ -15,6 +15,7 @@ pub mod sampler;
 pub mod synthetic;
 pub mod tokenizer;
 
+pub use ember_models::KvDtype;
 pub use engine::{
     DEFAULT_CONTEXT, Engine, EngineOptions, FinishReason, GenerateParams, Generation,
     PromptEncoder, Step,

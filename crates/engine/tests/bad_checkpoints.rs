@@ -27,6 +27,7 @@ fn load_error(dir: &Path) -> String {
         threads: Some(1),
         context: Some(64),
         max_batch: 8,
+        kv_dtype: None,
     };
     match Engine::load(dir, &options) {
         Ok(_) => panic!("{} loaded, but should have failed", dir.display()),

@@ -53,6 +53,7 @@ fn load(dir: &Path) -> Engine {
             threads: Some(2),
             context: Some(128),
             max_batch: 16,
+            kv_dtype: None,
         },
     )
     .unwrap()

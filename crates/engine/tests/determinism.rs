@@ -16,6 +16,7 @@ fn load(name: &str, threads: usize, max_batch: usize) -> Engine {
             threads: Some(threads),
             context: Some(128),
             max_batch,
+            kv_dtype: None,
         },
     )
     .unwrap()

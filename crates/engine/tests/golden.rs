@@ -36,6 +36,7 @@ fn load(name: &str, max_batch: usize) -> (Engine, Value) {
         threads: Some(2),
         context: Some(256),
         max_batch,
+        kv_dtype: None,
     };
     (
         Engine::load(&dir, &options).unwrap_or_else(|e| panic!("{name}: {e}")),

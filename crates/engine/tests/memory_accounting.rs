@@ -42,6 +42,7 @@ fn listed_buffers_account_for_resident_memory_growth() {
         threads: Some(2),
         context: Some(4096),
         max_batch: 64,
+        kv_dtype: None,
     };
     let mut engine = Engine::load(&dir, &options).unwrap();
     let prompt = engine

@@ -1,14 +1,34 @@
 //! Keys and values of one sequence, preallocated for the whole context.
 
+use ember_tensor::cpu::KvSlice;
 use ember_tensor::{Buffer, BufferKind, BufferOwner};
 
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 
-/// `[layer][position][kv_heads·head_dim]` keys and values, f32, `capacity` positions per layer.
+/// How cached keys and values are stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvDtype {
+    /// Exact: what the golden tests against transformers need.
+    F32,
+    /// Half the memory and the decode reads; what llama.cpp keeps by default.
+    F16,
+}
+
+impl KvDtype {
+    pub fn size_in_bytes(self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::F16 => 2,
+        }
+    }
+}
+
+/// `[layer][position][kv_heads·head_dim]` keys and values, `capacity` positions per layer.
 pub struct KvCache {
     keys: Buffer,
     values: Buffer,
+    dtype: KvDtype,
     layers: usize,
     kv_dim: usize,
     capacity: usize,
@@ -16,12 +36,18 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    pub fn new(config: &ModelConfig, capacity: usize, owner: &BufferOwner) -> Result<Self> {
+    pub fn new(
+        config: &ModelConfig,
+        capacity: usize,
+        dtype: KvDtype,
+        owner: &BufferOwner,
+    ) -> Result<Self> {
         let kv_dim = config.kv_dim();
-        let bytes = config.num_hidden_layers * capacity * kv_dim * 4;
+        let bytes = config.num_hidden_layers * capacity * kv_dim * dtype.size_in_bytes();
         Ok(KvCache {
             keys: owner.alloc(BufferKind::KvCache, "kv cache keys", bytes)?,
             values: owner.alloc(BufferKind::KvCache, "kv cache values", bytes)?,
+            dtype,
             layers: config.num_hidden_layers,
             kv_dim,
             capacity,
@@ -30,8 +56,12 @@ impl KvCache {
     }
 
     /// Bytes one position takes across all layers, keys and values.
-    pub fn bytes_per_position(config: &ModelConfig) -> usize {
-        2 * config.num_hidden_layers * config.kv_dim() * 4
+    pub fn bytes_per_position(config: &ModelConfig, dtype: KvDtype) -> usize {
+        2 * config.num_hidden_layers * config.kv_dim() * dtype.size_in_bytes()
+    }
+
+    pub fn dtype(&self) -> KvDtype {
+        self.dtype
     }
 
     /// Positions filled.
@@ -74,26 +104,38 @@ impl KvCache {
     }
 
     /// One layer's keys and values, read-only.
-    pub(crate) fn layer(&self, layer: usize) -> (&[f32], &[f32]) {
+    pub(crate) fn layer(&self, layer: usize) -> (KvSlice<'_>, KvSlice<'_>) {
         let r = self.layer_range(layer);
-        (
-            &self.keys.as_slice::<f32>()[r.clone()],
-            &self.values.as_slice::<f32>()[r],
-        )
+        match self.dtype {
+            KvDtype::F32 => (
+                KvSlice::F32(&self.keys.as_slice()[r.clone()]),
+                KvSlice::F32(&self.values.as_slice()[r]),
+            ),
+            KvDtype::F16 => (
+                KvSlice::F16(&self.keys.as_slice()[r.clone()]),
+                KvSlice::F16(&self.values.as_slice()[r]),
+            ),
+        }
     }
 
-    /// Rows `start..start + n` of one layer's keys and values, for writing.
-    pub(crate) fn rows_mut(
-        &mut self,
-        layer: usize,
-        start: usize,
-        n: usize,
-    ) -> (&mut [f32], &mut [f32]) {
+    /// Stores the keys and values of positions `start..start + n` of one layer.
+    pub(crate) fn write(&mut self, layer: usize, start: usize, keys: &[f32], values: &[f32]) {
         let r = self.layer_range(layer);
-        let rows = r.start + start * self.kv_dim..r.start + (start + n) * self.kv_dim;
-        (
-            &mut self.keys.as_mut_slice::<f32>()[rows.clone()],
-            &mut self.values.as_mut_slice::<f32>()[rows],
-        )
+        let rows = r.start + start * self.kv_dim..r.start + start * self.kv_dim + keys.len();
+        match self.dtype {
+            KvDtype::F32 => {
+                self.keys.as_mut_slice::<f32>()[rows.clone()].copy_from_slice(keys);
+                self.values.as_mut_slice::<f32>()[rows].copy_from_slice(values);
+            }
+            KvDtype::F16 => {
+                let to_f16 = |dst: &mut [u16], src: &[f32]| {
+                    for (d, &s) in dst.iter_mut().zip(src) {
+                        *d = ember_tensor::dtype::f32_to_f16(s);
+                    }
+                };
+                to_f16(&mut self.keys.as_mut_slice::<u16>()[rows.clone()], keys);
+                to_f16(&mut self.values.as_mut_slice::<u16>()[rows], values);
+            }
+        }
     }
 }

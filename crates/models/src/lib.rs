@@ -17,7 +17,7 @@ mod workspace;
 
 pub use config::{Architecture, ModelConfig, MoeConfig};
 pub use error::{Error, Result};
-pub use kv_cache::KvCache;
+pub use kv_cache::{KvCache, KvDtype};
 pub use transformer::{Logits, Transformer};
 pub use weights::Matrix;
 pub use workspace::Workspace;

@@ -371,6 +371,8 @@ impl Transformer {
         let Workspace {
             h,
             q,
+            k,
+            v,
             attn,
             proj,
             matmul_scratch,
@@ -379,29 +381,28 @@ impl Transformer {
         } = ws;
         let (h, scratch) = (h.as_slice::<f32>(), matmul_scratch.as_mut_slice::<f32>());
         let q = &mut q.as_mut_slice::<f32>()[..n * c.q_dim()];
+        let keys = &mut k.as_mut_slice::<f32>()[..n * c.kv_dim()];
+        let values = &mut v.as_mut_slice::<f32>()[..n * c.kv_dim()];
         a.q.apply(pool, h, n, q, scratch);
-        {
-            // Keys and values go straight into the cache rows of these positions.
-            let (keys, values) = kv.rows_mut(index, pos0, n);
-            a.k.apply(pool, h, n, keys, scratch);
-            a.v.apply(pool, h, n, values, scratch);
-            if let (Some(qn), Some(kn)) = (&a.q_norm, &a.k_norm) {
-                cpu::rms_norm_in_place(pool, q, qn.as_slice(), c.rms_norm_eps);
-                cpu::rms_norm_in_place(pool, keys, kn.as_slice(), c.rms_norm_eps);
-            }
-            let layout = if c.rope_interleaved {
-                RopeLayout::Pairs
-            } else {
-                RopeLayout::Halves
-            };
-            let tables = RopeTables {
-                cos: self.rope.cos(),
-                sin: self.rope.sin(),
-                layout,
-            };
-            cpu::rope_in_place(pool, q, c.num_attention_heads, c.head_dim, pos0, tables);
-            cpu::rope_in_place(pool, keys, c.num_key_value_heads, c.head_dim, pos0, tables);
+        a.k.apply(pool, h, n, keys, scratch);
+        a.v.apply(pool, h, n, values, scratch);
+        if let (Some(qn), Some(kn)) = (&a.q_norm, &a.k_norm) {
+            cpu::rms_norm_in_place(pool, q, qn.as_slice(), c.rms_norm_eps);
+            cpu::rms_norm_in_place(pool, keys, kn.as_slice(), c.rms_norm_eps);
         }
+        let layout = if c.rope_interleaved {
+            RopeLayout::Pairs
+        } else {
+            RopeLayout::Halves
+        };
+        let tables = RopeTables {
+            cos: self.rope.cos(),
+            sin: self.rope.sin(),
+            layout,
+        };
+        cpu::rope_in_place(pool, q, c.num_attention_heads, c.head_dim, pos0, tables);
+        cpu::rope_in_place(pool, keys, c.num_key_value_heads, c.head_dim, pos0, tables);
+        kv.write(index, pos0, keys, values);
         let (keys, values) = kv.layer(index);
         let shape = AttentionShape {
             n_heads: c.num_attention_heads,

@@ -1,5 +1,9 @@
-//! Kernel micro-benchmarks: `cargo run --release -p ember-tensor --example kernels [threads]`.
-//! Prints the read bandwidth of the probe beside matrix-vector and matrix-matrix rates.
+//! Kernel micro-benchmarks: `cargo run --release -p ember-tensor --example kernels [threads]
+//! [quant | hot [type]]`. Prints the read bandwidth of the probe beside matrix-vector and
+//! matrix-matrix rates; with `quant`, only the quantized ones. The "hot" lines run one thread
+//! on a matrix that fits in L2: what one core's kernel can consume, which must exceed its
+//! share of the probe for decode to be bound by memory. `hot` runs only those (for `perf
+//! stat`), optionally only for one type (`hot q4_k`).
 
 use std::time::Instant;
 
@@ -16,8 +20,14 @@ fn main() {
         .nth(1)
         .and_then(|a| a.parse().ok())
         .unwrap_or(2);
+    let mode = std::env::args().nth(2).unwrap_or_default();
     let pool = ThreadPool::new(threads);
     let owner = BufferOwner::new();
+    if mode == "hot" {
+        let only = std::env::args().nth(3);
+        hot_kernels(&owner, only.as_deref());
+        return;
+    }
     let probe = owner.alloc(BufferKind::Scratch, "probe", 1 << 30).unwrap();
     let rates: Vec<f64> = (0..5)
         .map(|_| {
@@ -28,7 +38,14 @@ fn main() {
         .collect();
     println!("probe read          {:6.1} GB/s", median(rates));
     drop(probe);
+    if mode != "quant" {
+        float_kernels(&pool, &owner, threads);
+    }
+    quant_kernels(&pool, &owner, threads);
+    hot_kernels(&owner, None);
+}
 
+fn float_kernels(pool: &ThreadPool, owner: &BufferOwner, threads: usize) {
     // A 600 MB bf16 matrix: far past the 260 MB L3, as decode's weights are.
     let (n, k) = (300_000usize, 1024usize);
     let mut w = owner.alloc(BufferKind::Scratch, "w", n * k * 2).unwrap();
@@ -42,7 +59,7 @@ fn main() {
     let rates: Vec<f64> = (0..5)
         .map(|_| {
             let t = Instant::now();
-            matmul(&pool, &x, 1, &mat, &mut y, &mut scratch);
+            matmul(pool, &x, 1, &mat, &mut y, &mut scratch);
             (n * k * 2) as f64 / t.elapsed().as_secs_f64() / 1e9
         })
         .collect();
@@ -53,26 +70,29 @@ fn main() {
     let rates: Vec<f64> = (0..3)
         .map(|_| {
             let t = Instant::now();
-            matmul(&pool, &x, m, &small, &mut y, &mut scratch);
+            matmul(pool, &x, m, &small, &mut y, &mut scratch);
             (2 * m * n * k) as f64 / t.elapsed().as_secs_f64() / 1e9
         })
         .collect();
     println!("bf16 gemm 512x4096x1024 {:6.1} GFLOP/s", median(rates));
-    drop(w);
+}
 
+fn quant_kernels(pool: &ThreadPool, owner: &BufferOwner, threads: usize) {
     // Quantized weights: bytes of a pseudo-random pattern with sane f16 scales, ~460-510 MB.
     let (n, k) = (200_000usize, 4096usize);
     let x: Vec<f32> = (0..k * 512)
         .map(|i| (i % 13) as f32 * 0.01 - 0.06)
         .collect();
-    for dtype in [DType::Q4_K, DType::Q4_1] {
-        let w = quantized(&owner, dtype, n, k);
+    let mut y = vec![0f32; n.max(512 * 4096)];
+    let mut scratch = vec![0f32; matmul_scratch_len(threads, 512, 4096)];
+    for dtype in [DType::Q4_K, DType::Q6_K, DType::Q4_1] {
+        let w = quantized(owner, dtype, n, k);
         let mat = MatRef::new(dtype, w.bytes(), n, k);
         let bytes = w.bytes().len();
         let rates: Vec<f64> = (0..5)
             .map(|_| {
                 let t = Instant::now();
-                matmul(&pool, &x, 1, &mat, &mut y, &mut scratch);
+                matmul(pool, &x, 1, &mat, &mut y, &mut scratch);
                 bytes as f64 / t.elapsed().as_secs_f64() / 1e9
             })
             .collect();
@@ -88,12 +108,51 @@ fn main() {
             let rates: Vec<f64> = (0..3)
                 .map(|_| {
                     let t = Instant::now();
-                    matmul(&pool, &x, m, &small, &mut y, &mut scratch);
+                    matmul(pool, &x, m, &small, &mut y, &mut scratch);
                     (2 * m * n * k) as f64 / t.elapsed().as_secs_f64() / 1e9
                 })
                 .collect();
             println!("q4_k gemm 512x4096x4096 {:6.1} GFLOP/s", median(rates));
         }
+    }
+}
+
+/// One core, weights in L2: the kernels' compute rate.
+fn hot_kernels(owner: &BufferOwner, only: Option<&str>) {
+    let k = 4096;
+    let x: Vec<f32> = (0..k).map(|i| (i % 13) as f32 * 0.01 - 0.06).collect();
+    let mut y = vec![0f32; 4096];
+    let one = ThreadPool::new(1);
+    let mut scratch = vec![0f32; matmul_scratch_len(1, 512, 4096)];
+    let (n, reps) = (256usize, 400usize);
+    for dtype in [
+        DType::Q4_K,
+        DType::Q6_K,
+        DType::Q4_1,
+        DType::Q5_K,
+        DType::Q8_0,
+        DType::Q4_0,
+    ] {
+        if only.is_some_and(|o| o != dtype.name().to_lowercase()) {
+            continue;
+        }
+        let w = quantized(owner, dtype, n, k);
+        let mat = MatRef::new(dtype, w.bytes(), n, k);
+        let bytes = w.bytes().len() * reps;
+        let rates: Vec<f64> = (0..5)
+            .map(|_| {
+                let t = Instant::now();
+                for _ in 0..reps {
+                    matmul(&one, &x, 1, &mat, &mut y, &mut scratch);
+                }
+                bytes as f64 / t.elapsed().as_secs_f64() / 1e9
+            })
+            .collect();
+        println!(
+            "{:<4} matvec hot, 1 thread {:6.1} GB/s of weights",
+            dtype.name().to_lowercase(),
+            median(rates)
+        );
     }
 }
 
@@ -112,9 +171,15 @@ fn quantized(owner: &BufferOwner, dtype: DType, n: usize, k: usize) -> Buffer {
         chunk.copy_from_slice(&state.to_le_bytes()[..chunk.len()]);
     }
     let scale = half::f16::from_f32(0.01).to_le_bytes();
+    let offsets: &[usize] = match dtype {
+        DType::Q6_K => &[208],
+        DType::Q8_0 | DType::Q4_0 => &[0],
+        _ => &[0, 2],
+    };
     for block in bytes.chunks_exact_mut(dtype.block_bytes()) {
-        block[..2].copy_from_slice(&scale);
-        block[2..4].copy_from_slice(&scale);
+        for &o in offsets {
+            block[o..o + 2].copy_from_slice(&scale);
+        }
     }
     w
 }

@@ -6,7 +6,7 @@ pub mod serve;
 use std::path::PathBuf;
 
 use anyhow::Context;
-use ember_engine::{Engine, EngineOptions};
+use ember_engine::{Engine, EngineOptions, KvDtype};
 
 use crate::args::ModelArgs;
 
@@ -36,6 +36,13 @@ pub fn engine_options(args: &ModelArgs) -> EngineOptions {
     EngineOptions {
         threads: args.threads,
         context: args.context,
+        kv_dtype: args.kv_type.as_deref().map(|t| {
+            if t == "f16" {
+                KvDtype::F16
+            } else {
+                KvDtype::F32
+            }
+        }),
         ..EngineOptions::default()
     }
 }

@@ -4,9 +4,33 @@
 //! a weighted sum of values, always in key order. Prefill and decode run the same unit, so a
 //! token's output is the same whichever way it was computed.
 
-use super::simd::Simd;
+use super::simd::{F16, Simd, WeightElem};
 use super::{Isa, SharedPtr, simd_dispatch};
 use crate::pool::ThreadPool;
+
+/// One layer's cached keys or values, `[positions, n_kv_heads·head_dim]`, in f32 or as f16
+/// bits (half the memory and bandwidth; what llama.cpp keeps by default).
+#[derive(Clone, Copy, Debug)]
+pub enum KvSlice<'a> {
+    F32(&'a [f32]),
+    F16(&'a [u16]),
+}
+
+impl KvSlice<'_> {
+    fn len(&self) -> usize {
+        match self {
+            KvSlice::F32(s) => s.len(),
+            KvSlice::F16(s) => s.len(),
+        }
+    }
+
+    fn ptr(&self) -> *mut u8 {
+        match self {
+            KvSlice::F32(s) => s.as_ptr() as *mut u8,
+            KvSlice::F16(s) => s.as_ptr() as *mut u8,
+        }
+    }
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttentionShape {
@@ -14,6 +38,9 @@ pub struct AttentionShape {
     pub n_kv_heads: usize,
     pub head_dim: usize,
 }
+
+/// The widest head the kernel takes (queries are copied to the stack to round them).
+const MAX_HEAD_DIM: usize = 512;
 
 /// f32 elements of scratch [`causal_attention`] needs for `context` positions.
 pub fn attention_scratch_len(n_threads: usize, context: usize) -> usize {
@@ -29,8 +56,8 @@ pub fn attention_scratch_len(n_threads: usize, context: usize) -> usize {
 pub fn causal_attention(
     pool: &ThreadPool,
     q: &[f32],
-    keys: &[f32],
-    values: &[f32],
+    keys: KvSlice<'_>,
+    values: KvSlice<'_>,
     pos0: usize,
     n: usize,
     shape: AttentionShape,
@@ -47,6 +74,10 @@ pub fn causal_attention(
         n_heads % n_kv_heads == 0,
         "attention: {n_heads} heads over {n_kv_heads} kv heads"
     );
+    assert!(
+        head_dim <= MAX_HEAD_DIM,
+        "attention: head_dim {head_dim} > {MAX_HEAD_DIM}"
+    );
     let kv_row = n_kv_heads * head_dim;
     let context = pos0 + n;
     assert!(
@@ -60,8 +91,8 @@ pub fn causal_attention(
     let parts = pool.n_threads().min(items);
     let job = Job {
         q: SharedPtr(q.as_ptr() as *mut f32),
-        keys: SharedPtr(keys.as_ptr() as *mut f32),
-        values: SharedPtr(values.as_ptr() as *mut f32),
+        keys: SharedPtr(keys.ptr()),
+        values: SharedPtr(values.ptr()),
         out: SharedPtr(out.as_mut_ptr()),
         scratch: SharedPtr(scratch.as_mut_ptr()),
         per_thread,
@@ -75,7 +106,10 @@ pub fn causal_attention(
     let isa = Isa::detect();
     pool.broadcast(&|thread| {
         if thread < parts {
-            attend(isa, Job { thread, ..job });
+            match keys {
+                KvSlice::F32(_) => attend_f32(isa, Job { thread, ..job }),
+                KvSlice::F16(_) => attend_f16(isa, Job { thread, ..job }),
+            }
         }
     });
 }
@@ -83,8 +117,8 @@ pub fn causal_attention(
 #[derive(Clone, Copy)]
 struct Job {
     q: SharedPtr<f32>,
-    keys: SharedPtr<f32>,
-    values: SharedPtr<f32>,
+    keys: SharedPtr<u8>,
+    values: SharedPtr<u8>,
     out: SharedPtr<f32>,
     scratch: SharedPtr<f32>,
     per_thread: usize,
@@ -96,10 +130,21 @@ struct Job {
     thread: usize,
 }
 
-simd_dispatch!(fn attend(job: Job) => attend_items);
+simd_dispatch!(fn attend_f32(job: Job) => attend_items_f32);
+simd_dispatch!(fn attend_f16(job: Job) => attend_items_f16);
 
 #[inline(always)]
-unsafe fn attend_items<S: Simd>(job: Job) {
+unsafe fn attend_items_f32<S: Simd>(job: Job) {
+    unsafe { attend_items::<S, f32>(job) }
+}
+
+#[inline(always)]
+unsafe fn attend_items_f16<S: Simd>(job: Job) {
+    unsafe { attend_items::<S, F16>(job) }
+}
+
+#[inline(always)]
+unsafe fn attend_items<S: Simd, E: WeightElem>(job: Job) {
     let AttentionShape {
         n_heads,
         n_kv_heads,
@@ -117,23 +162,35 @@ unsafe fn attend_items<S: Simd>(job: Job) {
         let visible = job.pos0 + i + 1;
         let kv_offset = (h / group) * d;
         unsafe {
-            let q = job.q.get().add((i * n_heads + h) * d) as *const f32;
-            let key = |t: usize| job.keys.get().add(t * kv_row + kv_offset) as *const f32;
+            // An f16 cache multiplies f16 queries and f16 weights, as llama.cpp's attention
+            // does: ember then computes what that reference computes, not something close.
+            let mut q_rounded = [0f32; MAX_HEAD_DIM];
+            let mut q = job.q.get().add((i * n_heads + h) * d) as *const f32;
+            if E::round_operand(1.0 + f32::EPSILON) != 1.0 + f32::EPSILON {
+                for (e, r) in q_rounded.iter_mut().enumerate().take(d) {
+                    *r = E::round_operand(*q.add(e));
+                }
+                q = q_rounded.as_ptr();
+            }
+            let key = |t: usize| (job.keys.get() as *const E).add(t * kv_row + kv_offset);
             let mut t = 0;
             while t + 4 <= visible {
-                let s = dot4::<S>(q, [key(t), key(t + 1), key(t + 2), key(t + 3)], d);
+                let s = dot4::<S, E>(q, [key(t), key(t + 1), key(t + 2), key(t + 3)], d);
                 for (j, value) in s.into_iter().enumerate() {
                     *scores.add(t + j) = value * job.scale;
                 }
                 t += 4;
             }
             while t < visible {
-                *scores.add(t) = dot4::<S>(q, [key(t); 4], d)[0] * job.scale;
+                *scores.add(t) = dot4::<S, E>(q, [key(t); 4], d)[0] * job.scale;
                 t += 1;
             }
             softmax::<S>(scores, visible);
-            let value = |t: usize| job.values.get().add(t * kv_row + kv_offset) as *const f32;
-            weighted_sum::<S>(
+            for t in 0..visible {
+                *scores.add(t) = E::round_operand(*scores.add(t));
+            }
+            let value = |t: usize| (job.values.get() as *const E).add(t * kv_row + kv_offset);
+            weighted_sum::<S, E>(
                 scores,
                 visible,
                 value,
@@ -147,7 +204,7 @@ unsafe fn attend_items<S: Simd>(job: Job) {
 /// Dot products of `q` with four keys; each is the same lane-wise FMA chain and sum tree as
 /// every other dot product in the kernels, so one key alone gives the same bits.
 #[inline(always)]
-unsafe fn dot4<S: Simd>(q: *const f32, k: [*const f32; 4], d: usize) -> [f32; 4] {
+unsafe fn dot4<S: Simd, E: WeightElem>(q: *const f32, k: [*const E; 4], d: usize) -> [f32; 4] {
     unsafe {
         let mut acc = [S::zero(); 4];
         let full = d / S::LANES * S::LANES;
@@ -155,14 +212,14 @@ unsafe fn dot4<S: Simd>(q: *const f32, k: [*const f32; 4], d: usize) -> [f32; 4]
         while p < full {
             let qv = S::load(q.add(p));
             for j in 0..4 {
-                acc[j] = S::fma(qv, S::load(k[j].add(p)), acc[j]);
+                acc[j] = S::fma(qv, E::load::<S>(k[j].add(p)), acc[j]);
             }
             p += S::LANES;
         }
         if p < d {
             let qv = S::load_partial(q.add(p), d - p);
             for j in 0..4 {
-                acc[j] = S::fma(qv, S::load_partial(k[j].add(p), d - p), acc[j]);
+                acc[j] = S::fma(qv, E::load_partial::<S>(k[j].add(p), d - p), acc[j]);
             }
         }
         [
@@ -203,10 +260,10 @@ unsafe fn softmax<S: Simd>(x: *mut f32, n: usize) {
 
 /// `out = Σ_t w[t] · v(t)`, summed in key order with the accumulators kept in registers.
 #[inline(always)]
-unsafe fn weighted_sum<S: Simd>(
+unsafe fn weighted_sum<S: Simd, E: WeightElem>(
     w: *const f32,
     n: usize,
-    v: impl Fn(usize) -> *const f32,
+    v: impl Fn(usize) -> *const E,
     out: *mut f32,
     d: usize,
 ) {
@@ -219,7 +276,7 @@ unsafe fn weighted_sum<S: Simd>(
                 let wt = S::splat(*w.add(t));
                 let row = v(t).add(base);
                 for (j, a) in acc.iter_mut().enumerate() {
-                    *a = S::fma(wt, S::load(row.add(j * S::LANES)), *a);
+                    *a = S::fma(wt, E::load::<S>(row.add(j * S::LANES)), *a);
                 }
             }
             for (j, a) in acc.iter().enumerate() {
@@ -233,7 +290,7 @@ unsafe fn weighted_sum<S: Simd>(
             for t in 0..n {
                 acc = S::fma(
                     S::splat(*w.add(t)),
-                    S::load_partial(v(t).add(base), len),
+                    E::load_partial::<S>(v(t).add(base), len),
                     acc,
                 );
             }
@@ -266,7 +323,18 @@ mod tests {
         let pool = ThreadPool::new(2);
         let mut scratch = vec![0f32; attention_scratch_len(2, n)];
         let mut out = vec![0f32; n * q_row];
-        causal_attention(&pool, &q, &k, &v, 0, n, shape, 0.3, &mut out, &mut scratch);
+        causal_attention(
+            &pool,
+            &q,
+            KvSlice::F32(&k),
+            KvSlice::F32(&v),
+            0,
+            n,
+            shape,
+            0.3,
+            &mut out,
+            &mut scratch,
+        );
         for i in 0..n {
             for h in 0..6 {
                 let kvh = h / 3;
@@ -296,8 +364,8 @@ mod tests {
         causal_attention(
             &pool,
             &q[(n - 1) * q_row..],
-            &k,
-            &v,
+            KvSlice::F32(&k),
+            KvSlice::F32(&v),
             n - 1,
             1,
             shape,
@@ -306,5 +374,44 @@ mod tests {
             &mut scratch,
         );
         assert_eq!(last, &out[(n - 1) * q_row..]);
+
+        // An f16 cache computes over f16 keys and values, with queries and weights rounded to
+        // f16 as llama.cpp does: close to the f32 result, and the same for decode and prefill.
+        let to_f16 = |x: &[f32]| {
+            x.iter()
+                .map(|&v| half::f16::from_f32(v).to_bits())
+                .collect::<Vec<u16>>()
+        };
+        let (k16, v16) = (to_f16(&k), to_f16(&v));
+        let mut out16 = vec![0f32; n * q_row];
+        causal_attention(
+            &pool,
+            &q,
+            KvSlice::F16(&k16),
+            KvSlice::F16(&v16),
+            0,
+            n,
+            shape,
+            0.3,
+            &mut out16,
+            &mut scratch,
+        );
+        for (a, b) in out16.iter().zip(&out) {
+            assert!((a - b).abs() < 2e-3, "f16 attention {a} vs f32 {b}");
+        }
+        let mut last16 = vec![0f32; q_row];
+        causal_attention(
+            &pool,
+            &q[(n - 1) * q_row..],
+            KvSlice::F16(&k16),
+            KvSlice::F16(&v16),
+            n - 1,
+            1,
+            shape,
+            0.3,
+            &mut last16,
+            &mut scratch,
+        );
+        assert_eq!(last16, &out16[(n - 1) * q_row..]);
     }
 }

@@ -12,7 +12,7 @@ mod probe;
 mod quant_dot;
 pub(crate) mod simd;
 
-pub use attention::{AttentionShape, attention_scratch_len, causal_attention};
+pub use attention::{AttentionShape, KvSlice, attention_scratch_len, causal_attention};
 pub use elementwise::{
     RopeLayout, RopeTables, add_assign, add_bias, rms_norm, rms_norm_in_place, rope_in_place,
     silu_mul, softmax_in_place,

@@ -76,6 +76,12 @@ pub(crate) trait WeightElem: Copy + Send + Sync + 'static {
     unsafe fn load<S: Simd>(p: *const Self) -> S::V;
     unsafe fn load_partial<S: Simd>(p: *const Self, n: usize) -> S::V;
     fn to_f32(self) -> f32;
+    /// An f32 operand as it is when multiplied with elements of this type in llama.cpp's
+    /// kernels (rounded to f16 for f16 data, unchanged otherwise).
+    #[inline(always)]
+    fn round_operand(x: f32) -> f32 {
+        x
+    }
 }
 
 impl WeightElem for f32 {
@@ -119,6 +125,10 @@ impl WeightElem for Bf16 {
 }
 
 impl WeightElem for F16 {
+    #[inline(always)]
+    fn round_operand(x: f32) -> f32 {
+        half::f16::from_f32(x).to_f32()
+    }
     #[inline(always)]
     unsafe fn load<S: Simd>(p: *const F16) -> S::V {
         unsafe { S::load_f16(p.cast()) }
