@@ -40,6 +40,10 @@ pub(crate) enum ActKind {
     /// As `Q8`, each pair of blocks stored as the halves Q4_0/Q4_1 nibbles unpack to:
     /// `b0[0..16], b1[0..16], b0[16..32], b1[16..32]` (Q4_0, Q4_1 weights).
     Q8I,
+    /// As `Q8`, each four blocks (128 values) stored as [`Qv::nib_quad_q41`] unpacks Q4_1
+    /// nibbles: the first halves of blocks 0–3, then their second halves; a last group of
+    /// fewer than four blocks as `Q8I` (Q4_1 weights).
+    Q8I4,
     /// 256-element blocks: Q8_K, in order (Q6_K weights).
     Q8K,
     /// As `Q8K`, each 128 values stored as Q4_K/Q5_K nibbles unpack:
@@ -52,7 +56,8 @@ impl ActKind {
         match dtype {
             DType::Q4_K | DType::Q5_K => ActKind::Q8KI,
             DType::Q6_K => ActKind::Q8K,
-            DType::Q4_0 | DType::Q4_1 => ActKind::Q8I,
+            DType::Q4_0 => ActKind::Q8I,
+            DType::Q4_1 => ActKind::Q8I4,
             _ => ActKind::Q8,
         }
     }
@@ -79,7 +84,7 @@ impl ActLayout {
     pub(crate) fn new(kind: ActKind, k: usize) -> ActLayout {
         let qs = k.div_ceil(64) * 64;
         let (d, a, b, end) = match kind {
-            ActKind::Q8 | ActKind::Q8I => {
+            ActKind::Q8 | ActKind::Q8I | ActKind::Q8I4 => {
                 let nb = k.div_ceil(32);
                 (qs, qs + 4 * nb, qs + 8 * nb, qs + 12 * nb)
             }
@@ -151,7 +156,7 @@ pub(crate) unsafe fn quantize_activation_row(layout: &ActLayout, x: &[f32], row:
     unsafe {
         let qs = std::slice::from_raw_parts_mut(row.cast::<i8>(), k);
         match layout.kind {
-            ActKind::Q8 | ActKind::Q8I => {
+            ActKind::Q8 | ActKind::Q8I | ActKind::Q8I4 => {
                 let nb = k / 32;
                 let d = std::slice::from_raw_parts_mut(row.add(layout.d).cast::<f32>(), nb);
                 let sums = std::slice::from_raw_parts_mut(row.add(layout.a).cast::<i32>(), nb);
@@ -163,11 +168,20 @@ pub(crate) unsafe fn quantize_activation_row(layout: &ActLayout, x: &[f32], row:
                     sums[b] = sum;
                     s[b] = round_f16(scale * sum as f32);
                 }
-                if layout.kind == ActKind::Q8I {
+                // Groups of four blocks (Q8I4), then pairs.
+                let quads = if layout.kind == ActKind::Q8I4 {
+                    k / 128 * 128
+                } else {
+                    0
+                };
+                if layout.kind != ActKind::Q8 {
                     // The padding after `k` holds the second half of a last, unpaired block.
                     let padded =
                         std::slice::from_raw_parts_mut(row.cast::<i8>(), k.div_ceil(64) * 64);
-                    for pair in padded.chunks_exact_mut(64) {
+                    for quad in padded[..quads].chunks_exact_mut(128) {
+                        interleave4(quad);
+                    }
+                    for pair in padded[quads..].chunks_exact_mut(64) {
                         interleave(pair, 16);
                     }
                 }
@@ -204,6 +218,17 @@ fn interleave(q: &mut [i8], part: usize) {
     tmp[..4 * part].copy_from_slice(&q[..4 * part]);
     q[part..2 * part].copy_from_slice(&tmp[2 * part..3 * part]);
     q[2 * part..3 * part].copy_from_slice(&tmp[part..2 * part]);
+}
+
+/// Reorders 128 values, four blocks of 32, to their first halves then their second halves.
+#[inline(always)]
+fn interleave4(q: &mut [i8]) {
+    let mut tmp = [0i8; 128];
+    tmp.copy_from_slice(&q[..128]);
+    for b in 0..4 {
+        q[16 * b..16 * b + 16].copy_from_slice(&tmp[32 * b..32 * b + 16]);
+        q[64 + 16 * b..64 + 16 * b + 16].copy_from_slice(&tmp[32 * b + 16..32 * b + 32]);
+    }
 }
 
 #[inline(always)]
@@ -247,6 +272,10 @@ pub(crate) unsafe trait Qv: Copy {
     unsafe fn abs8(a: Self::V) -> Self::V;
     /// `a` with the sign of `b` per i8 lane (any value where `b` is 0).
     unsafe fn sign8(a: Self::V, b: Self::V) -> Self::V;
+    /// Whether [`Qv::dpbusd`] is one instruction: the K kernels then form sums of four
+    /// products and pack two vectors of them ([`Qv::packs32`]) before one scaling
+    /// `dpwssd`, instead of scaling each vector's sums of two (`maddubs`).
+    const FAST_DPBUSD: bool = false;
     /// i32 lane `l` += Σ of the four products `a[4l+t]` (u8) · `b[4l+t]` (i8).
     unsafe fn dpbusd(acc: Self::V, a: Self::V, b: Self::V) -> Self::V;
     /// i16 lane `l` = `a[2l]·b[2l] + a[2l+1]·b[2l+1]`, `a` u8, `b` i8 (inputs never saturate).
@@ -258,8 +287,17 @@ pub(crate) unsafe trait Qv: Copy {
     unsafe fn scales8(v: u64) -> Self::V;
     /// i16 lanes: scale `j0` of `s` (from [`Qv::scales8`]) in all of `g0`, `j1` in `g1`.
     unsafe fn scale_pick(s: Self::V, j0: usize, j1: usize) -> Self::V;
+    /// Per 128-bit quarter `q` (i32 lanes `4q..4q+4`): i16 lanes `8q..8q+4` = `a`'s lanes
+    /// narrowed, `8q+4..8q+8` = `b`'s (saturating; callers' values always fit).
+    unsafe fn packs32(a: Self::V, b: Self::V) -> Self::V;
+    /// i16 lanes, per quarter `q` of 8: the first four scale `j[2·(q/2)]`, the last four
+    /// `j[2·(q/2) + 1]` — the scales of a [`Qv::packs32`] of two `g0`/`g1` vectors.
+    unsafe fn scale_pick4(s: Self::V, j: [usize; 4]) -> Self::V;
     /// i16 lanes: the 16-byte quarter `q` all `p[q]` (i8), `q < 4`.
     unsafe fn scales4(p: *const i8) -> Self::V;
+    /// i16 lanes, per quarter `q` of 8: the first four `p[q]` (i8), the last four `p[4 + q]`
+    /// — the scales of a [`Qv::packs32`] of two vectors scaled by `p[..4]` and `p[4..8]`.
+    unsafe fn scales4x2(p: *const i8) -> Self::V;
     /// For 8 vectors of i32 lanes: lane `r` of the first result is the sum of `v[r].g0`'s
     /// lanes, of the second the sum of `v[r].g1`'s.
     unsafe fn reduce(v: &[Self::V; QR]) -> (Self::I, Self::I);
@@ -268,6 +306,54 @@ pub(crate) unsafe trait Qv: Copy {
     unsafe fn reduce_x(v: &[Self::V; QR]) -> (Self::I, Self::I);
     /// Lane `r`: `Σ_t mins[r].byte(t)·s[t]`, `t < 8`.
     unsafe fn mins_dot8(mins: &[u64; QR], s: *const i16) -> Self::I;
+    /// `(g0(a) | g0(b), g1(a) | g1(b))`.
+    unsafe fn regroup(a: Self::V, b: Self::V) -> (Self::V, Self::V);
+    /// Four Q4_1 blocks from `p`: the low nibbles of their `qs` (16 bytes a block, in block
+    /// order), and the high nibbles.
+    #[inline(always)]
+    unsafe fn nib_quad_q41(p: *const u8) -> (Self::V, Self::V) {
+        unsafe {
+            let a = Self::nib_pair(p.add(4), p.add(24));
+            let b = Self::nib_pair(p.add(44), p.add(64));
+            Self::regroup(a, b)
+        }
+    }
+    /// For lane `r`: the sum of 16-byte quarter `q` of `v[r]`, for each `q < 4`.
+    unsafe fn reduce_q(v: &[Self::V; QR]) -> [Self::I; 4];
+    /// `d` and `m` of the four Q4_1 blocks at each `p[r]`, widened.
+    #[inline(always)]
+    unsafe fn meta_q41(p: &[*const u8; QR]) -> [(Self::F, Self::F); 4] {
+        std::array::from_fn(|q| {
+            let mut d = [0u64; 2];
+            let mut m = [0u64; 2];
+            for (r, &pr) in p.iter().enumerate() {
+                unsafe {
+                    put16(&mut d, r, rd16(pr.add(20 * q)));
+                    put16(&mut m, r, rd16(pr.add(20 * q + 2)));
+                }
+            }
+            unsafe { (Self::f16x8(d), Self::f16x8(m)) }
+        })
+    }
+    /// The header of each row's Q4_K/Q5_K super-block at `blk[r]`: stores the eight 6-bit
+    /// scales and mins as [`scales_mins_k4_u64`] gives them, returns `d` and `dmin` widened.
+    #[inline(always)]
+    unsafe fn k4_meta(
+        blk: &[*const u8; QR],
+        sc: &mut [u64; QR],
+        mn: &mut [u64; QR],
+    ) -> (Self::F, Self::F) {
+        let mut dw = [0u64; 2];
+        let mut dm = [0u64; 2];
+        for r in 0..QR {
+            unsafe {
+                put16(&mut dw, r, rd16(blk[r]));
+                put16(&mut dm, r, rd16(blk[r].add(2)));
+                (sc[r], mn[r]) = scales_mins_k4_u64(&*blk[r].add(4).cast::<[u8; 12]>());
+            }
+        }
+        unsafe { (Self::f16x8(dw), Self::f16x8(dm)) }
+    }
     /// Lane `r`: `Σ_j sc[r][j]·s[j]`, `j < 16`.
     unsafe fn scales_dot8(sc: [*const i8; QR], s: *const i16) -> Self::I;
     unsafe fn isplat(v: i32) -> Self::I;
@@ -450,6 +536,34 @@ unsafe impl Qv for Portable {
         Pv::from_i16(std::array::from_fn(|l| if l < 16 { s[j0] } else { s[j1] }))
     }
     #[inline(always)]
+    unsafe fn packs32(a: Pv, b: Pv) -> Pv {
+        let (a, b) = (a.i32s(), b.i32s());
+        Pv::from_i16(std::array::from_fn(|l| {
+            let (q, t) = (l / 8, l % 8);
+            let v = if t < 4 {
+                a[4 * q + t]
+            } else {
+                b[4 * q + t - 4]
+            };
+            v.clamp(i16::MIN as i32, i16::MAX as i32) as i16
+        }))
+    }
+    #[inline(always)]
+    unsafe fn scale_pick4(s: Pv, j: [usize; 4]) -> Pv {
+        let s = s.i16s();
+        Pv::from_i16(std::array::from_fn(|l| {
+            let (q, t) = (l / 8, l % 8);
+            s[j[2 * (q / 2) + usize::from(t >= 4)]]
+        }))
+    }
+    #[inline(always)]
+    unsafe fn scales4x2(p: *const i8) -> Pv {
+        Pv::from_i16(std::array::from_fn(|l| {
+            let (q, t) = (l / 8, l % 8);
+            (unsafe { *p.add(q + if t < 4 { 0 } else { 4 }) }) as i16
+        }))
+    }
+    #[inline(always)]
     unsafe fn scales4(p: *const i8) -> Pv {
         Pv::from_i16(std::array::from_fn(|l| (unsafe { *p.add(l / 8) }) as i16))
     }
@@ -466,6 +580,20 @@ unsafe impl Qv for Portable {
             std::array::from_fn(|r| lane_sum(&v[r], (0..4).chain(8..12))),
             std::array::from_fn(|r| lane_sum(&v[r], (4..8).chain(12..16))),
         )
+    }
+    #[inline(always)]
+    unsafe fn regroup(a: Pv, b: Pv) -> (Pv, Pv) {
+        let mut lo = [0u8; 64];
+        let mut hi = [0u8; 64];
+        lo[..32].copy_from_slice(&a.0[..32]);
+        lo[32..].copy_from_slice(&b.0[..32]);
+        hi[..32].copy_from_slice(&a.0[32..]);
+        hi[32..].copy_from_slice(&b.0[32..]);
+        (Pv(lo), Pv(hi))
+    }
+    #[inline(always)]
+    unsafe fn reduce_q(v: &[Pv; QR]) -> [[i32; 8]; 4] {
+        std::array::from_fn(|q| std::array::from_fn(|r| lane_sum(&v[r], 4 * q..4 * q + 4)))
     }
     #[inline(always)]
     unsafe fn mins_dot8(mins: &[u64; QR], s: *const i16) -> [i32; 8] {
@@ -629,10 +757,6 @@ mod x86 {
     /// The 8-lane float and integer side, shared by both x86 sets.
     macro_rules! float_side {
         () => {
-            #[inline(always)]
-            unsafe fn mins_dot8(mins: &[u64; QR], s: *const i16) -> __m256i {
-                unsafe { mins_dot8_x86(mins, s) }
-            }
             #[inline(always)]
             unsafe fn scales_dot8(sc: [*const i8; QR], s: *const i16) -> __m256i {
                 unsafe { scales_dot8_x86(sc, s) }
@@ -814,6 +938,34 @@ mod x86 {
             }
         }
         #[inline(always)]
+        unsafe fn packs32(a: Y2, b: Y2) -> Y2 {
+            unsafe { Y2(_mm256_packs_epi32(a.0, b.0), _mm256_packs_epi32(a.1, b.1)) }
+        }
+        #[inline(always)]
+        unsafe fn scale_pick4(s: Y2, j: [usize; 4]) -> Y2 {
+            unsafe {
+                let c = |a: usize, b: usize| {
+                    let pa = ((2 * a + 1) << 8) | (2 * a);
+                    let pb = ((2 * b + 1) << 8) | (2 * b);
+                    _mm256_set1_epi64x((pa | pa << 16 | pb << 32 | pb << 48) as i64)
+                };
+                Y2(
+                    _mm256_shuffle_epi8(s.0, c(j[0], j[1])),
+                    _mm256_shuffle_epi8(s.1, c(j[2], j[3])),
+                )
+            }
+        }
+        #[inline(always)]
+        unsafe fn scales4x2(p: *const i8) -> Y2 {
+            unsafe {
+                let s = |q: usize| {
+                    let (a, b) = (*p.add(q) as i16, *p.add(4 + q) as i16);
+                    _mm_setr_epi16(a, a, a, a, b, b, b, b)
+                };
+                Y2(_mm256_set_m128i(s(1), s(0)), _mm256_set_m128i(s(3), s(2)))
+            }
+        }
+        #[inline(always)]
         unsafe fn scales4(p: *const i8) -> Y2 {
             unsafe {
                 let s = |q: usize| _mm_set1_epi16(*p.add(q) as i16);
@@ -833,6 +985,22 @@ mod x86 {
         unsafe fn reduce_x(v: &[Y2; QR]) -> (__m256i, __m256i) {
             unsafe { reduce8_halves(std::array::from_fn(|r| _mm256_add_epi32(v[r].0, v[r].1))) }
         }
+        #[inline(always)]
+        unsafe fn mins_dot8(mins: &[u64; QR], s: *const i16) -> __m256i {
+            unsafe { mins_dot8_x86(mins, s) }
+        }
+        #[inline(always)]
+        unsafe fn regroup(a: Y2, b: Y2) -> (Y2, Y2) {
+            (Y2(a.0, b.0), Y2(a.1, b.1))
+        }
+        #[inline(always)]
+        unsafe fn reduce_q(v: &[Y2; QR]) -> [__m256i; 4] {
+            unsafe {
+                let (q0, q1) = reduce8_halves(std::array::from_fn(|r| v[r].0));
+                let (q2, q3) = reduce8_halves(std::array::from_fn(|r| v[r].1));
+                [q0, q1, q2, q3]
+            }
+        }
         float_side!();
     }
 
@@ -845,6 +1013,7 @@ mod x86 {
         type V = __m512i;
         type I = __m256i;
         type F = __m256;
+        const FAST_DPBUSD: bool = VNNI;
 
         #[inline(always)]
         unsafe fn zero() -> __m512i {
@@ -929,7 +1098,10 @@ mod x86 {
         unsafe fn dpwssd(acc: __m512i, a: __m512i, b: __m512i) -> __m512i {
             unsafe {
                 if VNNI {
-                    _mm512_dpwssd_epi32(acc, a, b)
+                    // The saturating form: the same sums, which never come near saturation
+                    // (kernels' bounds), and LLVM cannot split it into `vpmaddwd` + `vpaddd`
+                    // to shorten a dependency chain, which costs throughput here.
+                    _mm512_dpwssds_epi32(acc, a, b)
                 } else {
                     _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
                 }
@@ -947,6 +1119,36 @@ mod x86 {
                     _mm256_set1_epi16(j1 as i16),
                 );
                 _mm512_permutexvar_epi16(idx, s)
+            }
+        }
+        #[inline(always)]
+        unsafe fn packs32(a: __m512i, b: __m512i) -> __m512i {
+            unsafe { _mm512_packs_epi32(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn scale_pick4(s: __m512i, j: [usize; 4]) -> __m512i {
+            unsafe {
+                let q = |a: usize| (a as i64) * 0x0001_0001_0001_0001;
+                let idx = _mm512_setr_epi64(
+                    q(j[0]),
+                    q(j[1]),
+                    q(j[0]),
+                    q(j[1]),
+                    q(j[2]),
+                    q(j[3]),
+                    q(j[2]),
+                    q(j[3]),
+                );
+                _mm512_permutexvar_epi16(idx, s)
+            }
+        }
+        #[inline(always)]
+        unsafe fn scales4x2(p: *const i8) -> __m512i {
+            unsafe {
+                let s = _mm_cvtepi8_epi16(_mm_loadl_epi64(p.cast()));
+                let q = |a: i64| a * 0x0001_0001_0001_0001;
+                let idx = _mm512_setr_epi64(q(0), q(4), q(1), q(5), q(2), q(6), q(3), q(7));
+                _mm512_permutexvar_epi16(idx, _mm512_castsi128_si512(s))
             }
         }
         #[inline(always)]
@@ -996,6 +1198,163 @@ mod x86 {
                         _mm512_extracti64x4_epi64::<1>(v[r]),
                     )
                 }))
+            }
+        }
+        #[inline(always)]
+        unsafe fn mins_dot8(mins: &[u64; QR], s: *const i16) -> __m256i {
+            unsafe {
+                // Each row's eight mins widened to one 128-bit lane, times the eight sums.
+                let m = _mm512_loadu_si512(mins.as_ptr().cast());
+                let b = _mm512_broadcast_i32x4(_mm_loadu_si128(s.cast()));
+                let a = _mm512_madd_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(m)), b);
+                let c =
+                    _mm512_madd_epi16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64::<1>(m)), b);
+                // Lane `r`: [a0+a2, c0+c2, a1+a3, c1+c3], then row r's sum, row r+4's.
+                let e = _mm512_add_epi32(_mm512_unpacklo_epi32(a, c), _mm512_unpackhi_epi32(a, c));
+                let f = _mm512_add_epi32(e, _mm512_shuffle_epi32::<0b01_00_11_10>(e));
+                let idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+                _mm512_castsi512_si256(_mm512_permutexvar_epi32(idx, f))
+            }
+        }
+        #[inline(always)]
+        unsafe fn regroup(a: __m512i, b: __m512i) -> (__m512i, __m512i) {
+            unsafe {
+                (
+                    _mm512_shuffle_i64x2::<0b01_00_01_00>(a, b),
+                    _mm512_shuffle_i64x2::<0b11_10_11_10>(a, b),
+                )
+            }
+        }
+        #[inline(always)]
+        unsafe fn nib_quad_q41(p: *const u8) -> (__m512i, __m512i) {
+            unsafe {
+                // The four blocks' `qs` are dwords 1-4, 6-9, 11-14 of `p[..64]` and 12-15 of
+                // `p[16..80]`.
+                let a = _mm512_loadu_si512(p.cast());
+                let b = _mm512_loadu_si512(p.add(16).cast());
+                let idx = _mm512_setr_epi32(1, 2, 3, 4, 6, 7, 8, 9, 11, 12, 13, 14, 28, 29, 30, 31);
+                let q = _mm512_permutex2var_epi32(a, idx, b);
+                let m = _mm512_set1_epi8(0x0F);
+                (
+                    _mm512_and_si512(q, m),
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(q), m),
+                )
+            }
+        }
+        #[inline(always)]
+        unsafe fn reduce_q(v: &[__m512i; QR]) -> [__m256i; 4] {
+            unsafe {
+                // As `reduce`: per 128-bit lane `q`, the four rows' sums of quarter `q`.
+                let pair = |a: __m512i, b: __m512i| {
+                    _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b))
+                };
+                let quad = |ab: __m512i, cd: __m512i| {
+                    _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd))
+                };
+                let u0 = quad(pair(v[0], v[1]), pair(v[2], v[3]));
+                let u1 = quad(pair(v[4], v[5]), pair(v[6], v[7]));
+                let z01 =
+                    _mm512_permutex2var_epi64(u0, _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), u1);
+                let z23 = _mm512_permutex2var_epi64(
+                    u0,
+                    _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15),
+                    u1,
+                );
+                [
+                    _mm512_castsi512_si256(z01),
+                    _mm512_extracti64x4_epi64::<1>(z01),
+                    _mm512_castsi512_si256(z23),
+                    _mm512_extracti64x4_epi64::<1>(z23),
+                ]
+            }
+        }
+        #[inline(always)]
+        unsafe fn meta_q41(p: &[*const u8; QR]) -> [(__m256, __m256); 4] {
+            unsafe {
+                // `d | m << 16` of block q is dword 5q of `p[r][..64]`.
+                let l: [__m512i; QR] = std::array::from_fn(|r| _mm512_loadu_si512(p[r].cast()));
+                let i2 = _mm512_setr_epi32(0, 5, 10, 15, 16, 21, 26, 31, 0, 0, 0, 0, 0, 0, 0, 0);
+                // [row r's blocks 0-3, row r+1's], in the low 256 bits.
+                let pr = |r: usize| _mm512_permutex2var_epi32(l[r], i2, l[r + 1]);
+                let q0 = _mm512_inserti64x4::<1>(pr(0), _mm512_castsi512_si256(pr(2)));
+                let q1 = _mm512_inserti64x4::<1>(pr(4), _mm512_castsi512_si256(pr(6)));
+                // q0 lane 4r + q: row r, block q (rows 0-3); q1 rows 4-7.
+                let ia =
+                    _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
+                let ib =
+                    _mm512_setr_epi32(2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31);
+                let z01 = _mm512_permutex2var_epi32(q0, ia, q1);
+                let z23 = _mm512_permutex2var_epi32(q0, ib, q1);
+                let dm = |z: __m512i| {
+                    let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(z));
+                    let m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(z)));
+                    (d, m)
+                };
+                let (d01, m01) = dm(z01);
+                let (d23, m23) = dm(z23);
+                let lo = |f: __m512| _mm512_castps512_ps256(f);
+                let hi =
+                    |f: __m512| _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(f)));
+                [
+                    (lo(d01), lo(m01)),
+                    (hi(d01), hi(m01)),
+                    (lo(d23), lo(m23)),
+                    (hi(d23), hi(m23)),
+                ]
+            }
+        }
+        #[inline(always)]
+        unsafe fn k4_meta(
+            blk: &[*const u8; QR],
+            sc: &mut [u64; QR],
+            mn: &mut [u64; QR],
+        ) -> (__m256, __m256) {
+            unsafe {
+                // Each row's 16-byte header (d, dmin, the 12 packed bytes) in one 128-bit
+                // lane, four rows a vector.
+                let four = |r0: usize| {
+                    let v = _mm512_castsi128_si512(loadu128(blk[r0]));
+                    let v = _mm512_inserti32x4::<1>(v, loadu128(blk[r0 + 1]));
+                    let v = _mm512_inserti32x4::<2>(v, loadu128(blk[r0 + 2]));
+                    _mm512_inserti32x4::<3>(v, loadu128(blk[r0 + 3]))
+                };
+                let (v0, v1) = (four(0), four(4));
+                // `scales_mins_k4_u64` on dwords [dm, u0, u1, u2] of each lane, giving
+                // [sc_lo, sc_hi, m_lo, m_hi].
+                let k1 = 0x3f3f3f3f;
+                let k2 = 0x0f0f0f0f;
+                let k3 = 0x03030303;
+                let mask_lo = _mm512_setr_epi32(
+                    k1, k2, k1, k2, k1, k2, k1, k2, k1, k2, k1, k2, k1, k2, k1, k2,
+                );
+                let mask_hi =
+                    _mm512_setr_epi32(0, k3, 0, k3, 0, k3, 0, k3, 0, k3, 0, k3, 0, k3, 0, k3);
+                let shift = _mm512_setr_epi32(0, 0, 0, 4, 0, 0, 0, 4, 0, 0, 0, 4, 0, 0, 0, 4);
+                let decode = |v: __m512i| {
+                    // [u0, u2, u1, u2] and [u0, u0, u1, u1].
+                    let p = _mm512_shuffle_epi32::<0b11_10_11_01>(v);
+                    let q = _mm512_shuffle_epi32::<0b10_10_01_01>(v);
+                    let lo = _mm512_and_si512(_mm512_srlv_epi32(p, shift), mask_lo);
+                    let hi = _mm512_and_si512(_mm512_srli_epi32::<6>(q), mask_hi);
+                    _mm512_or_si512(lo, _mm512_slli_epi32::<4>(hi))
+                };
+                let (o0, o1) = (decode(v0), decode(v1));
+                let even = _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14);
+                let odd = _mm512_setr_epi64(1, 3, 5, 7, 9, 11, 13, 15);
+                _mm512_storeu_si512(
+                    sc.as_mut_ptr().cast(),
+                    _mm512_permutex2var_epi64(o0, even, o1),
+                );
+                _mm512_storeu_si512(
+                    mn.as_mut_ptr().cast(),
+                    _mm512_permutex2var_epi64(o0, odd, o1),
+                );
+                // Dword 0 of each lane: d | dmin << 16, rows 0..8; then d's, dmin's.
+                let idx = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 0, 0, 0, 0, 0, 0, 0);
+                let dd = _mm512_castsi512_si256(_mm512_permutex2var_epi32(v0, idx, v1));
+                let d = _mm256_cvtepi32_epi16(dd);
+                let dmin = _mm256_cvtepi32_epi16(_mm256_srli_epi32::<16>(dd));
+                (_mm256_cvtph_ps(d), _mm256_cvtph_ps(dmin))
             }
         }
         float_side!();
@@ -1053,6 +1412,38 @@ unsafe fn tile_q32<Q: Qv, const M: usize, const T: u8>(
     unsafe {
         let mut acc = [Q::fzero(); M];
         let mut b0 = 0;
+        if T != Q8_0 && T != Q4_0 {
+            // Q4_1: four blocks at a time ([`ActKind::Q8I4`]), then pairs.
+            while b0 + 4 <= nb {
+                let p: [*const u8; QR] = std::array::from_fn(|r| w[r].add(b0 * bb));
+                let mut ints = [[Q::zero(); QR]; M];
+                for r in 0..QR {
+                    if M == 1 {
+                        Q::prefetch(p[r].add(PREFETCH_BYTES));
+                        Q::prefetch(p[r].add(PREFETCH_BYTES + 64));
+                    }
+                    let (lo, hi) = Q::nib_quad_q41(p[r]);
+                    for i in 0..M {
+                        let x = a[i].add(32 * b0);
+                        ints[i][r] =
+                            Q::dpbusd(Q::dpbusd(Q::zero(), lo, Q::load(x)), hi, Q::load(x.add(64)));
+                    }
+                }
+                let meta = Q::meta_q41(&p);
+                for i in 0..M {
+                    let s = Q::reduce_q(&ints[i]);
+                    let row = a[i];
+                    for q in 0..4 {
+                        let (fd, fm) = meta[q];
+                        let dx = Q::fsplat(rdf32(row.add(lay.d), b0 + q));
+                        let mut t = Q::fmul(Q::fmul(fd, dx), Q::cvt(s[q]));
+                        t = Q::fadd(t, Q::fmul(fm, Q::fsplat(rdf32(row.add(lay.b), b0 + q))));
+                        acc[i] = Q::fadd(acc[i], t);
+                    }
+                }
+                b0 += 4;
+            }
+        }
         while b0 < nb {
             let has1 = b0 + 1 < nb;
             let b1 = if has1 { b0 + 1 } else { b0 };
@@ -1143,22 +1534,19 @@ unsafe fn tile_q45k<Q: Qv, const M: usize, const Q5: bool>(
     unsafe {
         let mut acc = [Q::fzero(); M];
         for sb in 0..nsb {
-            let mut dw = [0u64; 2];
-            let mut dm = [0u64; 2];
+            let blks: [*const u8; QR] = std::array::from_fn(|r| w[r].add(sb * bb));
+            let mut sc = [0u64; QR];
             let mut mins = [0u64; QR];
+            let (fdw, fdm) = Q::k4_meta(&blks, &mut sc, &mut mins);
             let mut ints = [[Q::zero(); QR]; M];
             for r in 0..QR {
-                let blk = w[r].add(sb * bb);
+                let blk = blks[r];
                 if M == 1 {
                     for line in 0..bb.div_ceil(64) {
                         Q::prefetch(blk.add(PREFETCH_BYTES + 64 * line));
                     }
                 }
-                put16(&mut dw, r, rd16(blk));
-                put16(&mut dm, r, rd16(blk.add(2)));
-                let (sc, mn) = scales_mins_k4_u64(&*blk.add(4).cast::<[u8; 12]>());
-                mins[r] = mn;
-                let scales = Q::scales8(sc);
+                let scales = Q::scales8(sc[r]);
                 let mut hv = if Q5 {
                     Q::dup_shr::<2>(blk.add(16))
                 } else {
@@ -1176,20 +1564,29 @@ unsafe fn tile_q45k<Q: Qv, const M: usize, const Q5: bool>(
                         hi = Q::or(hi, Q::and(Q::shl3(hv), bit));
                         hv = Q::shr4(hv);
                     }
-                    let sc_lo = Q::scale_pick(scales, 4 * c, 4 * c + 2);
-                    let sc_hi = Q::scale_pick(scales, 4 * c + 1, 4 * c + 3);
-                    for i in 0..M {
-                        let x = a[i].add(256 * sb + 128 * c);
-                        ai[i] = Q::dpwssd(ai[i], Q::maddubs(lo, Q::load(x)), sc_lo);
-                        ai[i] = Q::dpwssd(ai[i], Q::maddubs(hi, Q::load(x.add(64))), sc_hi);
+                    if Q::FAST_DPBUSD {
+                        // Sums of four products fit in i16: pack two vectors' and scale once.
+                        let scv = Q::scale_pick4(scales, [4 * c, 4 * c + 1, 4 * c + 2, 4 * c + 3]);
+                        for i in 0..M {
+                            let x = a[i].add(256 * sb + 128 * c);
+                            let s0 = Q::dpbusd(Q::zero(), lo, Q::load(x));
+                            let s1 = Q::dpbusd(Q::zero(), hi, Q::load(x.add(64)));
+                            ai[i] = Q::dpwssd(ai[i], Q::packs32(s0, s1), scv);
+                        }
+                    } else {
+                        let sc_lo = Q::scale_pick(scales, 4 * c, 4 * c + 2);
+                        let sc_hi = Q::scale_pick(scales, 4 * c + 1, 4 * c + 3);
+                        for i in 0..M {
+                            let x = a[i].add(256 * sb + 128 * c);
+                            ai[i] = Q::dpwssd(ai[i], Q::maddubs(lo, Q::load(x)), sc_lo);
+                            ai[i] = Q::dpwssd(ai[i], Q::maddubs(hi, Q::load(x.add(64))), sc_hi);
+                        }
                     }
                 }
                 for i in 0..M {
                     ints[i][r] = ai[i];
                 }
             }
-            let fdw = Q::f16x8(dw);
-            let fdm = Q::f16x8(dm);
             for i in 0..M {
                 let (g0, g1) = Q::reduce(&ints[i]);
                 let s1 = Q::iadd(g0, g1);
@@ -1237,6 +1634,21 @@ unsafe fn tile_q6k<Q: Qv, const M: usize>(
                 for h in 0..2 {
                     let ql = Q::load(blk.add(64 * h));
                     let hv = Q::dup_shr::<2>(blk.add(128 + 32 * h));
+                    let low = Q::splat8(0x0F);
+                    let top = Q::splat8(0x30);
+                    if Q::FAST_DPBUSD {
+                        // Sums of four products (< 4·63·128) fit in i16: pack and scale once.
+                        let w0 = Q::or(Q::and(ql, low), Q::and(Q::shl4(hv), top));
+                        let w1 = Q::or(Q::and(Q::shr4(ql), low), Q::and(hv, top));
+                        let scv = Q::scales4x2(sc.add(8 * h));
+                        for i in 0..M {
+                            let x = a[i].add(256 * sb + 128 * h);
+                            let s0 = Q::dpbusd(Q::zero(), w0, Q::load(x));
+                            let s1 = Q::dpbusd(Q::zero(), w1, Q::load(x.add(64)));
+                            ai[i] = Q::dpwssd(ai[i], Q::packs32(s0, s1), scv);
+                        }
+                        continue;
+                    }
                     for s in 0..2 {
                         let (nib, hb) = if s == 0 {
                             (ql, Q::shl4(hv))
@@ -1688,6 +2100,15 @@ pub(crate) mod tests {
             assert_eq!(&i[16..32], &n[32..48]);
             assert_eq!(&i[32..48], &n[16..32]);
             assert_eq!(&i[48..], &n[48..]);
+        }
+        // Q4_1's: each four blocks as their first halves, then their second halves.
+        let (_, buf) = quantize_acts(DType::Q4_1, &x, 1, k);
+        let inter = unsafe { std::slice::from_raw_parts(row_of(&buf).cast::<i8>(), k) };
+        for (n, i) in natural.chunks(128).zip(inter.chunks(128)) {
+            for b in 0..4 {
+                assert_eq!(&i[16 * b..16 * b + 16], &n[32 * b..32 * b + 16]);
+                assert_eq!(&i[64 + 16 * b..80 + 16 * b], &n[32 * b + 16..32 * b + 32]);
+            }
         }
 
         let (lay, buf) = quantize_acts(DType::Q6_K, &x, 1, k);
