@@ -1,0 +1,165 @@
+//! A GGUF file ember cannot serve fails at load with a message naming the file and what is
+//! unsupported (architecture, tensor type) or broken (magic, truncation).
+
+use std::path::PathBuf;
+
+use ember_engine::{Engine, EngineOptions};
+
+/// A minimal GGUF v3 writer: string/u32 metadata and one tensor description.
+struct Gguf {
+    metadata: Vec<(String, Vec<u8>)>,
+    tensors: Vec<(String, Vec<u64>, u32, Vec<u8>)>,
+}
+
+fn string(s: &str) -> Vec<u8> {
+    let mut out = (s.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(s.as_bytes());
+    out
+}
+
+impl Gguf {
+    fn new(arch: &str) -> Self {
+        let mut g = Gguf {
+            metadata: Vec::new(),
+            tensors: Vec::new(),
+        };
+        g.str("general.architecture", arch);
+        g.u32(&format!("{arch}.embedding_length"), 32);
+        g.u32(&format!("{arch}.block_count"), 1);
+        g.u32(&format!("{arch}.attention.head_count"), 4);
+        g.u32(&format!("{arch}.feed_forward_length"), 64);
+        g.u32(&format!("{arch}.vocab_size"), 8);
+        g
+    }
+
+    fn str(&mut self, key: &str, value: &str) {
+        let mut v = 8u32.to_le_bytes().to_vec();
+        v.extend(string(value));
+        self.metadata.push((key.into(), v));
+    }
+
+    fn strings(&mut self, key: &str, values: &[&str]) {
+        let mut v = 9u32.to_le_bytes().to_vec();
+        v.extend_from_slice(&8u32.to_le_bytes());
+        v.extend_from_slice(&(values.len() as u64).to_le_bytes());
+        for value in values {
+            v.extend(string(value));
+        }
+        self.metadata.push((key.into(), v));
+    }
+
+    fn u32(&mut self, key: &str, value: u32) {
+        let mut v = 4u32.to_le_bytes().to_vec();
+        v.extend_from_slice(&value.to_le_bytes());
+        self.metadata.push((key.into(), v));
+    }
+
+    fn bytes(&self) -> Vec<u8> {
+        let mut out = b"GGUF".to_vec();
+        out.extend_from_slice(&3u32.to_le_bytes());
+        out.extend_from_slice(&(self.tensors.len() as u64).to_le_bytes());
+        out.extend_from_slice(&(self.metadata.len() as u64).to_le_bytes());
+        for (key, value) in &self.metadata {
+            out.extend(string(key));
+            out.extend_from_slice(value);
+        }
+        let mut offset = 0u64;
+        for (name, dims, kind, data) in &self.tensors {
+            out.extend(string(name));
+            out.extend_from_slice(&(dims.len() as u32).to_le_bytes());
+            for d in dims {
+                out.extend_from_slice(&d.to_le_bytes());
+            }
+            out.extend_from_slice(&kind.to_le_bytes());
+            out.extend_from_slice(&offset.to_le_bytes());
+            offset += data.len().div_ceil(32) as u64 * 32;
+        }
+        while out.len() % 32 != 0 {
+            out.push(0);
+        }
+        for (_, _, _, data) in &self.tensors {
+            out.extend_from_slice(data);
+            while out.len() % 32 != 0 {
+                out.push(0);
+            }
+        }
+        out
+    }
+
+    fn write(&self, tag: &str) -> PathBuf {
+        let path =
+            std::env::temp_dir().join(format!("ember-bad-{tag}-{}.gguf", std::process::id()));
+        std::fs::write(&path, self.bytes()).unwrap();
+        path
+    }
+}
+
+fn load_error(path: &PathBuf) -> String {
+    let options = EngineOptions {
+        threads: Some(1),
+        context: Some(16),
+        max_batch: 4,
+        kv_dtype: None,
+    };
+    match Engine::load(path, &options) {
+        Ok(_) => panic!("{} loaded, but should have failed", path.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+fn assert_names(message: &str, parts: &[&str]) {
+    for part in parts {
+        assert!(
+            message.contains(part),
+            "error message {message:?} should name {part:?}"
+        );
+    }
+}
+
+#[test]
+fn unsupported_architecture() {
+    let path = Gguf::new("mamba").write("arch");
+    assert_names(
+        &load_error(&path),
+        &[".gguf", "mamba", "general.architecture"],
+    );
+}
+
+#[test]
+fn unsupported_tensor_type() {
+    let mut g = Gguf::new("llama");
+    g.str("tokenizer.ggml.model", "gpt2");
+    g.strings(
+        "tokenizer.ggml.tokens",
+        &["a", "b", "c", "d", "e", "f", "g", "h"],
+    );
+    // Q5_0 (ggml type 6): 32 elements in 22 bytes.
+    g.tensors
+        .push(("token_embd.weight".into(), vec![32, 8], 6, vec![0; 8 * 22]));
+    let message = load_error(&g.write("type"));
+    assert_names(&message, &[".gguf", "token_embd.weight", "Q5_0"]);
+}
+
+#[test]
+fn not_gguf_and_truncated() {
+    let path = std::env::temp_dir().join(format!("ember-bad-magic-{}.gguf", std::process::id()));
+    std::fs::write(&path, b"GGML not really").unwrap();
+    assert_names(&load_error(&path), &[".gguf", "GGUF"]);
+
+    let mut g = Gguf::new("llama");
+    g.tensors.push((
+        "token_embd.weight".into(),
+        vec![32, 8],
+        0,
+        vec![0; 32 * 8 * 4],
+    ));
+    let mut bytes = g.bytes();
+    bytes.truncate(bytes.len() - 100);
+    let path =
+        std::env::temp_dir().join(format!("ember-bad-truncated-{}.gguf", std::process::id()));
+    std::fs::write(&path, bytes).unwrap();
+    assert_names(
+        &load_error(&path),
+        &[".gguf", "token_embd.weight", "truncated"],
+    );
+}
