@@ -74,12 +74,12 @@ impl Gguf {
             out.extend_from_slice(&offset.to_le_bytes());
             offset += data.len().div_ceil(32) as u64 * 32;
         }
-        while out.len() % 32 != 0 {
+        while !out.len().is_multiple_of(32) {
             out.push(0);
         }
         for (_, _, _, data) in &self.tensors {
             out.extend_from_slice(data);
-            while out.len() % 32 != 0 {
+            while !out.len().is_multiple_of(32) {
                 out.push(0);
             }
         }
