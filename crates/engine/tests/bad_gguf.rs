@@ -94,7 +94,7 @@ impl Gguf {
     }
 }
 
-fn load_error(path: &PathBuf) -> String {
+fn load_error(path: &std::path::Path) -> String {
     let options = EngineOptions {
         threads: Some(1),
         context: Some(16),
