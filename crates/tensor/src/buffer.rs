@@ -15,6 +15,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use ember_residency::{Membership, Region, ResidencySet};
 use memmap2::Mmap;
 
 use crate::error::{Error, Result};
@@ -84,9 +85,19 @@ impl BufferInfo {
 struct Registry {
     next_id: AtomicU64,
     live: Mutex<BTreeMap<BufferId, BufferInfo>>,
+    /// The set that holds this owner's buffers resident, once one is attached: buffers made
+    /// later join it (staged), and every buffer leaves it before it is freed.
+    residency: Mutex<Option<Arc<ResidencySet>>>,
 }
 
 impl Registry {
+    fn residency(&self) -> Option<Arc<ResidencySet>> {
+        self.residency
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
     fn live(&self) -> MutexGuard<'_, BTreeMap<BufferId, BufferInfo>> {
         // A panic while holding this lock cannot leave the map half-updated (each update is one
         // insert or remove), so a poisoned lock is still consistent.
@@ -180,6 +191,13 @@ impl BufferOwner {
     fn register(&self, kind: BufferKind, label: String, storage: Storage) -> Buffer {
         let id = BufferId(self.registry.next_id.fetch_add(1, Ordering::Relaxed));
         let (addr, bytes) = storage.region();
+        if let (Some(set), true) = (self.registry.residency(), bytes > 0) {
+            // Staged, committed between requests; a refusal is counted by the set and the
+            // buffer simply lives unheld.
+            if let Err(e) = set.join(id.0, Region::host(addr, bytes)) {
+                tracing::debug!("buffer {label} not joined to the residency set: {e}");
+            }
+        }
         self.registry.live().insert(
             id,
             BufferInfo {
@@ -196,6 +214,17 @@ impl BufferOwner {
             kind,
             storage,
         }
+    }
+
+    /// Attaches the residency set that holds this owner's buffers: from now on every buffer
+    /// made joins it (staged) and every buffer freed leaves it first. The buffers already
+    /// listed are expected to be in the set (it was established from [`Self::list`]).
+    pub fn attach_residency(&self, set: Arc<ResidencySet>) {
+        *self
+            .registry
+            .residency
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(set);
     }
 
     /// Frees a buffer. Same as dropping it; spelled out where the intent matters.
@@ -319,9 +348,18 @@ impl Buffer {
 
 impl Drop for Buffer {
     fn drop(&mut self) {
-        // Off the list before the memory goes: whoever holds the list (the residency set)
-        // must never name a released region.
+        // Off the list, and out of the residency set (committed at once), before the memory
+        // goes: the set must never hold a released region.
         self.registry.live().remove(&self.id);
+        if let Some(set) = self.registry.residency()
+            && set.membership(self.id.0) != Membership::None
+            && let Err(e) = set.leave(self.id.0)
+        {
+            tracing::warn!(
+                "releasing buffer {:?} from the residency set failed: {e}",
+                self.id
+            );
+        }
         if let Storage::Heap { ptr, layout } = self.storage {
             // SAFETY: allocated in `BufferOwner::alloc` with this layout, freed once here.
             unsafe { std::alloc::dealloc(ptr.as_ptr(), layout) };
@@ -352,6 +390,56 @@ mod tests {
         drop(b);
         assert!(owner.list().is_empty());
         assert_eq!(owner.total_bytes(), 0);
+    }
+
+    #[test]
+    fn later_buffers_join_staged_and_leave_before_they_are_freed() {
+        use ember_residency::{Bound, TestBackend, TestOp};
+        let owner = BufferOwner::new();
+        let first = owner.alloc(BufferKind::Weights, "w", 4096).unwrap();
+        let backend = TestBackend::new();
+        let regions = owner
+            .list()
+            .iter()
+            .map(|b| (b.id.0, Region::host(b.addr, b.bytes)))
+            .collect();
+        let (set, report) = ResidencySet::establish(
+            Arc::new(backend.clone()),
+            Bound::fixed(1 << 30, "a test bound"),
+            regions,
+        );
+        assert!(report.held);
+        owner.attach_residency(Arc::clone(&set));
+
+        let later = owner.alloc(BufferKind::KvCache, "kv", 8192).unwrap();
+        assert_eq!(
+            set.membership(later.id().0),
+            Membership::Staged,
+            "made during a request: staged, not held"
+        );
+        set.commit();
+        assert_eq!(set.membership(later.id().0), Membership::Held);
+        let region = Region::host(later.bytes().as_ptr() as usize, 8192);
+        drop(later);
+        let released = backend
+            .log()
+            .iter()
+            .any(|l| l.ok && matches!(&l.op, TestOp::Release(r) if *r == region));
+        assert!(
+            released,
+            "freeing a held buffer releases it from the set first"
+        );
+        assert_eq!(set.stats().buffers, 1);
+
+        let staged = owner.alloc(BufferKind::Request, "r", 100).unwrap();
+        drop(staged);
+        assert_eq!(
+            set.stats().staged,
+            0,
+            "a staged buffer that is freed just leaves the staging list"
+        );
+        drop(first);
+        assert_eq!(set.stats().buffers, 0);
     }
 
     #[test]
