@@ -41,6 +41,17 @@ pub struct ModelArgs {
     /// KV cache element type: f32 or f16 [default: f16 for GGUF models, f32 otherwise].
     #[arg(long, value_parser = ["f32", "f16"])]
     pub kv_type: Option<String>,
+    /// Hold every engine buffer and the program's code resident between requests: `auto`
+    /// holds them when they fit and the OS allows (else runs without, saying why);
+    /// `required` refuses to start without.
+    #[arg(long, value_parser = ["auto", "required"], default_value = "auto")]
+    pub residency: String,
+    /// Turn residency off.
+    #[arg(long, env = "EMBER_NO_RESIDENCY", value_parser = clap::builder::FalseyValueParser::new())]
+    pub no_residency: bool,
+    /// Replaces the 70% of RAM that bounds what is held resident (a 2 GiB margin stays).
+    #[arg(long, env = "EMBER_LOAD_LIMIT_GB")]
+    pub load_limit_gib: Option<f64>,
 }
 
 #[derive(Args, Debug)]

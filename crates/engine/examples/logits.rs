@@ -11,6 +11,7 @@ fn main() {
         context: Some(256),
         max_batch: 256,
         kv_dtype,
+        ..Default::default()
     };
     let mut engine =
         ember_engine::Engine::load(std::path::Path::new(&args[1]), &options).expect("loading");

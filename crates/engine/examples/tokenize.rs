@@ -7,7 +7,7 @@ fn main() {
             threads: Some(1),
             context: Some(64),
             max_batch: 8,
-            kv_dtype: None,
+            ..Default::default()
         },
     )
     .expect("loading the model");

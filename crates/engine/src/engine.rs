@@ -7,6 +7,9 @@ use std::time::{Duration, Instant};
 
 use ember_checkpoint::{GgufFile, SafetensorsSet, TensorSource, read_json};
 use ember_models::{KvCache, KvDtype, Logits, ModelConfig, Transformer, Workspace};
+use ember_residency::{
+    Bound, CODE_ID_BASE, MlockBackend, Region, ResidencySet, executable_regions,
+};
 use ember_tensor::{BufferInfo, BufferOwner, ThreadPool};
 use serde_json::Value;
 
@@ -33,6 +36,22 @@ pub struct EngineOptions {
     /// How the KV cache stores keys and values; `None` takes f16 for GGUF models (as
     /// llama.cpp does) and f32 for Hugging Face checkpoints (exact against transformers).
     pub kv_dtype: Option<KvDtype>,
+    /// Whether to hold every engine buffer (and the program's code) resident between requests.
+    pub residency: ResidencyMode,
+    /// Replaces the 70% of RAM that bounds the residency set (the 2 GiB margin stays).
+    pub load_limit_gib: Option<f64>,
+}
+
+/// What to do about holding memory resident.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum ResidencyMode {
+    /// No set (the library's default, so tests measure plain memory).
+    #[default]
+    Off,
+    /// Hold the whole set if it fits and the OS allows; otherwise run without, saying why.
+    Auto,
+    /// Refuse to load without a whole set.
+    Required,
 }
 
 impl Default for EngineOptions {
@@ -42,6 +61,8 @@ impl Default for EngineOptions {
             context: None,
             max_batch: 512,
             kv_dtype: None,
+            residency: ResidencyMode::Off,
+            load_limit_gib: None,
         }
     }
 }
@@ -143,6 +164,8 @@ pub struct Engine {
     eos_ids: Vec<u32>,
     workspace: Workspace,
     kv: KvCache,
+    /// Holds the buffers resident between requests (inactive when off or refused).
+    residency: Arc<ResidencySet>,
     /// Keeps the mapped files listed for as long as the weights are used.
     _weights: WeightFiles,
 }
@@ -231,6 +254,7 @@ impl Engine {
             options.kv_dtype.unwrap_or(default_kv),
             &owner,
         )?;
+        let residency = establish_residency(&owner, options)?;
         let encoder = PromptEncoder {
             dir: dir.to_path_buf(),
             tokenizer,
@@ -245,6 +269,7 @@ impl Engine {
             eos_ids,
             workspace,
             kv,
+            residency,
             _weights: weights,
         })
     }
@@ -289,6 +314,11 @@ impl Engine {
 
     pub fn context(&self) -> usize {
         self.kv.capacity()
+    }
+
+    /// The residency set over the engine's buffers.
+    pub fn residency(&self) -> &Arc<ResidencySet> {
+        &self.residency
     }
 
     pub fn kv_dtype(&self) -> KvDtype {
@@ -430,6 +460,42 @@ impl Engine {
             decode_time: first.elapsed(),
         })
     }
+}
+
+/// Holds every listed buffer and the program's own code in one set, whole or not at all, logs
+/// the one load line that says which way it went, and attaches the set to the owner so later
+/// buffers join it.
+fn establish_residency(owner: &BufferOwner, options: &EngineOptions) -> Result<Arc<ResidencySet>> {
+    let (set, report) = match options.residency {
+        ResidencyMode::Off => ResidencySet::disabled(),
+        ResidencyMode::Auto | ResidencyMode::Required => {
+            let mut regions: Vec<(u64, Region)> = owner
+                .list()
+                .iter()
+                .filter(|b| b.bytes > 0)
+                .map(|b| (b.id.raw(), Region::host(b.addr, b.bytes)))
+                .collect();
+            regions.extend(
+                executable_regions()
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, r)| (CODE_ID_BASE + i as u64, r)),
+            );
+            ResidencySet::establish(
+                Arc::new(MlockBackend::new()),
+                Bound::from_system(options.load_limit_gib),
+                regions,
+            )
+        }
+    };
+    if options.residency != ResidencyMode::Off {
+        report.log();
+    }
+    if options.residency == ResidencyMode::Required && !report.held {
+        return Err(Error::ResidencyRequired(report.line()));
+    }
+    owner.attach_residency(Arc::clone(&set));
+    Ok(set)
 }
 
 /// The checkpoint files a model was loaded from.

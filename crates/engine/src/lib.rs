@@ -18,6 +18,6 @@ pub mod tokenizer;
 pub use ember_models::KvDtype;
 pub use engine::{
     DEFAULT_CONTEXT, Engine, EngineOptions, FinishReason, GenerateParams, Generation,
-    PromptEncoder, Step,
+    PromptEncoder, ResidencyMode, Step,
 };
 pub use error::{Error, Result};

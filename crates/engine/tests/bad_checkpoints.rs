@@ -28,6 +28,7 @@ fn load_error(dir: &Path) -> String {
         context: Some(64),
         max_batch: 8,
         kv_dtype: None,
+        ..EngineOptions::default()
     };
     match Engine::load(dir, &options) {
         Ok(_) => panic!("{} loaded, but should have failed", dir.display()),

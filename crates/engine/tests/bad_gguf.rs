@@ -100,6 +100,7 @@ fn load_error(path: &std::path::Path) -> String {
         context: Some(16),
         max_batch: 4,
         kv_dtype: None,
+        ..EngineOptions::default()
     };
     match Engine::load(path, &options) {
         Ok(_) => panic!("{} loaded, but should have failed", path.display()),

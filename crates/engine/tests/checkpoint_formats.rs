@@ -54,6 +54,7 @@ fn load(dir: &Path) -> Engine {
             context: Some(128),
             max_batch: 16,
             kv_dtype: None,
+            ..EngineOptions::default()
         },
     )
     .unwrap()

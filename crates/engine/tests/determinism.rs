@@ -17,6 +17,7 @@ fn load(name: &str, threads: usize, max_batch: usize) -> Engine {
             context: Some(128),
             max_batch,
             kv_dtype: None,
+            ..EngineOptions::default()
         },
     )
     .unwrap()

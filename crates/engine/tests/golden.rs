@@ -37,6 +37,7 @@ fn load(name: &str, max_batch: usize) -> (Engine, Value) {
         context: Some(256),
         max_batch,
         kv_dtype: None,
+        ..EngineOptions::default()
     };
     (
         Engine::load(&dir, &options).unwrap_or_else(|e| panic!("{name}: {e}")),

@@ -76,6 +76,7 @@ fn check(fixture: &str, required: bool) {
         context: Some(512),
         max_batch: 512,
         kv_dtype: None,
+        ..EngineOptions::default()
     };
     let mut engine = Engine::load(&model, &options).unwrap();
 

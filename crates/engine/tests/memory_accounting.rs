@@ -43,6 +43,7 @@ fn listed_buffers_account_for_resident_memory_growth() {
         context: Some(4096),
         max_batch: 64,
         kv_dtype: None,
+        ..EngineOptions::default()
     };
     let mut engine = Engine::load(&dir, &options).unwrap();
     let prompt = engine

@@ -63,6 +63,13 @@ impl fmt::Display for BufferKind {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct BufferId(u64);
 
+impl BufferId {
+    /// The number behind the id, for sets keyed by integers (the residency set).
+    pub fn raw(self) -> u64 {
+        self.0
+    }
+}
+
 /// One entry of the owner's list.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BufferInfo {

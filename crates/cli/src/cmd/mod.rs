@@ -6,7 +6,7 @@ pub mod serve;
 use std::path::PathBuf;
 
 use anyhow::Context;
-use ember_engine::{Engine, EngineOptions, KvDtype};
+use ember_engine::{Engine, EngineOptions, KvDtype, ResidencyMode};
 
 use crate::args::ModelArgs;
 
@@ -43,6 +43,12 @@ pub fn engine_options(args: &ModelArgs) -> EngineOptions {
                 KvDtype::F32
             }
         }),
+        residency: match (args.no_residency, args.residency.as_str()) {
+            (true, _) => ResidencyMode::Off,
+            (false, "required") => ResidencyMode::Required,
+            (false, _) => ResidencyMode::Auto,
+        },
+        load_limit_gib: args.load_limit_gib,
         ..EngineOptions::default()
     }
 }
