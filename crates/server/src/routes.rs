@@ -649,12 +649,7 @@ async fn completions(
             let submitted = submit(&state, ready, ids, params, logprobs).await?;
             let mut output = Output::new(submitted, request.common.stop.clone(), None, arrived);
             let mut text = String::new();
-            let mut lp = CompletionLogprobs {
-                tokens: vec![],
-                token_logprobs: vec![],
-                top_logprobs: vec![],
-                text_offset: vec![],
-            };
+            let mut lp = CompletionLogprobs::default();
             while let Some(piece) = output.next(&state).await? {
                 if let Some(token) = &piece.token {
                     push_completion_logprob(ready, &mut lp, token, text.len());
@@ -713,12 +708,7 @@ async fn completions(
                         }
                     };
                     let lp = logprobs.map(|_| {
-                        let mut lp = CompletionLogprobs {
-                            tokens: vec![],
-                            token_logprobs: vec![],
-                            top_logprobs: vec![],
-                            text_offset: vec![],
-                        };
+                        let mut lp = CompletionLogprobs::default();
                         if let Some(token) = &piece.token {
                             push_completion_logprob(ready, &mut lp, token, offset);
                         }
