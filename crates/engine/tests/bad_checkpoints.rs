@@ -1,10 +1,13 @@
 //! A checkpoint ember cannot serve fails at load with one message naming the file and the
 //! tensor or field at fault, never a panic.
 
+mod common;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use ember_engine::{Engine, EngineOptions};
+use common::{assert_names, load_error};
+
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 
@@ -20,20 +23,6 @@ fn copy_fixture(tag: &str) -> PathBuf {
         std::fs::copy(entry.path(), dst.join(entry.file_name())).unwrap();
     }
     dst
-}
-
-fn load_error(dir: &Path) -> String {
-    let options = EngineOptions {
-        threads: Some(1),
-        context: Some(64),
-        max_batch: 8,
-        kv_dtype: None,
-        ..EngineOptions::default()
-    };
-    match Engine::load(dir, &options) {
-        Ok(_) => panic!("{} loaded, but should have failed", dir.display()),
-        Err(e) => e.to_string(),
-    }
 }
 
 /// Rewrites model.safetensors, letting `edit` change the tensor list.
@@ -60,15 +49,6 @@ fn rewrite_weights(
         })
         .collect();
     safetensors::serialize_to_file(views, None, &path).unwrap();
-}
-
-fn assert_names(message: &str, parts: &[&str]) {
-    for part in parts {
-        assert!(
-            message.contains(part),
-            "error message {message:?} should name {part:?}"
-        );
-    }
 }
 
 #[test]

@@ -1,9 +1,11 @@
 //! A GGUF file ember cannot serve fails at load with a message naming the file and what is
 //! unsupported (architecture, tensor type) or broken (magic, truncation).
 
+mod common;
+
 use std::path::PathBuf;
 
-use ember_engine::{Engine, EngineOptions};
+use common::{assert_names, load_error};
 
 /// A minimal GGUF v3 writer: string/u32 metadata and one tensor description.
 struct Gguf {
@@ -91,29 +93,6 @@ impl Gguf {
             std::env::temp_dir().join(format!("ember-bad-{tag}-{}.gguf", std::process::id()));
         std::fs::write(&path, self.bytes()).unwrap();
         path
-    }
-}
-
-fn load_error(path: &std::path::Path) -> String {
-    let options = EngineOptions {
-        threads: Some(1),
-        context: Some(16),
-        max_batch: 4,
-        kv_dtype: None,
-        ..EngineOptions::default()
-    };
-    match Engine::load(path, &options) {
-        Ok(_) => panic!("{} loaded, but should have failed", path.display()),
-        Err(e) => e.to_string(),
-    }
-}
-
-fn assert_names(message: &str, parts: &[&str]) {
-    for part in parts {
-        assert!(
-            message.contains(part),
-            "error message {message:?} should name {part:?}"
-        );
     }
 }
 

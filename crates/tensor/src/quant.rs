@@ -222,37 +222,13 @@ pub fn dequantize_row(dtype: DType, bytes: &[u8], out: &mut [f32]) {
         DType::Q4_K => {
             let blocks: &[BlockQ4K] = bytemuck::cast_slice(bytes);
             for (b, y) in blocks.iter().zip(out.chunks_exact_mut(QK_K)) {
-                let (d, dmin) = (f16le(b.d), f16le(b.dmin));
-                for c in 0..4 {
-                    let (sc0, m0) = scale_min_k4(2 * c, &b.scales);
-                    let (sc1, m1) = scale_min_k4(2 * c + 1, &b.scales);
-                    let (d0, m0) = (d * sc0 as f32, dmin * m0 as f32);
-                    let (d1, m1) = (d * sc1 as f32, dmin * m1 as f32);
-                    let ql = &b.qs[32 * c..32 * c + 32];
-                    for l in 0..32 {
-                        y[64 * c + l] = d0 * (ql[l] & 0xF) as f32 - m0;
-                        y[64 * c + 32 + l] = d1 * (ql[l] >> 4) as f32 - m1;
-                    }
-                }
+                dequantize_k4(f16le(b.d), f16le(b.dmin), &b.scales, &b.qs, None, y);
             }
         }
         DType::Q5_K => {
             let blocks: &[BlockQ5K] = bytemuck::cast_slice(bytes);
             for (b, y) in blocks.iter().zip(out.chunks_exact_mut(QK_K)) {
-                let (d, dmin) = (f16le(b.d), f16le(b.dmin));
-                for c in 0..4 {
-                    let (sc0, m0) = scale_min_k4(2 * c, &b.scales);
-                    let (sc1, m1) = scale_min_k4(2 * c + 1, &b.scales);
-                    let (d0, m0) = (d * sc0 as f32, dmin * m0 as f32);
-                    let (d1, m1) = (d * sc1 as f32, dmin * m1 as f32);
-                    let ql = &b.qs[32 * c..32 * c + 32];
-                    for l in 0..32 {
-                        let h0 = ((b.qh[l] >> (2 * c)) & 1) << 4;
-                        let h1 = ((b.qh[l] >> (2 * c + 1)) & 1) << 4;
-                        y[64 * c + l] = d0 * ((ql[l] & 0xF) | h0) as f32 - m0;
-                        y[64 * c + 32 + l] = d1 * ((ql[l] >> 4) | h1) as f32 - m1;
-                    }
-                }
+                dequantize_k4(f16le(b.d), f16le(b.dmin), &b.scales, &b.qs, Some(&b.qh), y);
             }
         }
         DType::Q6_K => {
@@ -436,6 +412,36 @@ pub fn quantize_row(dtype: DType, x: &[f32]) -> Vec<u8> {
             bytemuck::cast_slice(&out).to_vec()
         }
         _ => panic!("quantize_row: ember does not quantize to {dtype}"),
+    }
+}
+
+/// One Q4_K super-block (or Q5_K, whose `qh` adds a fifth bit to every value): 8 sub-blocks
+/// of 32 with 6-bit scales and mins, low nibbles of 32 bytes first, then their high nibbles.
+fn dequantize_k4(
+    d: f32,
+    dmin: f32,
+    scales: &[u8; 12],
+    qs: &[u8],
+    qh: Option<&[u8; 32]>,
+    y: &mut [f32],
+) {
+    for c in 0..4 {
+        let (sc0, m0) = scale_min_k4(2 * c, scales);
+        let (sc1, m1) = scale_min_k4(2 * c + 1, scales);
+        let (d0, m0) = (d * sc0 as f32, dmin * m0 as f32);
+        let (d1, m1) = (d * sc1 as f32, dmin * m1 as f32);
+        let ql = &qs[32 * c..32 * c + 32];
+        for l in 0..32 {
+            let (h0, h1) = match qh {
+                Some(qh) => (
+                    ((qh[l] >> (2 * c)) & 1) << 4,
+                    ((qh[l] >> (2 * c + 1)) & 1) << 4,
+                ),
+                None => (0, 0),
+            };
+            y[64 * c + l] = d0 * ((ql[l] & 0xF) | h0) as f32 - m0;
+            y[64 * c + 32 + l] = d1 * ((ql[l] >> 4) | h1) as f32 - m1;
+        }
     }
 }
 
