@@ -118,12 +118,55 @@ pub struct ServeArgs {
     /// Largest request body in bytes; larger bodies get 413.
     #[arg(long, default_value_t = 4 * 1024 * 1024)]
     pub max_body_bytes: usize,
+    /// Seconds after the last request during which the idle keepalive ticks, keeping held
+    /// memory warm (0: never tick).
+    #[arg(long, default_value_t = 900.0, env = "EMBER_KEEP_WARM")]
+    pub keep_warm: f64,
+    /// Milliseconds between keepalive ticks (at most 500: the OS reclaims idle memory within
+    /// a second or two).
+    #[arg(long, default_value_t = 250, env = "EMBER_KEEPALIVE_INTERVAL_MS",
+          value_parser = clap::value_parser!(u64).range(1..=500))]
+    pub keepalive_interval_ms: u64,
 }
 
 #[derive(Subcommand, Debug)]
 pub enum BenchCommand {
     /// Prefill and decode speed, against a memory-bandwidth bound measured in the same run.
     Decode(BenchDecodeArgs),
+    /// First-token latency after idle gaps, against back to back, on any OpenAI-compatible
+    /// server (one JSON line per gap).
+    Idle(BenchIdleArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct BenchIdleArgs {
+    /// The server: http://host:port (an OpenAI base URL ending in /v1 works too).
+    #[arg(long)]
+    pub api: String,
+    /// Idle gaps to measure, in seconds, comma-separated; a back-to-back series (gap 0) is
+    /// always measured first as the baseline.
+    #[arg(long, value_delimiter = ',', default_value = "0.2,1,2,5,10")]
+    pub gaps: Vec<f64>,
+    /// Requests per gap.
+    #[arg(long, default_value_t = 4)]
+    pub repeats: usize,
+    /// Bearer key for servers that require one.
+    #[arg(long, env = "EMBER_API_KEY")]
+    pub api_key: Option<String>,
+    /// During each gap, page out every mapping of the server (process_madvise MADV_PAGEOUT),
+    /// as the kernel does to an idle process under memory pressure; locked pages stay.
+    #[arg(long)]
+    pub evict: bool,
+    /// The server's pid, for major-fault counts and --evict [default: the process listening
+    /// on the --api port, when the server is on this machine].
+    #[arg(long)]
+    pub server_pid: Option<u32>,
+    /// Model name sent with each request [default: the first of /v1/models].
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Tokens per reply.
+    #[arg(long, default_value_t = 16)]
+    pub max_tokens: usize,
 }
 
 #[derive(Args, Debug)]

@@ -1,7 +1,9 @@
-//! `ember`: run, benchmark and (later) serve local LLMs.
+//! `ember`: run, serve and benchmark local LLMs.
 
 mod args;
 mod cmd;
+mod http_client;
+mod server_process;
 
 use std::process::ExitCode;
 

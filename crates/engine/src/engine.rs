@@ -2,7 +2,7 @@
 
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ember_checkpoint::{GgufFile, SafetensorsSet, TensorSource, read_json};
@@ -10,7 +10,7 @@ use ember_models::{KvCache, KvDtype, Logits, ModelConfig, Transformer, Workspace
 use ember_residency::{
     Bound, CODE_ID_BASE, MlockBackend, Region, ResidencySet, executable_regions,
 };
-use ember_tensor::{BufferInfo, BufferOwner, ThreadPool};
+use ember_tensor::{Buffer, BufferInfo, BufferKind, BufferOwner, ThreadPool};
 use serde_json::Value;
 
 use crate::chat_template::{ChatMessage, ChatTemplate};
@@ -22,6 +22,9 @@ use crate::tokenizer::Tokenizer;
 /// The context when none is asked for: enough for real chats, without preallocating a model's
 /// whole trained length (often 32k-128k positions, gigabytes of KV cache).
 pub const DEFAULT_CONTEXT: usize = 4096;
+
+/// The keepalive scratch: a source and a destination of 16 bytes.
+const KEEPALIVE_SCRATCH_BYTES: usize = 32;
 
 /// How to load a model.
 #[derive(Clone, Debug)]
@@ -166,6 +169,8 @@ pub struct Engine {
     kv: KvCache,
     /// Holds the buffers resident between requests (inactive when off or refused).
     residency: Arc<ResidencySet>,
+    /// Where the keepalive tick does its 16-byte copy; a member of the set like any buffer.
+    keepalive_scratch: Arc<Mutex<Buffer>>,
     /// Keeps the mapped files listed for as long as the weights are used.
     _weights: WeightFiles,
 }
@@ -254,6 +259,11 @@ impl Engine {
             options.kv_dtype.unwrap_or(default_kv),
             &owner,
         )?;
+        let keepalive_scratch = owner.alloc(
+            BufferKind::Scratch,
+            "keepalive scratch",
+            KEEPALIVE_SCRATCH_BYTES,
+        )?;
         let residency = establish_residency(&owner, options)?;
         let encoder = PromptEncoder {
             dir: dir.to_path_buf(),
@@ -270,6 +280,7 @@ impl Engine {
             workspace,
             kv,
             residency,
+            keepalive_scratch: Arc::new(Mutex::new(keepalive_scratch)),
             _weights: weights,
         })
     }
@@ -319,6 +330,23 @@ impl Engine {
     /// The residency set over the engine's buffers.
     pub fn residency(&self) -> &Arc<ResidencySet> {
         &self.residency
+    }
+
+    /// The keepalive's tick: a real 16-byte copy inside a scratch buffer that the residency set
+    /// holds, so each idle tick touches held memory (on a GPU, it is work the device must run).
+    /// Runs on the keepalive thread, never during a request.
+    pub fn keepalive_tick(&self) -> impl Fn() + Send + Sync + 'static {
+        let scratch = Arc::clone(&self.keepalive_scratch);
+        move || {
+            let mut buffer = scratch.lock().unwrap_or_else(|p| p.into_inner());
+            let bytes = buffer.bytes_mut();
+            // A counter in the first 16 bytes makes every copy move new data.
+            let (src, dst) = bytes.split_at_mut(16);
+            let count = u64::from_le_bytes(src[..8].try_into().expect("8 bytes")) + 1;
+            src[..8].copy_from_slice(&count.to_le_bytes());
+            dst[..16].copy_from_slice(src);
+            std::hint::black_box(&dst[..16]);
+        }
     }
 
     pub fn kv_dtype(&self) -> KvDtype {

@@ -5,6 +5,8 @@ use std::fmt::Write;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 
+use ember_residency::Stats;
+
 /// Latency buckets in seconds, from a fast token to a slow first token.
 const LATENCY_BUCKETS: &[f64] = &[
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0,
@@ -94,7 +96,9 @@ impl Metrics {
             .or_default() += 1;
     }
 
-    pub fn render(&self) -> String {
+    /// The text for `/metrics`; `residency` is `None` until the model is loaded (its series
+    /// read 0 then, so scrapers see every name from the start).
+    pub fn render(&self, residency: Option<Stats>) -> String {
         let mut out = String::new();
         out.push_str("# HELP ember_requests_total Requests answered, by endpoint and HTTP status.\n# TYPE ember_requests_total counter\n");
         for ((endpoint, status), count) in self
@@ -154,8 +158,62 @@ impl Metrics {
             "Requests waiting for the engine.",
             self.queued.load(Ordering::Relaxed),
         );
+        render_residency(&mut out, residency);
         out
     }
+}
+
+fn render_residency(out: &mut String, stats: Option<Stats>) {
+    let held = |f: fn(&Stats) -> u64| stats.as_ref().map_or(0, f);
+    let series: [(&str, &str, &str, u64); 6] = [
+        (
+            "ember_residency_bytes",
+            "gauge",
+            "Bytes the residency set holds resident (host and device).",
+            held(|s| s.bytes),
+        ),
+        (
+            "ember_residency_buffers",
+            "gauge",
+            "Buffers the residency set holds.",
+            held(|s| s.buffers as u64),
+        ),
+        (
+            "ember_residency_staged",
+            "gauge",
+            "Buffers waiting to join the set at the next commit.",
+            held(|s| s.staged as u64),
+        ),
+        (
+            "ember_residency_commits_total",
+            "counter",
+            "Commits that changed the held set (load, staged joins, leaves).",
+            held(|s| s.commits),
+        ),
+        (
+            "ember_residency_refusals_total",
+            "counter",
+            "Holds refused: at load, joins over the bound, failed commits.",
+            held(|s| s.refusals),
+        ),
+        (
+            "ember_keepalive_ticks_total",
+            "counter",
+            "Idle keepalive ticks (commit, then a 16-byte copy in held memory).",
+            held(|s| s.ticks),
+        ),
+    ];
+    for (name, kind, help, value) in series {
+        let _ = writeln!(
+            out,
+            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
+        );
+    }
+    let device = held(|s| s.device_bytes);
+    let _ = writeln!(
+        out,
+        "# HELP ember_residency_device_bytes The device part of ember_residency_bytes.\n# TYPE ember_residency_device_bytes gauge\nember_residency_device_bytes {device}"
+    );
 }
 
 #[cfg(test)]
@@ -168,7 +226,7 @@ mod tests {
         m.count_request("/v1/completions", 200);
         m.count_request("/v1/completions", 200);
         m.time_to_first_token.observe(0.02);
-        let text = m.render();
+        let text = m.render(None);
         assert!(
             text.contains("ember_requests_total{endpoint=\"/v1/completions\",status=\"200\"} 2")
         );
@@ -176,5 +234,7 @@ mod tests {
         assert!(text.contains("ember_time_to_first_token_seconds_bucket{le=\"0.01\"} 0"));
         assert!(text.contains("ember_time_to_first_token_seconds_count 1"));
         assert!(text.contains("# TYPE ember_requests_queued gauge"));
+        assert!(text.contains("ember_residency_bytes 0\n"));
+        assert!(text.contains("# TYPE ember_keepalive_ticks_total counter"));
     }
 }

@@ -134,10 +134,13 @@ async fn method_not_allowed(request: Request) -> ApiError {
 
 async fn health(State(state): State<Arc<AppState>>) -> Response {
     match state.ready.get() {
-        Some(ready) => {
-            Json(json!({"status": "ok", "model": state.model_name, "context": ready.context}))
-                .into_response()
-        }
+        Some(ready) => Json(json!({
+            "status": "ok",
+            "model": state.model_name,
+            "context": ready.context,
+            "residency": residency_json(ready),
+        }))
+        .into_response(),
         None => (
             StatusCode::SERVICE_UNAVAILABLE,
             Json(json!({"status": "loading", "model": state.model_name})),
@@ -146,10 +149,31 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
     }
 }
 
+/// The residency set's state and figures, and whether the keepalive is ticking.
+fn residency_json(ready: &Ready) -> Value {
+    let stats = ready.residency.stats();
+    json!({
+        "state": stats.state.as_str(),
+        "bytes": stats.bytes,
+        "device_bytes": stats.device_bytes,
+        "buffers": stats.buffers,
+        "staged": stats.staged,
+        "staged_bytes": stats.staged_bytes,
+        "commits": stats.commits,
+        "refusals": stats.refusals,
+        "keepalive": {
+            "enabled": ready.keepalive.is_some(),
+            "keep_warm_s": ready.keep_warm.as_secs_f64(),
+            "ticks": stats.ticks,
+        },
+    })
+}
+
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    let residency = state.ready.get().map(|r| r.residency.stats());
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        state.metrics.render(),
+        state.metrics.render(residency),
     )
         .into_response()
 }

@@ -8,6 +8,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use ember_engine::{Engine, EngineOptions, PromptEncoder};
+use ember_residency::{Keepalive, ResidencySet, ResidencyState};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 
@@ -30,6 +31,10 @@ pub struct ServerOptions {
     pub max_queue: usize,
     /// Largest request body accepted; larger gets 413.
     pub max_body_bytes: usize,
+    /// How long after the last request the keepalive goes on ticking (zero: never ticks).
+    pub keep_warm: Duration,
+    /// Time between keepalive ticks (at most `ember_residency::MAX_INTERVAL`).
+    pub keepalive_interval: Duration,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -52,6 +57,10 @@ pub(crate) struct Ready {
     pub queue: mpsc::Sender<Job>,
     pub encoder: PromptEncoder,
     pub context: usize,
+    pub residency: Arc<ResidencySet>,
+    /// `None` when residency is turned off: there is nothing to keep warm.
+    pub keepalive: Option<Arc<Keepalive>>,
+    pub keep_warm: Duration,
 }
 
 pub(crate) struct AppState {
@@ -125,10 +134,24 @@ pub async fn serve(
                     }
                 };
                 let (queue, receiver) = mpsc::channel(options.max_queue.max(1));
+                let residency = Arc::clone(engine.residency());
+                // An inactive set (over the bound, refused) still gets ticks: on a GPU the tick
+                // keeps the device's queue warm even when host memory is not held.
+                let keepalive = (residency.stats().state != ResidencyState::Disabled).then(|| {
+                    Arc::new(Keepalive::start(
+                        Arc::clone(&residency),
+                        options.keep_warm,
+                        options.keepalive_interval,
+                        Box::new(engine.keepalive_tick()),
+                    ))
+                });
                 let ready = Ready {
                     queue,
                     encoder: engine.encoder().clone(),
                     context: engine.context(),
+                    residency,
+                    keepalive: keepalive.clone(),
+                    keep_warm: options.keep_warm,
                 };
                 let threads = engine.threads();
                 let context = ready.context;
@@ -138,7 +161,13 @@ pub async fn serve(
                     "ready: serving {} on http://{local} (context {context}, {threads} threads)",
                     state.model_name
                 );
-                worker::run(engine, receiver, Arc::clone(&state.metrics), abort);
+                worker::run(
+                    engine,
+                    receiver,
+                    Arc::clone(&state.metrics),
+                    keepalive,
+                    abort,
+                );
             })?
     };
 
@@ -175,6 +204,11 @@ pub async fn serve(
         options.shutdown_timeout
     );
     let _ = stop_tx.send(true);
+    // Ticks are for an idle server that will serve again; this one will not. The tick in flight,
+    // if any, is a 16-byte copy, so this returns at once.
+    if let Some(keepalive) = state.ready.get().and_then(|r| r.keepalive.as_ref()) {
+        keepalive.stop();
+    }
     if tokio::time::timeout(options.shutdown_timeout, &mut server)
         .await
         .is_err()

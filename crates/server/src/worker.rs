@@ -13,6 +13,7 @@ use std::time::Instant;
 use ember_engine::detokenizer::StreamDecoder;
 use ember_engine::sampler::{logprob_of, top_logprobs};
 use ember_engine::{Engine, FinishReason, GenerateParams};
+use ember_residency::Keepalive;
 use tokio::sync::mpsc;
 
 use crate::metrics::Metrics;
@@ -61,11 +62,13 @@ impl Drop for CancelOnDrop {
 }
 
 /// Runs jobs until the queue closes. `abort` cancels the running job and fails queued ones
-/// (a shutdown past its grace period).
+/// (a shutdown past its grace period). Each job runs inside a keepalive request: ticking pauses
+/// and staged residency changes are committed before its first forward pass.
 pub fn run(
     mut engine: Engine,
     mut queue: mpsc::Receiver<Job>,
     metrics: Arc<Metrics>,
+    keepalive: Option<Arc<Keepalive>>,
     abort: Arc<AtomicBool>,
 ) {
     let tokenizer = engine.tokenizer().clone();
@@ -80,6 +83,7 @@ pub fn run(
         if job.cancel.load(Ordering::Relaxed) || job.events.send(Event::Started).is_err() {
             continue;
         }
+        let _request = keepalive.as_ref().map(|k| k.request());
         metrics.running.fetch_add(1, Ordering::Relaxed);
         metrics
             .prompt_tokens

@@ -7,6 +7,7 @@ use crate::args::{BenchCommand, BenchDecodeArgs};
 pub fn run(command: BenchCommand) -> anyhow::Result<ExitCode> {
     match command {
         BenchCommand::Decode(args) => decode(args),
+        BenchCommand::Idle(args) => super::bench_idle::run(args),
     }
 }
 

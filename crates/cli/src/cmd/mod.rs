@@ -1,4 +1,5 @@
 pub mod bench;
+pub mod bench_idle;
 pub mod gen_checkpoint;
 pub mod run;
 pub mod serve;

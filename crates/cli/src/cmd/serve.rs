@@ -10,6 +10,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     if !(args.shutdown_timeout.is_finite() && args.shutdown_timeout >= 0.0) {
         bail!("--shutdown-timeout must be a number of seconds >= 0");
     }
+    if !(args.keep_warm.is_finite() && args.keep_warm >= 0.0) {
+        bail!("--keep-warm must be a number of seconds >= 0");
+    }
     let options = ServerOptions {
         host: args.host,
         port: args.port,
@@ -20,6 +23,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         shutdown_timeout: Duration::from_secs_f64(args.shutdown_timeout),
         max_queue: args.max_queue,
         max_body_bytes: args.max_body_bytes,
+        keep_warm: Duration::from_secs_f64(args.keep_warm),
+        keepalive_interval: Duration::from_millis(args.keepalive_interval_ms),
     };
     // The engine computes on its own threads; the runtime only moves bytes.
     let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -120,6 +120,17 @@ impl Server {
 
     /// Starts the server and returns once it listens (the model may still be loading).
     pub fn spawn(model: &str, extra: &[&str]) -> Server {
+        Server::spawn_with_env(model, extra, &[])
+    }
+
+    /// [`Server::start`] with extra environment variables.
+    pub fn start_with_env(model: &str, extra: &[&str], env: &[(&str, &str)]) -> Server {
+        let mut server = Server::spawn_with_env(model, extra, env);
+        server.wait_ready();
+        server
+    }
+
+    pub fn spawn_with_env(model: &str, extra: &[&str], env: &[(&str, &str)]) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_ember"))
             .arg("serve")
             .arg("--model")
@@ -132,6 +143,11 @@ impl Server {
             .env_remove("EMBER_CONTEXT")
             .env_remove("EMBER_PORT")
             .env_remove("EMBER_HOST")
+            .env_remove("EMBER_NO_RESIDENCY")
+            .env_remove("EMBER_LOAD_LIMIT_GB")
+            .env_remove("EMBER_KEEP_WARM")
+            .env_remove("EMBER_KEEPALIVE_INTERVAL_MS")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())

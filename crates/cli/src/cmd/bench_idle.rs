@@ -1,0 +1,249 @@
+//! `ember bench idle`: how long the first token takes after the server sat idle, against back to
+//! back. One greedy streaming chat request at a time, each sent a gap after the previous one
+//! finished, each prompt with a fresh nonce so no prompt cache can help. Works against any
+//! OpenAI-compatible server (llama-server, vLLM, ember).
+
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use serde_json::{Value, json};
+
+use crate::args::BenchIdleArgs;
+use crate::http_client::{self, BaseUrl};
+use crate::server_process::{self, PageOut};
+
+/// Longest wait for a reply: a cold first token on a slow machine takes seconds, not minutes.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
+
+pub fn run(args: BenchIdleArgs) -> anyhow::Result<ExitCode> {
+    if args.repeats == 0 {
+        bail!("--repeats must be at least 1");
+    }
+    if args.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1");
+    }
+    if let Some(bad) = args.gaps.iter().find(|g| !(g.is_finite() && **g >= 0.0)) {
+        bail!("--gaps: {bad} is not a number of seconds >= 0");
+    }
+    let base = BaseUrl::parse(&args.api)?;
+    let pid = args.server_pid.or_else(|| {
+        base.is_local()
+            .then(|| server_process::pid_listening_on(base.port))
+            .flatten()
+    });
+    match pid {
+        Some(pid) => eprintln!("bench idle: server pid {pid}"),
+        None if args.evict => bail!(
+            "--evict needs the server's pid: no process here is seen listening on port {}; \
+             pass --server-pid",
+            base.port
+        ),
+        None => eprintln!(
+            "bench idle: the server's process is not visible here; major faults are not counted \
+             (pass --server-pid for a local server)"
+        ),
+    }
+    let model = match &args.model {
+        Some(model) => model.clone(),
+        None => first_model(&base, args.api_key.as_deref())?,
+    };
+    let mut client = Client {
+        base,
+        api_key: args.api_key.clone(),
+        model,
+        max_tokens: args.max_tokens,
+        nonce: nonce_seed(),
+    };
+
+    // One request first, so the baseline does not pay for whatever the server does first.
+    let warmup = client.first_token()?;
+    eprintln!("bench idle: warm-up request, first token after {warmup:.3} s");
+
+    let mut baseline = None;
+    let series = std::iter::once((0.0, false)).chain(args.gaps.iter().map(|&g| (g, args.evict)));
+    for (gap_s, evict) in series {
+        let mut first_token_s = Vec::with_capacity(args.repeats);
+        let mut faults: Option<u64> = pid.map(|_| 0);
+        let mut paged_out = PageOut::default();
+        for _ in 0..args.repeats {
+            let gap_start = Instant::now();
+            if evict && let Some(pid) = pid {
+                let report = server_process::page_out(pid).with_context(|| {
+                    format!(
+                        "paging out the server's memory (process_madvise on pid {pid}: needs \
+                         Linux 5.10+ and the right to trace the server)"
+                    )
+                })?;
+                paged_out.mappings = report.mappings;
+                paged_out.refused = report.refused;
+                paged_out.bytes = report.bytes;
+            }
+            let gap = Duration::from_secs_f64(gap_s);
+            if let Some(left) = gap.checked_sub(gap_start.elapsed()) {
+                std::thread::sleep(left);
+            }
+            let before = pid.map(server_process::major_faults).transpose()?;
+            first_token_s.push(client.first_token()?);
+            if let (Some(total), Some(before), Some(pid)) = (faults.as_mut(), before, pid) {
+                *total += server_process::major_faults(pid)?.saturating_sub(before);
+            }
+        }
+        let median = median(&first_token_s);
+        let base_median = *baseline.get_or_insert(median);
+        let mut line = json!({
+            "gap_s": gap_s,
+            "evict": evict,
+            "first_token_s": first_token_s.iter().map(|t| round(*t)).collect::<Vec<_>>(),
+            "median_s": round(median),
+            "max_s": round(first_token_s.iter().copied().fold(0.0, f64::max)),
+            "vs_back_to_back": (median / base_median * 1000.0).round() / 1000.0,
+            "server_major_faults": faults,
+        });
+        if evict {
+            line["paged_out_mappings"] = json!(paged_out.mappings);
+            line["locked_mappings_skipped"] = json!(paged_out.refused);
+        }
+        println!("{line}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+struct Client {
+    base: BaseUrl,
+    api_key: Option<String>,
+    model: String,
+    max_tokens: usize,
+    nonce: u64,
+}
+
+impl Client {
+    /// Sends one greedy streaming chat request with a fresh nonce, reads it to the end, and
+    /// returns the seconds from sending to the first generated text.
+    fn first_token(&mut self) -> anyhow::Result<f64> {
+        self.nonce = self
+            .nonce
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let body = json!({
+            "model": self.model,
+            "messages": [{
+                "role": "user",
+                "content": format!("Request {:016x}. In one sentence, what is a river?", self.nonce),
+            }],
+            "max_tokens": self.max_tokens,
+            "temperature": 0,
+            "stream": true,
+        });
+        let body = serde_json::to_vec(&body)?;
+        let start = Instant::now();
+        let mut response = http_client::request(
+            &self.base,
+            "POST",
+            "/v1/chat/completions",
+            self.api_key.as_deref(),
+            Some(&body),
+            REQUEST_TIMEOUT,
+        )?;
+        if response.status != 200 {
+            let status = response.status;
+            let text = response.text().unwrap_or_default();
+            bail!("the server answered {status}: {}", text.trim());
+        }
+        let mut first = None;
+        while let Some(line) = response.read_line()? {
+            let Some(data) = line.strip_prefix("data:").map(str::trim) else {
+                continue;
+            };
+            if data == "[DONE]" {
+                break;
+            }
+            if first.is_none() {
+                let event: Value = serde_json::from_str(data)
+                    .with_context(|| format!("a stream event is not JSON: {data}"))?;
+                if let Some(error) = event.get("error") {
+                    bail!("the server sent an error mid-stream: {error}");
+                }
+                if has_text(&event) {
+                    first = Some(start.elapsed().as_secs_f64());
+                }
+            }
+        }
+        first.context("the stream ended without any generated text")
+    }
+}
+
+/// Whether a chat chunk carries generated text (answer or reasoning); role-only chunks do not.
+fn has_text(event: &Value) -> bool {
+    let delta = &event["choices"][0]["delta"];
+    ["content", "reasoning_content"]
+        .iter()
+        .any(|k| delta[k].as_str().is_some_and(|s| !s.is_empty()))
+}
+
+fn first_model(base: &BaseUrl, api_key: Option<&str>) -> anyhow::Result<String> {
+    let response = http_client::request(
+        base,
+        "GET",
+        "/v1/models",
+        api_key,
+        None,
+        Duration::from_secs(30),
+    )
+    .with_context(|| format!("asking {}:{} for its models", base.host, base.port))?;
+    let status = response.status;
+    let text = response.text()?;
+    if status != 200 {
+        bail!("/v1/models answered {status}: {}", text.trim());
+    }
+    let models: Value = serde_json::from_str(&text).context("/v1/models is not JSON")?;
+    models["data"][0]["id"]
+        .as_str()
+        .map(str::to_owned)
+        .context("/v1/models lists no model; pass --model")
+}
+
+/// A different starting nonce per run, so two runs never send the same prompts.
+fn nonce_seed() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    nanos ^ (u64::from(std::process::id()) << 32)
+}
+
+fn median(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let mid = sorted.len() / 2;
+    if sorted.len().is_multiple_of(2) {
+        (sorted[mid - 1] + sorted[mid]) / 2.0
+    } else {
+        sorted[mid]
+    }
+}
+
+fn round(seconds: f64) -> f64 {
+    (seconds * 1e4).round() / 1e4
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn medians() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
+    }
+
+    #[test]
+    fn text_chunks_are_told_from_role_chunks() {
+        let role = json!({"choices": [{"delta": {"role": "assistant", "content": ""}}]});
+        let text = json!({"choices": [{"delta": {"content": "Hi"}}]});
+        let thinking = json!({"choices": [{"delta": {"reasoning_content": "Hmm"}}]});
+        assert!(!has_text(&role));
+        assert!(has_text(&text));
+        assert!(has_text(&thinking));
+    }
+}
