@@ -325,7 +325,7 @@ pub fn write_checkpoint_for_config(
         &out.join("generation_config.json"),
         &json!({"eos_token_id": [151645, 151643], "bos_token_id": 151643}),
     )?;
-    write_json(&out.join("tokenizer.json"), &byte_level_tokenizer())?;
+    write_json(&out.join("tokenizer.json"), &byte_level_tokenizer(vocab))?;
     write_json(
         &out.join("tokenizer_config.json"),
         &json!({
@@ -362,10 +362,26 @@ fn byte_level_char(byte: u8) -> char {
     }
 }
 
-/// A byte-level BPE with the 256 byte tokens and Qwen's special tokens at Qwen's ids.
-fn byte_level_tokenizer() -> Value {
+/// Qwen's special tokens, at Qwen's ids.
+const SPECIAL_TOKENS: [(u32, &str); 3] = [
+    (151643, "<|endoftext|>"),
+    (151644, "<|im_start|>"),
+    (151645, "<|im_end|>"),
+];
+
+/// A byte-level BPE with the 256 byte tokens, a visible word (" t1234") for every id up to
+/// the special tokens, and those at Qwen's ids: prompts encode to bytes, and what a random
+/// model generates decodes to text a client can see and time. (As in Qwen's own tokenizer, the
+/// ids past the special tokens up to the embedding's padded size stay unnamed: `tokenizers`
+/// renumbers added tokens that sit below a model vocabulary's last id.)
+fn byte_level_tokenizer(vocab: usize) -> Value {
+    let space = byte_level_char(b' ');
+    let first_special = SPECIAL_TOKENS[0].0;
     let vocab: serde_json::Map<String, Value> = (0..=255u8)
         .map(|b| (byte_level_char(b).to_string(), json!(b as u32)))
+        .chain(
+            (256..first_special.min(vocab as u32)).map(|id| (format!("{space}t{id}"), json!(id))),
+        )
         .collect();
     let special = |id: u32, content: &str| {
         json!({"id": id, "content": content, "single_word": false, "lstrip": false, "rstrip": false,
@@ -375,7 +391,7 @@ fn byte_level_tokenizer() -> Value {
         "version": "1.0",
         "truncation": null,
         "padding": null,
-        "added_tokens": [special(151643, "<|endoftext|>"), special(151644, "<|im_start|>"), special(151645, "<|im_end|>")],
+        "added_tokens": SPECIAL_TOKENS.iter().map(|&(id, content)| special(id, content)).collect::<Vec<_>>(),
         "normalizer": null,
         "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": true},
         "post_processor": null,
@@ -396,5 +412,23 @@ mod tests {
         assert_eq!(chars.len(), 256);
         assert_eq!(byte_level_char(b' '), 'Ġ');
         assert_eq!(byte_level_char(b'a'), 'a');
+    }
+
+    #[test]
+    fn every_id_decodes_to_text() {
+        let dir = std::env::temp_dir().join(format!("ember-synth-tok-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        write_json(&dir.join("tokenizer.json"), &byte_level_tokenizer(151936)).unwrap();
+        let tokenizer = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(
+            tokenizer.decode(&[300, 151642], true).unwrap(),
+            " t300 t151642"
+        );
+        assert_eq!(tokenizer.token_to_id("<|im_end|>"), Some(151645));
+        assert_eq!(
+            tokenizer.encode("hi t300", false).unwrap().get_ids(),
+            &[104, 105, 32, 116, 51, 48, 48]
+        );
     }
 }
