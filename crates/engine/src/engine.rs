@@ -6,7 +6,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ember_checkpoint::{GgufFile, SafetensorsSet, TensorSource, read_json};
-use ember_models::{KvCache, KvDtype, Logits, ModelConfig, Transformer, Workspace};
+use ember_models::{
+    Backend, CpuBackend, KvCache, KvDtype, KvStore, Logits, ModelConfig, Transformer,
+};
 use ember_residency::{
     Bound, CODE_ID_BASE, MlockBackend, Region, ResidencySet, executable_regions,
 };
@@ -161,11 +163,11 @@ impl PromptEncoder {
 pub struct Engine {
     dir: PathBuf,
     owner: BufferOwner,
-    pool: ThreadPool,
-    model: Transformer,
+    /// Kernels, thread pool and activation buffers.
+    backend: CpuBackend,
+    model: Transformer<CpuBackend>,
     encoder: PromptEncoder,
     eos_ids: Vec<u32>,
-    workspace: Workspace,
     kv: KvCache,
     /// Holds the buffers resident between requests (inactive when off or refused).
     residency: Arc<ResidencySet>,
@@ -239,15 +241,8 @@ impl Engine {
             Some(file) => WeightFiles::Gguf(file),
             None => WeightFiles::Safetensors(SafetensorsSet::open(dir, &owner)?),
         };
-        let model = Transformer::load(config, weights.source(), &owner, context)?;
-        let workspace = Workspace::new(
-            &model.config,
-            options.max_batch,
-            context,
-            1,
-            threads,
-            &owner,
-        )?;
+        let backend = CpuBackend::new(&config, pool, &owner, options.max_batch, context, 1)?;
+        let model = Transformer::load(&backend, config, weights.source(), context)?;
         let default_kv = if matches!(weights, WeightFiles::Gguf(_)) {
             KvDtype::F16
         } else {
@@ -273,11 +268,10 @@ impl Engine {
         Ok(Engine {
             dir: dir.to_path_buf(),
             owner,
-            pool,
+            backend,
             model,
             encoder,
             eos_ids,
-            workspace,
             kv,
             residency,
             keepalive_scratch: Arc::new(Mutex::new(keepalive_scratch)),
@@ -293,7 +287,7 @@ impl Engine {
         &self.model.config
     }
 
-    pub fn model(&self) -> &Transformer {
+    pub fn model(&self) -> &Transformer<CpuBackend> {
         &self.model
     }
 
@@ -307,11 +301,11 @@ impl Engine {
     }
 
     pub fn threads(&self) -> usize {
-        self.pool.n_threads()
+        self.backend.pool().n_threads()
     }
 
     pub fn pool(&self) -> &ThreadPool {
-        &self.pool
+        self.backend.pool()
     }
 
     pub fn owner(&self) -> &BufferOwner {
@@ -400,38 +394,28 @@ impl Engine {
         if tokens.is_empty() {
             return Err(Error::EmptyPrompt);
         }
-        let chunk = self.workspace.max_batch();
+        let chunk = self.backend.max_batch();
         let mut chunks = tokens.chunks(chunk).peekable();
         while let Some(part) = chunks.next() {
             if chunks.peek().is_none() {
                 return Ok(self.model.forward(
-                    &self.pool,
-                    &mut self.workspace,
+                    &mut self.backend,
                     &mut self.kv,
                     part,
                     Logits::Last,
                 )?);
             }
-            self.model.forward(
-                &self.pool,
-                &mut self.workspace,
-                &mut self.kv,
-                part,
-                Logits::Last,
-            )?;
+            self.model
+                .forward(&mut self.backend, &mut self.kv, part, Logits::Last)?;
         }
         unreachable!("a non-empty prompt has a last chunk")
     }
 
     /// Appends one token and returns the logits after it.
     pub fn step(&mut self, token: u32) -> Result<&[f32]> {
-        Ok(self.model.forward(
-            &self.pool,
-            &mut self.workspace,
-            &mut self.kv,
-            &[token],
-            Logits::Last,
-        )?)
+        Ok(self
+            .model
+            .forward(&mut self.backend, &mut self.kv, &[token], Logits::Last)?)
     }
 
     /// Generates from `prompt` on a fresh sequence. `on_step` sees every token as it is made and
