@@ -123,6 +123,9 @@ pub trait KvStore {
     fn advance(&mut self, n: usize);
 }
 
+/// Every operation enqueues its work and may fail (a device error, a launch refused); the CPU's
+/// never do. A backend may run its work asynchronously: [`Backend::logits`] is where results
+/// reach the host.
 pub trait Backend {
     type Matrix: WeightMatrix;
     /// A small f32 vector (norm weights, biases).
@@ -161,7 +164,7 @@ pub trait Backend {
     fn rope_tables(&self, config: &ModelConfig, positions: usize) -> Result<Self::Rope>;
 
     /// `Residual[i] = table[tokens[i]]`.
-    fn embed(&mut self, table: &Self::Matrix, tokens: &[u32]);
+    fn embed(&mut self, table: &Self::Matrix, tokens: &[u32]) -> Result<()>;
     /// `dst[r] = rms_norm(src[r]) · weight` for the rows in `rows`, written from row 0 of `dst`.
     fn rms_norm(
         &mut self,
@@ -170,10 +173,16 @@ pub trait Backend {
         weight: &Self::Vector,
         eps: f32,
         dst: Slot,
-    );
+    ) -> Result<()>;
     /// RMS norm of every `weight`-long head of the first `len` elements of `slot`, in place
     /// (Qwen3's q and k norms).
-    fn head_rms_norm(&mut self, slot: Slot, len: usize, weight: &Self::Vector, eps: f32);
+    fn head_rms_norm(
+        &mut self,
+        slot: Slot,
+        len: usize,
+        weight: &Self::Vector,
+        eps: f32,
+    ) -> Result<()>;
     /// `dst[..rows] = src[..rows] · weightᵀ + bias`.
     fn linear(
         &mut self,
@@ -182,7 +191,7 @@ pub trait Backend {
         src: Slot,
         rows: usize,
         dst: Slot,
-    );
+    ) -> Result<()>;
     /// Rotates `rows` tokens of `n_heads` heads in `slot`, token `i` at position `pos0 + i`.
     #[allow(clippy::too_many_arguments)]
     fn rope(
@@ -194,19 +203,19 @@ pub trait Backend {
         head_dim: usize,
         pos0: usize,
         rows: usize,
-    );
+    ) -> Result<()>;
     /// Stores `Keys`/`Values` of `rows` tokens in the cache at `pos0..`, then causal attention
     /// of `Queries` over the cache into `AttentionOut`.
-    fn attention(&mut self, kv: &mut Self::Kv, params: AttentionParams, rows: usize);
+    fn attention(&mut self, kv: &mut Self::Kv, params: AttentionParams, rows: usize) -> Result<()>;
     /// `Gate[..len] = silu(Gate[..len]) · Up[..len]`.
-    fn silu_mul(&mut self, len: usize);
+    fn silu_mul(&mut self, len: usize) -> Result<()>;
     /// `dst[..len] += src[..len]`.
-    fn add(&mut self, dst: Slot, src: Slot, len: usize);
+    fn add(&mut self, dst: Slot, src: Slot, len: usize) -> Result<()>;
     /// A mixture-of-experts block: routes each of `rows` tokens of `Normed` to its top-k
     /// experts and writes their weighted sum to `BlockOut`.
-    fn moe(&mut self, moe: &Moe<Self>, rows: usize)
+    fn moe(&mut self, moe: &Moe<Self>, rows: usize) -> Result<()>
     where
         Self: Sized;
     /// Logits of the first `rows` rows of `Normed`, `head.rows()` each, readable on the host.
-    fn logits(&mut self, head: &Self::Matrix, rows: usize) -> &[f32];
+    fn logits(&mut self, head: &Self::Matrix, rows: usize) -> Result<&[f32]>;
 }

@@ -119,25 +119,35 @@ impl Backend for CpuBackend {
         RopeTable::new(config, positions, &self.owner)
     }
 
-    fn embed(&mut self, table: &Matrix, tokens: &[u32]) {
+    fn embed(&mut self, table: &Matrix, tokens: &[u32]) -> Result<()> {
         let hidden = table.cols;
         let x = self.slot_mut(Slot::Residual);
         for (i, &token) in tokens.iter().enumerate() {
             table.row_to_f32(token as usize, &mut x[i * hidden..(i + 1) * hidden]);
         }
+        Ok(())
     }
 
-    fn rms_norm(&mut self, src: Slot, rows: Range<usize>, weight: &Vector, eps: f32, dst: Slot) {
+    fn rms_norm(
+        &mut self,
+        src: Slot,
+        rows: Range<usize>,
+        weight: &Vector,
+        eps: f32,
+        dst: Slot,
+    ) -> Result<()> {
         let width = weight.as_slice().len();
         let (pool, s, d, _) = self.src_dst(src, dst);
         let x = &s[rows.start * width..rows.end * width];
         cpu::rms_norm(pool, x, weight.as_slice(), eps, d);
+        Ok(())
     }
 
-    fn head_rms_norm(&mut self, slot: Slot, len: usize, weight: &Vector, eps: f32) {
+    fn head_rms_norm(&mut self, slot: Slot, len: usize, weight: &Vector, eps: f32) -> Result<()> {
         let pool = &self.pool;
         let x = &mut self.ws.slots[slot.index()].as_mut_slice::<f32>()[..len];
         cpu::rms_norm_in_place(pool, x, weight.as_slice(), eps);
+        Ok(())
     }
 
     fn linear(
@@ -147,7 +157,7 @@ impl Backend for CpuBackend {
         src: Slot,
         rows: usize,
         dst: Slot,
-    ) {
+    ) -> Result<()> {
         let (pool, x, y, scratch) = self.src_dst(src, dst);
         linear(
             pool,
@@ -158,6 +168,7 @@ impl Backend for CpuBackend {
             y,
             scratch,
         );
+        Ok(())
     }
 
     fn rope(
@@ -169,7 +180,7 @@ impl Backend for CpuBackend {
         head_dim: usize,
         pos0: usize,
         rows: usize,
-    ) {
+    ) -> Result<()> {
         let layout = match style {
             RopeStyle::Halves => RopeLayout::Halves,
             RopeStyle::Pairs => RopeLayout::Pairs,
@@ -182,9 +193,10 @@ impl Backend for CpuBackend {
         let pool = &self.pool;
         let x = &mut self.ws.slots[slot.index()].as_mut_slice::<f32>()[..rows * n_heads * head_dim];
         cpu::rope_in_place(pool, x, n_heads, head_dim, pos0, tables);
+        Ok(())
     }
 
-    fn attention(&mut self, kv: &mut KvCache, p: AttentionParams, rows: usize) {
+    fn attention(&mut self, kv: &mut KvCache, p: AttentionParams, rows: usize) -> Result<()> {
         let (q_len, kv_len) = (
             rows * p.n_heads * p.head_dim,
             rows * p.n_kv_heads * p.head_dim,
@@ -227,9 +239,10 @@ impl Backend for CpuBackend {
             &mut out.as_mut_slice()[..q_len],
             attention_scratch.as_mut_slice(),
         );
+        Ok(())
     }
 
-    fn silu_mul(&mut self, len: usize) {
+    fn silu_mul(&mut self, len: usize) -> Result<()> {
         let pool = &self.pool;
         let [gate, up] = self
             .ws
@@ -237,16 +250,18 @@ impl Backend for CpuBackend {
             .get_disjoint_mut([Slot::Gate.index(), Slot::Up.index()])
             .expect("distinct slots");
         cpu::silu_mul(pool, &mut gate.as_mut_slice()[..len], &up.as_slice()[..len]);
+        Ok(())
     }
 
-    fn add(&mut self, dst: Slot, src: Slot, len: usize) {
+    fn add(&mut self, dst: Slot, src: Slot, len: usize) -> Result<()> {
         let (_, s, d, _) = self.src_dst(src, dst);
         cpu::add_assign(&mut d[..len], &s[..len]);
+        Ok(())
     }
 
     /// Routes each token to its top-k experts and sums their outputs, weighted, in expert order
     /// (the order transformers uses, and the same whether a token runs alone or in a batch).
-    fn moe(&mut self, moe: &Moe<Self>, n: usize) {
+    fn moe(&mut self, moe: &Moe<Self>, n: usize) -> Result<()> {
         let pool = &self.pool;
         let n_experts = moe.experts.len();
         let Workspace {
@@ -321,9 +336,10 @@ impl Backend for CpuBackend {
                 }
             }
         }
+        Ok(())
     }
 
-    fn logits(&mut self, head: &Matrix, rows: usize) -> &[f32] {
+    fn logits(&mut self, head: &Matrix, rows: usize) -> Result<&[f32]> {
         let pool = &self.pool;
         let Workspace {
             slots,
@@ -341,7 +357,7 @@ impl Backend for CpuBackend {
             out,
             matmul_scratch.as_mut_slice(),
         );
-        out
+        Ok(out)
     }
 }
 

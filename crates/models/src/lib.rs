@@ -12,6 +12,7 @@
 pub mod backend;
 pub mod config;
 mod cpu_backend;
+mod cuda_backend;
 mod error;
 mod kv_cache;
 mod rope;
@@ -22,6 +23,7 @@ mod workspace;
 pub use backend::{Backend, KvStore, Slot};
 pub use config::{Architecture, ModelConfig, MoeConfig};
 pub use cpu_backend::CpuBackend;
+pub use cuda_backend::{CudaBackend, CudaKv};
 pub use error::{Error, Result};
 pub use kv_cache::{KvCache, KvDtype};
 pub use transformer::{Attention, FeedForward, Layer, Linear, Logits, Mlp, Moe, Transformer};

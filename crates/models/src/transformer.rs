@@ -36,8 +36,8 @@ impl<B: Backend> Linear<B> {
         })
     }
 
-    fn apply(&self, b: &mut B, src: Slot, rows: usize, dst: Slot) {
-        b.linear(&self.weight, self.bias.as_ref(), src, rows, dst);
+    fn apply(&self, b: &mut B, src: Slot, rows: usize, dst: Slot) -> Result<()> {
+        b.linear(&self.weight, self.bias.as_ref(), src, rows, dst)
     }
 }
 
@@ -61,11 +61,11 @@ impl<B: Backend> Mlp<B> {
     }
 
     /// `BlockOut = down(silu(gate(Normed)) · up(Normed))` for `rows` tokens.
-    fn apply(&self, b: &mut B, rows: usize) {
-        self.gate.apply(b, Slot::Normed, rows, Slot::Gate);
-        self.up.apply(b, Slot::Normed, rows, Slot::Up);
-        b.silu_mul(rows * self.width());
-        self.down.apply(b, Slot::Gate, rows, Slot::BlockOut);
+    fn apply(&self, b: &mut B, rows: usize) -> Result<()> {
+        self.gate.apply(b, Slot::Normed, rows, Slot::Gate)?;
+        self.up.apply(b, Slot::Normed, rows, Slot::Up)?;
+        b.silu_mul(rows * self.width())?;
+        self.down.apply(b, Slot::Gate, rows, Slot::BlockOut)
     }
 }
 
@@ -269,11 +269,11 @@ impl<B: Backend> Transformer<B> {
             return Ok(&[]);
         }
         let (hidden, eps) = (c.hidden_size, c.rms_norm_eps);
-        b.embed(&self.embed_tokens, tokens);
+        b.embed(&self.embed_tokens, tokens)?;
         for (index, layer) in self.layers.iter().enumerate() {
-            b.rms_norm(Slot::Residual, 0..n, &layer.input_norm, eps, Slot::Normed);
-            self.attention(b, kv, index, &layer.attention, n, pos0);
-            b.add(Slot::Residual, Slot::BlockOut, n * hidden);
+            b.rms_norm(Slot::Residual, 0..n, &layer.input_norm, eps, Slot::Normed)?;
+            self.attention(b, kv, index, &layer.attention, n, pos0)?;
+            b.add(Slot::Residual, Slot::BlockOut, n * hidden)?;
 
             b.rms_norm(
                 Slot::Residual,
@@ -281,12 +281,12 @@ impl<B: Backend> Transformer<B> {
                 &layer.post_attention_norm,
                 eps,
                 Slot::Normed,
-            );
+            )?;
             match &layer.feed_forward {
-                FeedForward::Dense(mlp) => mlp.apply(b, n),
-                FeedForward::Sparse(moe) => b.moe(moe, n),
+                FeedForward::Dense(mlp) => mlp.apply(b, n)?,
+                FeedForward::Sparse(moe) => b.moe(moe, n)?,
             }
-            b.add(Slot::Residual, Slot::BlockOut, n * hidden);
+            b.add(Slot::Residual, Slot::BlockOut, n * hidden)?;
         }
         kv.advance(n);
 
@@ -295,8 +295,8 @@ impl<B: Backend> Transformer<B> {
             Logits::All => 0..n,
         };
         let m = rows.len();
-        b.rms_norm(Slot::Residual, rows, &self.norm, eps, Slot::Normed);
-        Ok(b.logits(self.lm_head(), m))
+        b.rms_norm(Slot::Residual, rows, &self.norm, eps, Slot::Normed)?;
+        b.logits(self.lm_head(), m)
     }
 
     fn attention(
@@ -307,14 +307,14 @@ impl<B: Backend> Transformer<B> {
         a: &Attention<B>,
         n: usize,
         pos0: usize,
-    ) {
+    ) -> Result<()> {
         let c = &self.config;
-        a.q.apply(b, Slot::Normed, n, Slot::Queries);
-        a.k.apply(b, Slot::Normed, n, Slot::Keys);
-        a.v.apply(b, Slot::Normed, n, Slot::Values);
+        a.q.apply(b, Slot::Normed, n, Slot::Queries)?;
+        a.k.apply(b, Slot::Normed, n, Slot::Keys)?;
+        a.v.apply(b, Slot::Normed, n, Slot::Values)?;
         if let (Some(qn), Some(kn)) = (&a.q_norm, &a.k_norm) {
-            b.head_rms_norm(Slot::Queries, n * c.q_dim(), qn, c.rms_norm_eps);
-            b.head_rms_norm(Slot::Keys, n * c.kv_dim(), kn, c.rms_norm_eps);
+            b.head_rms_norm(Slot::Queries, n * c.q_dim(), qn, c.rms_norm_eps)?;
+            b.head_rms_norm(Slot::Keys, n * c.kv_dim(), kn, c.rms_norm_eps)?;
         }
         let style = if c.rope_interleaved {
             RopeStyle::Pairs
@@ -323,8 +323,8 @@ impl<B: Backend> Transformer<B> {
         };
         let (heads, kv_heads, head_dim) =
             (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-        b.rope(&self.rope, style, Slot::Queries, heads, head_dim, pos0, n);
-        b.rope(&self.rope, style, Slot::Keys, kv_heads, head_dim, pos0, n);
+        b.rope(&self.rope, style, Slot::Queries, heads, head_dim, pos0, n)?;
+        b.rope(&self.rope, style, Slot::Keys, kv_heads, head_dim, pos0, n)?;
         let params = AttentionParams {
             layer: index,
             n_heads: heads,
@@ -333,8 +333,8 @@ impl<B: Backend> Transformer<B> {
             scale: 1.0 / (head_dim as f32).sqrt(),
             pos0,
         };
-        b.attention(kv, params, n);
-        a.o.apply(b, Slot::AttentionOut, n, Slot::BlockOut);
+        b.attention(kv, params, n)?;
+        a.o.apply(b, Slot::AttentionOut, n, Slot::BlockOut)
     }
 }
 

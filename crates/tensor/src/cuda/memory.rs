@@ -218,6 +218,21 @@ impl<'a, T: DeviceElem> DevSlice<'a, T> {
         let (ptr, len) = sub(self.ptr, self.len, size_of::<T>(), range);
         DevSlice::new(ptr, len)
     }
+
+    /// The same bytes as elements of `U` (weights stored as bytes, read as bf16).
+    ///
+    /// # Panics
+    /// When the bytes are not a whole number of `U`s or not aligned to `U`.
+    pub fn cast<U: DeviceElem>(self) -> DevSlice<'a, U> {
+        let bytes = self.len * size_of::<T>();
+        assert!(
+            bytes.is_multiple_of(size_of::<U>()) && self.ptr.is_multiple_of(align_of::<U>() as u64),
+            "{bytes} bytes at {:#x} are not a whole, aligned run of {}-byte elements",
+            self.ptr,
+            size_of::<U>()
+        );
+        DevSlice::new(self.ptr, bytes / size_of::<U>())
+    }
 }
 
 /// `len` elements of `T` in device memory, writable, borrowed from a [`DeviceBuffer`].
