@@ -52,6 +52,10 @@ pub struct ModelArgs {
     /// Replaces the 70% of RAM that bounds what is held resident (a 2 GiB margin stays).
     #[arg(long, env = "EMBER_LOAD_LIMIT_GB")]
     pub load_limit_gib: Option<f64>,
+    /// Where the model runs: auto (a usable CUDA GPU when the weights can run there, else the
+    /// CPU; the log says which and why), cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto", env = "EMBER_DEVICE")]
+    pub device: ember_engine::Device,
 }
 
 #[derive(Args, Debug)]

@@ -4,7 +4,6 @@
 use std::time::Instant;
 
 use ember_models::KvCache;
-use ember_tensor::{BufferKind, cpu};
 
 use crate::engine::Engine;
 use crate::error::{Error, Result};
@@ -33,7 +32,8 @@ impl Default for DecodeBenchOptions {
 pub struct DecodeBenchReport {
     pub model: String,
     pub threads: usize,
-    pub isa: &'static str,
+    /// What ran it: "cpu (avx512, 2 threads)", "cuda (NVIDIA H200 …)".
+    pub device: String,
     /// Medians over the repeats.
     pub prefill_tok_s: f64,
     pub decode_tok_s: f64,
@@ -51,7 +51,7 @@ impl DecodeBenchReport {
         serde_json::json!({
             "model": self.model,
             "threads": self.threads,
-            "isa": self.isa,
+            "device": self.device,
             "prefill_tok_s": round(self.prefill_tok_s),
             "decode_tok_s": round(self.decode_tok_s),
             "bytes_per_token": self.bytes_per_token.round(),
@@ -78,24 +78,6 @@ pub fn median(values: &[f64]) -> f64 {
     }
 }
 
-/// Read bandwidth in GB/s: the median of several passes of [`cpu::read_sum`] over a buffer of
-/// `bytes` (made and freed through the engine's owner, like every other buffer).
-pub fn measure_read_bandwidth(engine: &Engine, bytes: usize, passes: usize) -> Result<f64> {
-    let probe = engine
-        .owner()
-        .alloc(BufferKind::Scratch, "bandwidth probe", bytes)?;
-    let data = probe.as_slice::<f32>();
-    let mut rates = Vec::with_capacity(passes);
-    let mut sink = 0f32;
-    for _ in 0..passes.max(1) {
-        let start = Instant::now();
-        sink += cpu::read_sum(engine.pool(), data);
-        rates.push(bytes as f64 / start.elapsed().as_secs_f64() / 1e9);
-    }
-    std::hint::black_box(sink);
-    Ok(median(&rates))
-}
-
 /// Prefill of a `prompt_tokens` prompt and greedy decode of `decode_tokens`, `repeats` times.
 pub fn bench_decode(
     engine: &mut Engine,
@@ -108,7 +90,7 @@ pub fn bench_decode(
             context: engine.context(),
         });
     }
-    let bandwidth_gb_s = measure_read_bandwidth(engine, options.probe_bytes, 5)?;
+    let bandwidth_gb_s = engine.measure_bandwidth(options.probe_bytes, 5)?;
     let vocab = engine.config().vocab_size as u64;
     // A fixed pseudo-random prompt: the same work every run, no tokenizer involved.
     let mut state = 0x1234_5678_u64;
@@ -133,12 +115,12 @@ pub fn bench_decode(
         decode_runs.push(options.decode_tokens as f64 / start.elapsed().as_secs_f64());
     }
     let mean_position = options.prompt_tokens as f64 + options.decode_tokens as f64 / 2.0;
-    let bytes_per_token = engine.model().weight_bytes_per_token() as f64
+    let bytes_per_token = engine.weight_bytes_per_token() as f64
         + mean_position * KvCache::bytes_per_position(engine.config(), engine.kv_dtype()) as f64;
     Ok(DecodeBenchReport {
         model: engine.dir().display().to_string(),
         threads: engine.threads(),
-        isa: ember_tensor::cpu::Isa::detect().name(),
+        device: engine.device_label(),
         prefill_tok_s: median(&prefill_runs),
         decode_tok_s: median(&decode_runs),
         prefill_runs,

@@ -6,16 +6,20 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ember_checkpoint::{GgufFile, SafetensorsSet, TensorSource, read_json};
-use ember_models::{KvCache, KvDtype, Logits, ModelConfig, Transformer, Workspace};
+use ember_models::{
+    CpuBackend, CudaBackend, CudaKv, KvCache, KvDtype, Logits, ModelConfig, Transformer,
+};
 use ember_residency::{
     Bound, CODE_ID_BASE, MlockBackend, Region, ResidencySet, executable_regions,
 };
+use ember_tensor::cuda::{CudaDevice, DeviceBuffer};
 use ember_tensor::{Buffer, BufferInfo, BufferKind, BufferOwner, ThreadPool};
 use serde_json::Value;
 
 use crate::chat_template::{ChatMessage, ChatTemplate};
 use crate::error::{Error, Result};
 use crate::gguf_tokenizer::tokenizer_from_gguf;
+use crate::runner::{ModelRunner, Runner};
 use crate::sampler::{Sampler, SamplingParams};
 use crate::tokenizer::Tokenizer;
 
@@ -43,6 +47,37 @@ pub struct EngineOptions {
     pub residency: ResidencyMode,
     /// Replaces the 70% of RAM that bounds the residency set (the 2 GiB margin stays).
     pub load_limit_gib: Option<f64>,
+    /// Where the model runs.
+    pub device: Device,
+}
+
+/// Where the model runs (`--device`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Device {
+    #[default]
+    Cpu,
+    /// CUDA device N.
+    Cuda(usize),
+    /// The first CUDA device when one is usable and the model's weights can run there, else
+    /// the CPU; the log says which and why.
+    Auto,
+}
+
+impl std::str::FromStr for Device {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "cpu" => Ok(Device::Cpu),
+            "auto" => Ok(Device::Auto),
+            "cuda" => Ok(Device::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Device::Cuda)
+                .ok_or_else(|| format!("{s:?}: expected auto, cpu, cuda or cuda:N")),
+        }
+    }
 }
 
 /// What to do about holding memory resident.
@@ -66,6 +101,7 @@ impl Default for EngineOptions {
             kv_dtype: None,
             residency: ResidencyMode::Off,
             load_limit_gib: None,
+            device: Device::Cpu,
         }
     }
 }
@@ -161,18 +197,18 @@ impl PromptEncoder {
 pub struct Engine {
     dir: PathBuf,
     owner: BufferOwner,
-    pool: ThreadPool,
-    model: Transformer,
+    /// The model on its backend, with its KV cache.
+    runner: Box<dyn Runner>,
+    kv_dtype: KvDtype,
     encoder: PromptEncoder,
     eos_ids: Vec<u32>,
-    workspace: Workspace,
-    kv: KvCache,
     /// Holds the buffers resident between requests (inactive when off or refused).
     residency: Arc<ResidencySet>,
     /// Where the keepalive tick does its 16-byte copy; a member of the set like any buffer.
-    keepalive_scratch: Arc<Mutex<Buffer>>,
-    /// Keeps the mapped files listed for as long as the weights are used.
-    _weights: WeightFiles,
+    keepalive_scratch: KeepaliveScratch,
+    /// Keeps the mapped files listed for as long as the weights are read from them (the CPU;
+    /// a GPU has its own copy, and the files are unmapped after load).
+    _weights: Option<WeightFiles>,
 }
 
 impl Engine {
@@ -234,36 +270,54 @@ impl Engine {
             .threads
             .unwrap_or_else(ThreadPool::available_parallelism)
             .max(1);
-        let pool = ThreadPool::new(threads);
         let weights = match gguf {
             Some(file) => WeightFiles::Gguf(file),
             None => WeightFiles::Safetensors(SafetensorsSet::open(dir, &owner)?),
         };
-        let model = Transformer::load(config, weights.source(), &owner, context)?;
-        let workspace = Workspace::new(
-            &model.config,
-            options.max_batch,
-            context,
-            1,
-            threads,
-            &owner,
-        )?;
         let default_kv = if matches!(weights, WeightFiles::Gguf(_)) {
             KvDtype::F16
         } else {
             KvDtype::F32
         };
-        let kv = KvCache::new(
-            &model.config,
-            context,
-            options.kv_dtype.unwrap_or(default_kv),
-            &owner,
-        )?;
-        let keepalive_scratch = owner.alloc(
-            BufferKind::Scratch,
-            "keepalive scratch",
-            KEEPALIVE_SCRATCH_BYTES,
-        )?;
+        let kv_dtype = options.kv_dtype.unwrap_or(default_kv);
+        let source = weights.source();
+        let (runner, keepalive_scratch, weights): (Box<dyn Runner>, _, _) =
+            match choose_device(options.device, &weights)? {
+                None => {
+                    let pool = ThreadPool::new(threads);
+                    let backend =
+                        CpuBackend::new(&config, pool, &owner, options.max_batch, context, 1)?;
+                    let model = Transformer::load(&backend, config, source, context)?;
+                    let kv = KvCache::new(&model.config, context, kv_dtype, &owner)?;
+                    let scratch = owner.alloc(
+                        BufferKind::Scratch,
+                        "keepalive scratch",
+                        KEEPALIVE_SCRATCH_BYTES,
+                    )?;
+                    let runner = ModelRunner { backend, model, kv };
+                    let scratch = KeepaliveScratch::Host(Arc::new(Mutex::new(scratch)));
+                    (Box::new(runner), scratch, Some(weights))
+                }
+                Some(device) => {
+                    let backend =
+                        CudaBackend::new(device.clone(), &config, &owner, options.max_batch, 1)?;
+                    let model = Transformer::load(&backend, config, source, context)?;
+                    let kv = CudaKv::new(&device, &owner, &model.config, context, kv_dtype)?;
+                    let scratch = owner
+                        .alloc_device(
+                            BufferKind::Scratch,
+                            "keepalive scratch",
+                            &device,
+                            KEEPALIVE_SCRATCH_BYTES,
+                        )
+                        .map_err(Error::Cuda)?;
+                    let runner = ModelRunner { backend, model, kv };
+                    let scratch = KeepaliveScratch::Device(device, Arc::new(Mutex::new(scratch)));
+                    // The weights live on the device now: unmap the files.
+                    drop(weights);
+                    (Box::new(runner), scratch, None)
+                }
+            };
         let residency = establish_residency(&owner, options)?;
         let encoder = PromptEncoder {
             dir: dir.to_path_buf(),
@@ -273,14 +327,12 @@ impl Engine {
         Ok(Engine {
             dir: dir.to_path_buf(),
             owner,
-            pool,
-            model,
+            runner,
+            kv_dtype,
             encoder,
             eos_ids,
-            workspace,
-            kv,
             residency,
-            keepalive_scratch: Arc::new(Mutex::new(keepalive_scratch)),
+            keepalive_scratch,
             _weights: weights,
         })
     }
@@ -290,11 +342,22 @@ impl Engine {
     }
 
     pub fn config(&self) -> &ModelConfig {
-        &self.model.config
+        self.runner.config()
     }
 
-    pub fn model(&self) -> &Transformer {
-        &self.model
+    /// Weight bytes one decoded token reads.
+    pub fn weight_bytes_per_token(&self) -> usize {
+        self.runner.weight_bytes_per_token()
+    }
+
+    /// What runs the model: "cpu (avx512, 2 threads)", "cuda (NVIDIA H200 …)".
+    pub fn device_label(&self) -> String {
+        self.runner.device_label()
+    }
+
+    /// The memory bandwidth that bounds decode on this engine's device, in GB/s.
+    pub fn measure_bandwidth(&self, bytes: usize, passes: usize) -> Result<f64> {
+        self.runner.measure_bandwidth(&self.owner, bytes, passes)
     }
 
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {
@@ -306,12 +369,9 @@ impl Engine {
         &self.encoder
     }
 
+    /// Compute threads (CPU), or 1 on a GPU.
     pub fn threads(&self) -> usize {
-        self.pool.n_threads()
-    }
-
-    pub fn pool(&self) -> &ThreadPool {
-        &self.pool
+        self.runner.threads()
     }
 
     pub fn owner(&self) -> &BufferOwner {
@@ -324,7 +384,7 @@ impl Engine {
     }
 
     pub fn context(&self) -> usize {
-        self.kv.capacity()
+        self.runner.capacity()
     }
 
     /// The residency set over the engine's buffers.
@@ -335,22 +395,41 @@ impl Engine {
     /// The keepalive's tick: a real 16-byte copy inside a scratch buffer that the residency set
     /// holds, so each idle tick touches held memory (on a GPU, it is work the device must run).
     /// Runs on the keepalive thread, never during a request.
-    pub fn keepalive_tick(&self) -> impl Fn() + Send + Sync + 'static {
-        let scratch = Arc::clone(&self.keepalive_scratch);
-        move || {
-            let mut buffer = scratch.lock().unwrap_or_else(|p| p.into_inner());
-            let bytes = buffer.bytes_mut();
-            // A counter in the first 16 bytes makes every copy move new data.
-            let (src, dst) = bytes.split_at_mut(16);
-            let count = u64::from_le_bytes(src[..8].try_into().expect("8 bytes")) + 1;
-            src[..8].copy_from_slice(&count.to_le_bytes());
-            dst[..16].copy_from_slice(src);
-            std::hint::black_box(&dst[..16]);
+    pub fn keepalive_tick(&self) -> Box<dyn Fn() + Send + Sync + 'static> {
+        match &self.keepalive_scratch {
+            KeepaliveScratch::Host(scratch) => {
+                let scratch = Arc::clone(scratch);
+                Box::new(move || {
+                    let mut buffer = scratch.lock().unwrap_or_else(|p| p.into_inner());
+                    let bytes = buffer.bytes_mut();
+                    // A counter in the first 16 bytes makes every copy move new data.
+                    let (src, dst) = bytes.split_at_mut(16);
+                    let count = u64::from_le_bytes(src[..8].try_into().expect("8 bytes")) + 1;
+                    src[..8].copy_from_slice(&count.to_le_bytes());
+                    dst[..16].copy_from_slice(src);
+                    std::hint::black_box(&dst[..16]);
+                })
+            }
+            KeepaliveScratch::Device(device, scratch) => {
+                let (device, scratch) = (device.clone(), Arc::clone(scratch));
+                Box::new(move || {
+                    let mut buffer = scratch.lock().unwrap_or_else(|p| p.into_inner());
+                    let bytes = buffer.as_mut_slice::<u8>();
+                    let (src, mut dst) = bytes.split_at_mut(16);
+                    // On the engine's stream, waited for: the tick is work the GPU really ran.
+                    let copied = device
+                        .copy(src.as_slice(), &mut dst.slice_mut(0..16))
+                        .and_then(|()| device.synchronize());
+                    if let Err(e) = copied {
+                        tracing::warn!("keepalive tick on the GPU failed: {e}");
+                    }
+                })
+            }
         }
     }
 
     pub fn kv_dtype(&self) -> KvDtype {
-        self.kv.dtype()
+        self.kv_dtype
     }
 
     pub fn eos_token_ids(&self) -> &[u32] {
@@ -386,12 +465,12 @@ impl Engine {
 
     /// Forgets the sequence: the next prefill starts at position 0.
     pub fn reset(&mut self) {
-        self.kv.truncate(0);
+        self.runner.reset();
     }
 
     /// Positions of the current sequence.
     pub fn position(&self) -> usize {
-        self.kv.len()
+        self.runner.position()
     }
 
     /// Appends `tokens` to the sequence, in chunks of the batch size, and returns the logits
@@ -400,38 +479,20 @@ impl Engine {
         if tokens.is_empty() {
             return Err(Error::EmptyPrompt);
         }
-        let chunk = self.workspace.max_batch();
+        let chunk = self.runner.max_batch();
         let mut chunks = tokens.chunks(chunk).peekable();
         while let Some(part) = chunks.next() {
             if chunks.peek().is_none() {
-                return Ok(self.model.forward(
-                    &self.pool,
-                    &mut self.workspace,
-                    &mut self.kv,
-                    part,
-                    Logits::Last,
-                )?);
+                return self.runner.forward(part, Logits::Last);
             }
-            self.model.forward(
-                &self.pool,
-                &mut self.workspace,
-                &mut self.kv,
-                part,
-                Logits::Last,
-            )?;
+            self.runner.forward(part, Logits::Last)?;
         }
         unreachable!("a non-empty prompt has a last chunk")
     }
 
     /// Appends one token and returns the logits after it.
     pub fn step(&mut self, token: u32) -> Result<&[f32]> {
-        Ok(self.model.forward(
-            &self.pool,
-            &mut self.workspace,
-            &mut self.kv,
-            &[token],
-            Logits::Last,
-        )?)
+        self.runner.forward(&[token], Logits::Last)
     }
 
     /// Generates from `prompt` on a fresh sequence. `on_step` sees every token as it is made and
@@ -501,7 +562,7 @@ fn establish_residency(owner: &BufferOwner, options: &EngineOptions) -> Result<A
                 .list()
                 .iter()
                 .filter(|b| b.bytes > 0)
-                .map(|b| (b.id.raw(), Region::host(b.addr, b.bytes)))
+                .map(|b| (b.id.raw(), b.region()))
                 .collect();
             regions.extend(
                 executable_regions()
@@ -524,6 +585,38 @@ fn establish_residency(owner: &BufferOwner, options: &EngineOptions) -> Result<A
     }
     owner.attach_residency(Arc::clone(&set));
     Ok(set)
+}
+
+/// Where the keepalive tick copies its 16 bytes: host memory, or device memory on a GPU.
+enum KeepaliveScratch {
+    Host(Arc<Mutex<Buffer>>),
+    Device(CudaDevice, Arc<Mutex<DeviceBuffer>>),
+}
+
+/// The CUDA device to run on, or `None` for the CPU; `auto` logs which and why.
+fn choose_device(device: Device, weights: &WeightFiles) -> Result<Option<CudaDevice>> {
+    match device {
+        Device::Cpu => Ok(None),
+        Device::Cuda(ordinal) => Ok(Some(CudaDevice::open(ordinal).map_err(Error::Cuda)?)),
+        Device::Auto => {
+            if matches!(weights, WeightFiles::Gguf(_)) {
+                tracing::info!(
+                    "device: cpu (GGUF models run on the CPU; quantized CUDA kernels come later)"
+                );
+                return Ok(None);
+            }
+            match CudaDevice::open(0) {
+                Ok(device) => {
+                    tracing::info!("device: cuda ({})", device.info());
+                    Ok(Some(device))
+                }
+                Err(e) => {
+                    tracing::info!("device: cpu ({e})");
+                    Ok(None)
+                }
+            }
+        }
+    }
 }
 
 /// The checkpoint files a model was loaded from.

@@ -23,6 +23,8 @@ pub enum Error {
     Memory(#[from] ember_tensor::Error),
     #[error("{}: the model has no chat template (tokenizer_config.json or chat_template.jinja)", .0.display())]
     NoChatTemplate(PathBuf),
+    #[error(transparent)]
+    Cuda(#[from] ember_tensor::cuda::CudaError),
     #[error("{0} (--residency required)")]
     ResidencyRequired(String),
     #[error("the prompt is empty")]

@@ -11,13 +11,14 @@ pub mod detokenizer;
 mod engine;
 mod error;
 mod gguf_tokenizer;
+mod runner;
 pub mod sampler;
 pub mod synthetic;
 pub mod tokenizer;
 
 pub use ember_models::KvDtype;
 pub use engine::{
-    DEFAULT_CONTEXT, Engine, EngineOptions, FinishReason, GenerateParams, Generation,
+    DEFAULT_CONTEXT, Device, Engine, EngineOptions, FinishReason, GenerateParams, Generation,
     PromptEncoder, ResidencyMode, Step,
 };
 pub use error::{Error, Result};

@@ -11,16 +11,40 @@
 //! transformers' top-5 log-probabilities must match within 1e-3 at every step, for F32 and
 //! BF16 checkpoints alike. Every recorded step has a top-1 margin of at least 2e-3 (the
 //! script checks), so exact ids are a fair demand.
+//!
+//! `EMBER_TEST_DEVICE=cuda` runs the same checks on the GPU (the H200 machine runs this test
+//! binary so). There too every sum is f32 and weights are widened exactly; prompts longer than
+//! the matrix-vector batch go through bf16 GEMMs, which round activations to bf16, so BF16
+//! checkpoints get `CUDA_BF16_TOLERANCE` there. Mixture-of-experts fixtures are skipped on CUDA
+//! (routing on the device is not built yet) and say so.
 
 use std::ops::ControlFlow;
 use std::path::PathBuf;
 
 use ember_engine::chat_template::ChatMessage;
 use ember_engine::sampler::{SamplingParams, logprob_of};
-use ember_engine::{Engine, EngineOptions, GenerateParams};
+use ember_engine::{Device, Engine, EngineOptions, GenerateParams};
 use serde_json::Value;
 
 const LOGPROB_TOLERANCE: f32 = 1e-3;
+/// Log-probability tolerance for BF16 checkpoints on CUDA, whose prefill GEMMs take bf16
+/// activations.
+const CUDA_BF16_TOLERANCE: f32 = 5e-2;
+
+/// The device under test: `EMBER_TEST_DEVICE` (cpu, cuda, cuda:N), the CPU by default.
+fn device() -> Device {
+    std::env::var("EMBER_TEST_DEVICE")
+        .map(|d| d.parse().expect("EMBER_TEST_DEVICE: cpu, cuda or cuda:N"))
+        .unwrap_or(Device::Cpu)
+}
+
+fn tolerance(name: &str) -> f32 {
+    if device() != Device::Cpu && name.ends_with("bf16") {
+        CUDA_BF16_TOLERANCE
+    } else {
+        LOGPROB_TOLERANCE
+    }
+}
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -37,6 +61,7 @@ fn load(name: &str, max_batch: usize) -> (Engine, Value) {
         context: Some(256),
         max_batch,
         kv_dtype: None,
+        device: device(),
         ..EngineOptions::default()
     };
     (
@@ -62,13 +87,20 @@ fn check_logprobs(name: &str, case: usize, step: usize, logits: &[f32], expected
         );
         let got = logprob_of(logits, id);
         assert!(
-            (got - want).abs() <= LOGPROB_TOLERANCE,
+            (got - want).abs() <= tolerance(name),
             "{name} case {case} step {step}: token {id} logprob {got}, transformers {want}"
         );
     }
 }
 
 fn check_fixture(name: &str) {
+    if device() != Device::Cpu && name.starts_with("qwen3moe") {
+        eprintln!(
+            "{name}: skipped on {:?}: MoE routing on CUDA is not built yet",
+            device()
+        );
+        return;
+    }
     // A prefill batch of 3 makes every prompt run in several chunks: chunking must not matter.
     for max_batch in [512, 3] {
         let (mut engine, expected) = load(name, max_batch);

@@ -427,6 +427,12 @@ impl ModelConfig {
     pub fn kv_dim(&self) -> usize {
         self.num_key_value_heads * self.head_dim
     }
+
+    /// The widest MLP: the dense one's or an expert's intermediate size.
+    pub fn ffn_width(&self) -> usize {
+        self.intermediate_size
+            .max(self.moe.as_ref().map_or(0, |m| m.moe_intermediate_size))
+    }
 }
 
 /// `eos_token_id` as an int or a list of ints (anything else reads as none).

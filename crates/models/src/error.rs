@@ -16,6 +16,10 @@ pub enum Error {
         requested: usize,
         capacity: usize,
     },
+    #[error(transparent)]
+    Cuda(#[from] ember_tensor::cuda::CudaError),
+    #[error("{what} is not supported on {backend} yet")]
+    Unsupported { what: String, backend: &'static str },
     #[error("a forward pass of {requested} tokens exceeds the batch capacity of {capacity}")]
     BatchTooLarge { requested: usize, capacity: usize },
 }

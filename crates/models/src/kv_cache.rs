@@ -3,8 +3,9 @@
 use ember_tensor::cpu::KvSlice;
 use ember_tensor::{Buffer, BufferKind, BufferOwner};
 
+use crate::backend::KvStore;
 use crate::config::ModelConfig;
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// How cached keys and values are stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -64,39 +65,6 @@ impl KvCache {
         self.dtype
     }
 
-    /// Positions filled.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    pub fn capacity(&self) -> usize {
-        self.capacity
-    }
-
-    /// Forgets positions from `len` on (a new prompt reuses the cache from the start).
-    pub fn truncate(&mut self, len: usize) {
-        self.len = self.len.min(len);
-    }
-
-    pub(crate) fn reserve(&mut self, n: usize) -> Result<()> {
-        if self.len + n > self.capacity {
-            return Err(Error::ContextFull {
-                used: self.len,
-                requested: n,
-                capacity: self.capacity,
-            });
-        }
-        Ok(())
-    }
-
-    pub(crate) fn advance(&mut self, n: usize) {
-        self.len += n;
-    }
-
     fn layer_range(&self, layer: usize) -> std::ops::Range<usize> {
         debug_assert!(layer < self.layers);
         let per_layer = self.capacity * self.kv_dim;
@@ -137,5 +105,25 @@ impl KvCache {
                 to_f16(&mut self.values.as_mut_slice::<u16>()[rows], values);
             }
         }
+    }
+}
+
+impl KvStore for KvCache {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Forgets positions from `len` on (a new prompt reuses the cache from the start).
+    fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
+    fn advance(&mut self, n: usize) {
+        debug_assert!(self.len + n <= self.capacity);
+        self.len += n;
     }
 }

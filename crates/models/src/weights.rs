@@ -7,6 +7,7 @@ use ember_tensor::cpu::MatRef;
 use ember_tensor::quant::dequantize_row;
 use ember_tensor::{Buffer, BufferKind, BufferOwner, DType};
 
+use crate::backend::WeightMatrix;
 use crate::error::Result;
 
 /// A `rows × cols` weight matrix, read in place from its file (or from a repacked copy when
@@ -31,7 +32,8 @@ impl Matrix {
     }
 
     /// Rows `start..end` as a matrix of their own (one expert of a stacked tensor).
-    pub fn rows(&self, start: usize, end: usize) -> Matrix {
+    /// Rows `start..end`, sharing the storage.
+    pub fn slice_rows(&self, start: usize, end: usize) -> Matrix {
         let row_bytes = self.dtype.row_bytes(self.cols);
         Matrix {
             buffer: Arc::clone(&self.buffer),
@@ -61,6 +63,24 @@ pub struct Vector(Buffer);
 impl Vector {
     pub fn as_slice(&self) -> &[f32] {
         self.0.as_slice()
+    }
+}
+
+impl WeightMatrix for Matrix {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+
+    fn cols(&self) -> usize {
+        self.cols
+    }
+
+    fn size_in_bytes(&self) -> usize {
+        Matrix::size_in_bytes(self)
+    }
+
+    fn slice_rows(&self, start: usize, end: usize) -> Self {
+        Matrix::slice_rows(self, start, end)
     }
 }
 

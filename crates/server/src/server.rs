@@ -153,12 +153,12 @@ pub async fn serve(
                     keepalive: keepalive.clone(),
                     keep_warm: options.keep_warm,
                 };
-                let threads = engine.threads();
+                let device = engine.device_label();
                 let context = ready.context;
                 let _ = state.ready.set(ready);
                 // Logged only once /health answers 200: tools wait for this line.
                 tracing::info!(
-                    "ready: serving {} on http://{local} (context {context}, {threads} threads)",
+                    "ready: serving {} on http://{local} (context {context}, on {device})",
                     state.model_name
                 );
                 worker::run(

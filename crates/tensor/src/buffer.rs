@@ -5,6 +5,10 @@
 //! address range. A [`Buffer`] frees itself through its owner: on drop it is taken off the list
 //! *first* and only then unmapped or deallocated, so the list never names released memory. The
 //! residency layer holds exactly this list resident, which is why nothing may allocate behind it.
+//!
+//! Device memory is listed the same way: [`BufferOwner::alloc_device`] makes a
+//! [`DeviceBuffer`], listed with [`Location::Device`] and counted (not locked) by the
+//! residency set.
 
 use std::alloc::Layout;
 use std::collections::BTreeMap;
@@ -18,6 +22,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use ember_residency::{Membership, Region, ResidencySet};
 use memmap2::Mmap;
 
+use crate::cuda::{CudaDevice, CudaError, DeviceBuffer};
 use crate::error::{Error, Result};
 
 /// Alignment of every heap buffer: a cache line, and enough for any SIMD load.
@@ -70,12 +75,22 @@ impl BufferId {
     }
 }
 
+/// Where a buffer's bytes live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Location {
+    /// Host memory: heap, or a mapped file.
+    Host,
+    /// Memory of the CUDA device with this ordinal; `addr` is a device address.
+    Device { ordinal: usize },
+}
+
 /// One entry of the owner's list.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BufferInfo {
     pub id: BufferId,
     pub kind: BufferKind,
     pub label: String,
+    pub location: Location,
     /// First byte of the region.
     pub addr: usize,
     pub bytes: usize,
@@ -85,6 +100,15 @@ impl BufferInfo {
     /// The address range `[addr, addr + bytes)`.
     pub fn range(&self) -> std::ops::Range<usize> {
         self.addr..self.addr + self.bytes
+    }
+
+    /// The region a residency set holds for this buffer: locked on the host, counted on a
+    /// device.
+    pub fn region(&self) -> Region {
+        match self.location {
+            Location::Host => Region::host(self.addr, self.bytes),
+            Location::Device { .. } => Region::device(self.addr, self.bytes),
+        }
     }
 }
 
@@ -109,6 +133,71 @@ impl Registry {
         // A panic while holding this lock cannot leave the map half-updated (each update is one
         // insert or remove), so a poisoned lock is still consistent.
         self.live.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Lists a region (joining the residency set, staged, when one is attached).
+    fn list(
+        &self,
+        kind: BufferKind,
+        label: String,
+        location: Location,
+        addr: usize,
+        bytes: usize,
+    ) -> BufferId {
+        let id = BufferId(self.next_id.fetch_add(1, Ordering::Relaxed));
+        let info = BufferInfo {
+            id,
+            kind,
+            label,
+            location,
+            addr,
+            bytes,
+        };
+        if let (Some(set), true) = (self.residency(), bytes > 0) {
+            // Staged, committed between requests; a refusal is counted by the set and the
+            // buffer simply lives unheld.
+            if let Err(e) = set.join(id.0, info.region()) {
+                tracing::debug!("buffer {} not joined to the residency set: {e}", info.label);
+            }
+        }
+        self.live().insert(id, info);
+        id
+    }
+
+    /// Takes a buffer off the list, and out of the residency set (committed at once), before
+    /// its memory goes: the set must never hold a released region.
+    fn unlist(&self, id: BufferId) {
+        self.live().remove(&id);
+        if let Some(set) = self.residency()
+            && set.membership(id.0) != Membership::None
+            && let Err(e) = set.leave(id.0)
+        {
+            tracing::warn!("releasing buffer {id:?} from the residency set failed: {e}");
+        }
+    }
+}
+
+/// A listed region that is not a host [`Buffer`] (device memory): dropping it takes the region
+/// off the list and out of the residency set. Its holder frees the memory after that.
+pub(crate) struct Listing {
+    registry: Arc<Registry>,
+    id: BufferId,
+    kind: BufferKind,
+}
+
+impl Listing {
+    pub(crate) fn id(&self) -> BufferId {
+        self.id
+    }
+
+    pub(crate) fn kind(&self) -> BufferKind {
+        self.kind
+    }
+}
+
+impl Drop for Listing {
+    fn drop(&mut self) {
+        self.registry.unlist(self.id);
     }
 }
 
@@ -195,26 +284,35 @@ impl BufferOwner {
         Ok(self.register(kind, path.display().to_string(), storage))
     }
 
-    fn register(&self, kind: BufferKind, label: String, storage: Storage) -> Buffer {
-        let id = BufferId(self.registry.next_id.fetch_add(1, Ordering::Relaxed));
-        let (addr, bytes) = storage.region();
-        if let (Some(set), true) = (self.registry.residency(), bytes > 0) {
-            // Staged, committed between requests; a refusal is counted by the set and the
-            // buffer simply lives unheld.
-            if let Err(e) = set.join(id.0, Region::host(addr, bytes)) {
-                tracing::debug!("buffer {label} not joined to the residency set: {e}");
-            }
-        }
-        self.registry.live().insert(
+    /// Allocates `bytes` of memory on a CUDA device, listed here beside the host buffers
+    /// (with [`Location::Device`]) and counted by the residency set once one is attached.
+    /// The contents start undefined.
+    pub fn alloc_device(
+        &self,
+        kind: BufferKind,
+        label: impl Into<String>,
+        device: &CudaDevice,
+        bytes: usize,
+    ) -> std::result::Result<DeviceBuffer, CudaError> {
+        let label = label.into();
+        let memory = device.malloc(&label, bytes)?;
+        let location = Location::Device {
+            ordinal: device.ordinal(),
+        };
+        let id = self
+            .registry
+            .list(kind, label, location, memory.addr() as usize, bytes);
+        let listing = Listing {
+            registry: Arc::clone(&self.registry),
             id,
-            BufferInfo {
-                id,
-                kind,
-                label,
-                addr,
-                bytes,
-            },
-        );
+            kind,
+        };
+        Ok(DeviceBuffer::new(listing, memory))
+    }
+
+    fn register(&self, kind: BufferKind, label: String, storage: Storage) -> Buffer {
+        let (addr, bytes) = storage.region();
+        let id = self.registry.list(kind, label, Location::Host, addr, bytes);
         Buffer {
             registry: Arc::clone(&self.registry),
             id,
@@ -355,18 +453,7 @@ impl Buffer {
 
 impl Drop for Buffer {
     fn drop(&mut self) {
-        // Off the list, and out of the residency set (committed at once), before the memory
-        // goes: the set must never hold a released region.
-        self.registry.live().remove(&self.id);
-        if let Some(set) = self.registry.residency()
-            && set.membership(self.id.0) != Membership::None
-            && let Err(e) = set.leave(self.id.0)
-        {
-            tracing::warn!(
-                "releasing buffer {:?} from the residency set failed: {e}",
-                self.id
-            );
-        }
+        self.registry.unlist(self.id);
         if let Storage::Heap { ptr, layout } = self.storage {
             // SAFETY: allocated in `BufferOwner::alloc` with this layout, freed once here.
             unsafe { std::alloc::dealloc(ptr.as_ptr(), layout) };

@@ -2,6 +2,8 @@
 //!
 //! - [`buffer`]: [`BufferOwner`], the one place engine memory is made, listed and freed.
 //! - [`pool`]: [`ThreadPool`], the compute threads kernels split their work over.
+//! - [`cuda`]: the CUDA device, its listed memory and kernels (loaded at run time; absent
+//!   CUDA is an error value, never a build or link requirement).
 //! - [`cpu`]: CPU kernels (matrix products, attention, norms), dispatched at run time over
 //!   AVX-512, AVX2 and a portable fallback.
 //! - [`dtype`]: the stored element types.
@@ -13,12 +15,13 @@
 
 pub mod buffer;
 pub mod cpu;
+pub mod cuda;
 pub mod dtype;
 mod error;
 pub mod pool;
 pub mod quant;
 
-pub use buffer::{Buffer, BufferId, BufferInfo, BufferKind, BufferOwner};
+pub use buffer::{Buffer, BufferId, BufferInfo, BufferKind, BufferOwner, Location};
 pub use dtype::DType;
 pub use error::{Error, Result};
 pub use pool::ThreadPool;

@@ -24,7 +24,7 @@ fn decode(args: BenchDecodeArgs) -> anyhow::Result<ExitCode> {
         println!("{}", report.to_json());
     } else {
         println!("model            {}", report.model);
-        println!("threads          {} ({})", report.threads, report.isa);
+        println!("device           {}", report.device);
         println!(
             "prefill          {:.1} tok/s  (pp{}, median of {})",
             report.prefill_tok_s,

@@ -20,14 +20,14 @@ pub fn load_engine(args: &ModelArgs) -> anyhow::Result<Engine> {
         Engine::load(&model, &options).with_context(|| format!("loading {}", model.display()))?;
     let bytes: usize = engine.buffers().iter().map(|b| b.bytes).sum();
     tracing::info!(
-        "loaded {} ({}, {} layers) in {:.2} s: {} buffers, {:.2} GiB, {} threads, context {}",
+        "loaded {} ({}, {} layers) in {:.2} s: {} buffers, {:.2} GiB, on {}, context {}",
         model.display(),
         engine.config().architecture.hf_name(),
         engine.config().num_hidden_layers,
         start.elapsed().as_secs_f64(),
         engine.buffers().len(),
         bytes as f64 / (1u64 << 30) as f64,
-        engine.threads(),
+        engine.device_label(),
         engine.context(),
     );
     Ok(engine)
@@ -50,6 +50,7 @@ pub fn engine_options(args: &ModelArgs) -> EngineOptions {
             (false, _) => ResidencyMode::Auto,
         },
         load_limit_gib: args.load_limit_gib,
+        device: args.device,
         ..EngineOptions::default()
     }
 }

@@ -1,0 +1,134 @@
+//! The model, its backend and its KV cache behind one object, so the engine's code is the same
+//! on every device: one dynamic call per forward pass, nothing per kernel.
+
+use std::time::Instant;
+
+use ember_models::{Backend, CpuBackend, CudaBackend, KvStore, Logits, ModelConfig, Transformer};
+use ember_tensor::cuda::CudaDevice;
+use ember_tensor::{BufferKind, BufferOwner, cpu};
+
+use crate::bench::median;
+use crate::error::Result;
+
+pub(crate) trait Runner: Send {
+    fn forward(&mut self, tokens: &[u32], logits: Logits) -> Result<&[f32]>;
+    fn config(&self) -> &ModelConfig;
+    /// Tokens one forward pass takes at most.
+    fn max_batch(&self) -> usize;
+    /// Positions of the current sequence.
+    fn position(&self) -> usize;
+    fn capacity(&self) -> usize;
+    fn reset(&mut self);
+    fn weight_bytes_per_token(&self) -> usize;
+    /// Compute threads (CPU), or 1 for a device that runs on its own.
+    fn threads(&self) -> usize;
+    /// What runs the model, for logs and reports: "cpu (avx512, 2 threads)", "cuda (NVIDIA H200 …)".
+    fn device_label(&self) -> String;
+    /// The memory bandwidth that bounds decode, in GB/s, measured over `bytes` made through
+    /// `owner`: a CPU read pass, or a device-to-device copy (read plus written) on a GPU.
+    fn measure_bandwidth(&self, owner: &BufferOwner, bytes: usize, passes: usize) -> Result<f64>;
+}
+
+pub(crate) struct ModelRunner<B: Backend> {
+    pub backend: B,
+    pub model: Transformer<B>,
+    pub kv: B::Kv,
+}
+
+impl<B: Backend> ModelRunner<B> {
+    fn forward_pass(&mut self, tokens: &[u32], logits: Logits) -> Result<&[f32]> {
+        Ok(self
+            .model
+            .forward(&mut self.backend, &mut self.kv, tokens, logits)?)
+    }
+}
+
+macro_rules! shared_runner_methods {
+    () => {
+        fn forward(&mut self, tokens: &[u32], logits: Logits) -> Result<&[f32]> {
+            self.forward_pass(tokens, logits)
+        }
+
+        fn config(&self) -> &ModelConfig {
+            &self.model.config
+        }
+
+        fn max_batch(&self) -> usize {
+            self.backend.max_batch()
+        }
+
+        fn position(&self) -> usize {
+            self.kv.len()
+        }
+
+        fn capacity(&self) -> usize {
+            self.kv.capacity()
+        }
+
+        fn reset(&mut self) {
+            self.kv.truncate(0);
+        }
+
+        fn weight_bytes_per_token(&self) -> usize {
+            self.model.weight_bytes_per_token()
+        }
+    };
+}
+
+impl Runner for ModelRunner<CpuBackend> {
+    shared_runner_methods!();
+
+    fn threads(&self) -> usize {
+        self.backend.pool().n_threads()
+    }
+
+    fn device_label(&self) -> String {
+        format!(
+            "cpu ({}, {} threads)",
+            cpu::Isa::detect().name(),
+            self.threads()
+        )
+    }
+
+    fn measure_bandwidth(&self, owner: &BufferOwner, bytes: usize, passes: usize) -> Result<f64> {
+        let probe = owner.alloc(BufferKind::Scratch, "bandwidth probe", bytes)?;
+        let data = probe.as_slice::<f32>();
+        let mut rates = Vec::with_capacity(passes);
+        let mut sink = 0f32;
+        for _ in 0..passes.max(1) {
+            let start = Instant::now();
+            sink += cpu::read_sum(self.backend.pool(), data);
+            rates.push(bytes as f64 / start.elapsed().as_secs_f64() / 1e9);
+        }
+        std::hint::black_box(sink);
+        Ok(median(&rates))
+    }
+}
+
+impl Runner for ModelRunner<CudaBackend> {
+    shared_runner_methods!();
+
+    fn threads(&self) -> usize {
+        1
+    }
+
+    fn device_label(&self) -> String {
+        format!("cuda ({})", self.backend.device().info())
+    }
+
+    fn measure_bandwidth(&self, owner: &BufferOwner, bytes: usize, passes: usize) -> Result<f64> {
+        let device: &CudaDevice = self.backend.device();
+        let alloc = |label| owner.alloc_device(BufferKind::Scratch, label, device, bytes);
+        let (src, mut dst) = (
+            alloc("bandwidth probe source")?,
+            alloc("bandwidth probe copy")?,
+        );
+        let mut rates = Vec::with_capacity(passes);
+        for _ in 0..passes.max(1) {
+            let ms = device
+                .time_ms(|| device.copy(src.as_slice::<u8>(), &mut dst.as_mut_slice::<u8>()))?;
+            rates.push(2.0 * bytes as f64 / (ms as f64 / 1e3) / 1e9);
+        }
+        Ok(median(&rates))
+    }
+}

@@ -1,0 +1,221 @@
+//! What a device must provide to run the transformer: weights in its memory, activation
+//! buffers, a KV cache, and the handful of operations a forward pass is made of.
+//!
+//! The model is written once against this trait ([`crate::Transformer`]); a backend supplies
+//! only storage and kernels. Activations live in named [`Slot`]s the backend owns, sized for
+//! its largest batch, so the model never holds a device pointer and a backend can keep every
+//! buffer resident, listed and (on a GPU) captured in a graph.
+
+use std::ops::Range;
+
+use ember_checkpoint::TensorSource;
+
+use crate::config::ModelConfig;
+use crate::error::Result;
+use crate::transformer::Moe;
+
+/// The activation buffers of one forward pass, each `max_batch` rows wide.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Slot {
+    /// The residual stream, `hidden_size` per token.
+    Residual,
+    /// The normalised residual, input of attention and MLP, `hidden_size` per token.
+    Normed,
+    /// `q_dim` per token.
+    Queries,
+    /// This step's keys and values, `kv_dim` per token, before they enter the cache.
+    Keys,
+    Values,
+    /// Attention output, `q_dim` per token.
+    AttentionOut,
+    /// Output of the attention or MLP block, `hidden_size` per token, added to the residual.
+    BlockOut,
+    /// MLP gate and up projections, `intermediate_size` per token.
+    Gate,
+    Up,
+}
+
+impl Slot {
+    pub const COUNT: usize = 9;
+    pub const ALL: [Slot; Slot::COUNT] = [
+        Slot::Residual,
+        Slot::Normed,
+        Slot::Queries,
+        Slot::Keys,
+        Slot::Values,
+        Slot::AttentionOut,
+        Slot::BlockOut,
+        Slot::Gate,
+        Slot::Up,
+    ];
+
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// Elements per token, for a model's shapes.
+    pub fn width(self, config: &ModelConfig) -> usize {
+        match self {
+            Slot::Residual | Slot::Normed | Slot::BlockOut => config.hidden_size,
+            Slot::Queries | Slot::AttentionOut => config.q_dim(),
+            Slot::Keys | Slot::Values => config.kv_dim(),
+            Slot::Gate | Slot::Up => config.ffn_width(),
+        }
+    }
+
+    /// What the buffer is called in the buffer list.
+    pub fn label(self) -> &'static str {
+        match self {
+            Slot::Residual => "residual",
+            Slot::Normed => "normed",
+            Slot::Queries => "queries",
+            Slot::Keys => "keys",
+            Slot::Values => "values",
+            Slot::AttentionOut => "attention out",
+            Slot::BlockOut => "block out",
+            Slot::Gate => "mlp gate",
+            Slot::Up => "mlp up",
+        }
+    }
+}
+
+/// How q and k heads are rotated: which elements form a rotated pair.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Element `i` with `i + head_dim/2` (Hugging Face's `rotate_half`).
+    Halves,
+    /// Element `2i` with `2i + 1` (GGUF Llama, whose q/k rows are stored permuted).
+    Pairs,
+}
+
+/// The attention of one layer, as the backend needs to know it.
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionParams {
+    pub layer: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub scale: f32,
+    /// Position of the first token of this batch; the cache holds `0..pos0` already.
+    pub pos0: usize,
+}
+
+/// A weight matrix in a backend's memory: `rows × cols`, in its checkpoint dtype.
+pub trait WeightMatrix {
+    fn rows(&self) -> usize;
+    fn cols(&self) -> usize;
+    fn size_in_bytes(&self) -> usize;
+    /// Rows `start..end` as a matrix of their own, sharing the storage (expert views).
+    fn slice_rows(&self, start: usize, end: usize) -> Self;
+}
+
+/// A sequence's cached keys and values.
+pub trait KvStore {
+    /// Positions filled.
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    fn capacity(&self) -> usize;
+    /// Forgets positions from `len` on.
+    fn truncate(&mut self, len: usize);
+    /// Marks `n` more positions filled (after a forward pass wrote them).
+    fn advance(&mut self, n: usize);
+}
+
+/// Every operation enqueues its work and may fail (a device error, a launch refused); the CPU's
+/// never do. A backend may run its work asynchronously: [`Backend::logits`] is where results
+/// reach the host.
+pub trait Backend {
+    type Matrix: WeightMatrix;
+    /// A small f32 vector (norm weights, biases).
+    type Vector;
+    /// Rotary cos/sin tables for the context.
+    type Rope;
+    type Kv: KvStore;
+
+    /// Rows the activation slots hold: the longest batch one forward pass may run.
+    fn max_batch(&self) -> usize;
+    /// Rows of logits [`Backend::logits`] can return at once.
+    fn logit_rows(&self) -> usize;
+
+    fn load_matrix(
+        &self,
+        source: &dyn TensorSource,
+        name: &str,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self::Matrix>;
+    /// A 3-d tensor `[count, rows, cols]` as one `count·rows × cols` matrix.
+    fn load_stacked(
+        &self,
+        source: &dyn TensorSource,
+        name: &str,
+        count: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self::Matrix>;
+    fn load_vector(
+        &self,
+        source: &dyn TensorSource,
+        name: &str,
+        len: usize,
+    ) -> Result<Self::Vector>;
+    fn rope_tables(&self, config: &ModelConfig, positions: usize) -> Result<Self::Rope>;
+
+    /// `Residual[i] = table[tokens[i]]`.
+    fn embed(&mut self, table: &Self::Matrix, tokens: &[u32]) -> Result<()>;
+    /// `dst[r] = rms_norm(src[r]) · weight` for the rows in `rows`, written from row 0 of `dst`.
+    fn rms_norm(
+        &mut self,
+        src: Slot,
+        rows: Range<usize>,
+        weight: &Self::Vector,
+        eps: f32,
+        dst: Slot,
+    ) -> Result<()>;
+    /// RMS norm of every `weight`-long head of the first `len` elements of `slot`, in place
+    /// (Qwen3's q and k norms).
+    fn head_rms_norm(
+        &mut self,
+        slot: Slot,
+        len: usize,
+        weight: &Self::Vector,
+        eps: f32,
+    ) -> Result<()>;
+    /// `dst[..rows] = src[..rows] · weightᵀ + bias`.
+    fn linear(
+        &mut self,
+        weight: &Self::Matrix,
+        bias: Option<&Self::Vector>,
+        src: Slot,
+        rows: usize,
+        dst: Slot,
+    ) -> Result<()>;
+    /// Rotates `rows` tokens of `n_heads` heads in `slot`, token `i` at position `pos0 + i`.
+    #[allow(clippy::too_many_arguments)]
+    fn rope(
+        &mut self,
+        tables: &Self::Rope,
+        style: RopeStyle,
+        slot: Slot,
+        n_heads: usize,
+        head_dim: usize,
+        pos0: usize,
+        rows: usize,
+    ) -> Result<()>;
+    /// Stores `Keys`/`Values` of `rows` tokens in the cache at `pos0..`, then causal attention
+    /// of `Queries` over the cache into `AttentionOut`.
+    fn attention(&mut self, kv: &mut Self::Kv, params: AttentionParams, rows: usize) -> Result<()>;
+    /// `Gate[..len] = silu(Gate[..len]) · Up[..len]`.
+    fn silu_mul(&mut self, len: usize) -> Result<()>;
+    /// `dst[..len] += src[..len]`.
+    fn add(&mut self, dst: Slot, src: Slot, len: usize) -> Result<()>;
+    /// A mixture-of-experts block: routes each of `rows` tokens of `Normed` to its top-k
+    /// experts and writes their weighted sum to `BlockOut`.
+    fn moe(&mut self, moe: &Moe<Self>, rows: usize) -> Result<()>
+    where
+        Self: Sized;
+    /// Logits of the first `rows` rows of `Normed`, `head.rows()` each, readable on the host.
+    fn logits(&mut self, head: &Self::Matrix, rows: usize) -> Result<&[f32]>;
+}

@@ -1,0 +1,436 @@
+//! The CPU backend: weights read in place from the mapped checkpoint, activations in host
+//! buffers, and `ember_tensor::cpu`'s kernels on a thread pool.
+
+use std::ops::Range;
+
+use ember_checkpoint::TensorSource;
+use ember_tensor::cpu::{self, AttentionShape, RopeLayout, RopeTables};
+use ember_tensor::{BufferOwner, ThreadPool};
+
+use crate::backend::{AttentionParams, Backend, RopeStyle, Slot};
+use crate::config::ModelConfig;
+use crate::error::Result;
+use crate::kv_cache::KvCache;
+use crate::rope::RopeTable;
+use crate::transformer::{Mlp, Moe};
+use crate::weights::{Matrix, Vector, WeightLoader};
+use crate::workspace::{MoeWorkspace, Workspace};
+
+pub struct CpuBackend {
+    pool: ThreadPool,
+    owner: BufferOwner,
+    ws: Workspace,
+}
+
+impl CpuBackend {
+    /// Makes the activation buffers for batches of up to `max_batch` tokens over `context`
+    /// positions, with room for `logit_rows` rows of logits.
+    pub fn new(
+        config: &ModelConfig,
+        pool: ThreadPool,
+        owner: &BufferOwner,
+        max_batch: usize,
+        context: usize,
+        logit_rows: usize,
+    ) -> Result<Self> {
+        let ws = Workspace::new(
+            config,
+            max_batch,
+            context,
+            logit_rows,
+            pool.n_threads(),
+            owner,
+        )?;
+        Ok(CpuBackend {
+            pool,
+            owner: owner.clone(),
+            ws,
+        })
+    }
+
+    pub fn pool(&self) -> &ThreadPool {
+        &self.pool
+    }
+
+    fn slot_mut(&mut self, slot: Slot) -> &mut [f32] {
+        self.ws.slots[slot.index()].as_mut_slice()
+    }
+
+    /// The pool, `src` to read, `dst` to write (they must differ) and the matmul scratch.
+    fn src_dst(&mut self, src: Slot, dst: Slot) -> (&ThreadPool, &[f32], &mut [f32], &mut [f32]) {
+        let CpuBackend { pool, ws, .. } = self;
+        let Workspace {
+            slots,
+            matmul_scratch,
+            ..
+        } = ws;
+        let [s, d] = slots
+            .get_disjoint_mut([src.index(), dst.index()])
+            .expect("distinct slots");
+        (
+            pool,
+            s.as_slice(),
+            d.as_mut_slice(),
+            matmul_scratch.as_mut_slice(),
+        )
+    }
+}
+
+impl Backend for CpuBackend {
+    type Matrix = Matrix;
+    type Vector = Vector;
+    type Rope = RopeTable;
+    type Kv = KvCache;
+
+    fn max_batch(&self) -> usize {
+        self.ws.max_batch
+    }
+
+    fn logit_rows(&self) -> usize {
+        self.ws.logit_rows
+    }
+
+    fn load_matrix(
+        &self,
+        source: &dyn TensorSource,
+        name: &str,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Matrix> {
+        self.loader(source).matrix(name, rows, cols)
+    }
+
+    fn load_stacked(
+        &self,
+        source: &dyn TensorSource,
+        name: &str,
+        count: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Matrix> {
+        self.loader(source).stacked(name, count, rows, cols)
+    }
+
+    fn load_vector(&self, source: &dyn TensorSource, name: &str, len: usize) -> Result<Vector> {
+        self.loader(source).vector(name, len)
+    }
+
+    fn rope_tables(&self, config: &ModelConfig, positions: usize) -> Result<RopeTable> {
+        RopeTable::new(config, positions, &self.owner)
+    }
+
+    fn embed(&mut self, table: &Matrix, tokens: &[u32]) -> Result<()> {
+        let hidden = table.cols;
+        let x = self.slot_mut(Slot::Residual);
+        for (i, &token) in tokens.iter().enumerate() {
+            table.row_to_f32(token as usize, &mut x[i * hidden..(i + 1) * hidden]);
+        }
+        Ok(())
+    }
+
+    fn rms_norm(
+        &mut self,
+        src: Slot,
+        rows: Range<usize>,
+        weight: &Vector,
+        eps: f32,
+        dst: Slot,
+    ) -> Result<()> {
+        let width = weight.as_slice().len();
+        let (pool, s, d, _) = self.src_dst(src, dst);
+        let x = &s[rows.start * width..rows.end * width];
+        cpu::rms_norm(pool, x, weight.as_slice(), eps, d);
+        Ok(())
+    }
+
+    fn head_rms_norm(&mut self, slot: Slot, len: usize, weight: &Vector, eps: f32) -> Result<()> {
+        let pool = &self.pool;
+        let x = &mut self.ws.slots[slot.index()].as_mut_slice::<f32>()[..len];
+        cpu::rms_norm_in_place(pool, x, weight.as_slice(), eps);
+        Ok(())
+    }
+
+    fn linear(
+        &mut self,
+        weight: &Matrix,
+        bias: Option<&Vector>,
+        src: Slot,
+        rows: usize,
+        dst: Slot,
+    ) -> Result<()> {
+        let (pool, x, y, scratch) = self.src_dst(src, dst);
+        linear(
+            pool,
+            weight,
+            bias,
+            &x[..rows * weight.cols],
+            rows,
+            y,
+            scratch,
+        );
+        Ok(())
+    }
+
+    fn rope(
+        &mut self,
+        tables: &RopeTable,
+        style: RopeStyle,
+        slot: Slot,
+        n_heads: usize,
+        head_dim: usize,
+        pos0: usize,
+        rows: usize,
+    ) -> Result<()> {
+        let layout = match style {
+            RopeStyle::Halves => RopeLayout::Halves,
+            RopeStyle::Pairs => RopeLayout::Pairs,
+        };
+        let tables = RopeTables {
+            cos: tables.cos(),
+            sin: tables.sin(),
+            layout,
+        };
+        let pool = &self.pool;
+        let x = &mut self.ws.slots[slot.index()].as_mut_slice::<f32>()[..rows * n_heads * head_dim];
+        cpu::rope_in_place(pool, x, n_heads, head_dim, pos0, tables);
+        Ok(())
+    }
+
+    fn attention(&mut self, kv: &mut KvCache, p: AttentionParams, rows: usize) -> Result<()> {
+        let (q_len, kv_len) = (
+            rows * p.n_heads * p.head_dim,
+            rows * p.n_kv_heads * p.head_dim,
+        );
+        let pool = &self.pool;
+        let Workspace {
+            slots,
+            attention_scratch,
+            ..
+        } = &mut self.ws;
+        let [q, k, v, out] = slots
+            .get_disjoint_mut([
+                Slot::Queries.index(),
+                Slot::Keys.index(),
+                Slot::Values.index(),
+                Slot::AttentionOut.index(),
+            ])
+            .expect("distinct slots");
+        kv.write(
+            p.layer,
+            p.pos0,
+            &k.as_slice()[..kv_len],
+            &v.as_slice()[..kv_len],
+        );
+        let (keys, values) = kv.layer(p.layer);
+        let shape = AttentionShape {
+            n_heads: p.n_heads,
+            n_kv_heads: p.n_kv_heads,
+            head_dim: p.head_dim,
+        };
+        cpu::causal_attention(
+            pool,
+            &q.as_slice()[..q_len],
+            keys,
+            values,
+            p.pos0,
+            rows,
+            shape,
+            p.scale,
+            &mut out.as_mut_slice()[..q_len],
+            attention_scratch.as_mut_slice(),
+        );
+        Ok(())
+    }
+
+    fn silu_mul(&mut self, len: usize) -> Result<()> {
+        let pool = &self.pool;
+        let [gate, up] = self
+            .ws
+            .slots
+            .get_disjoint_mut([Slot::Gate.index(), Slot::Up.index()])
+            .expect("distinct slots");
+        cpu::silu_mul(pool, &mut gate.as_mut_slice()[..len], &up.as_slice()[..len]);
+        Ok(())
+    }
+
+    fn add(&mut self, dst: Slot, src: Slot, len: usize) -> Result<()> {
+        let (_, s, d, _) = self.src_dst(src, dst);
+        cpu::add_assign(&mut d[..len], &s[..len]);
+        Ok(())
+    }
+
+    /// Routes each token to its top-k experts and sums their outputs, weighted, in expert order
+    /// (the order transformers uses, and the same whether a token runs alone or in a batch).
+    fn moe(&mut self, moe: &Moe<Self>, n: usize) -> Result<()> {
+        let pool = &self.pool;
+        let n_experts = moe.experts.len();
+        let Workspace {
+            slots,
+            matmul_scratch,
+            moe: moe_ws,
+            ..
+        } = &mut self.ws;
+        let hidden = moe.router.cols;
+        let MoeWorkspace { router, rows, out } = moe_ws
+            .as_mut()
+            .expect("a MoE model's workspace has MoE buffers");
+        let [h, gate, up, proj] = slots
+            .get_disjoint_mut([
+                Slot::Normed.index(),
+                Slot::Gate.index(),
+                Slot::Up.index(),
+                Slot::BlockOut.index(),
+            ])
+            .expect("distinct slots");
+        let h = h.as_slice::<f32>();
+        let router = &mut router.as_mut_slice::<f32>()[..n * n_experts];
+        cpu::matmul(
+            pool,
+            &h[..n * hidden],
+            n,
+            &moe.router.as_mat(),
+            router,
+            matmul_scratch.as_mut_slice(),
+        );
+
+        let mut assigned: Vec<Vec<(usize, f32)>> = vec![Vec::new(); n_experts];
+        let mut order: Vec<usize> = (0..n_experts).collect();
+        for (token, scores) in router.chunks_exact_mut(n_experts).enumerate() {
+            cpu::softmax_in_place(scores);
+            // Highest probability first; ties go to the lower expert index, as torch.topk does.
+            order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+            let chosen = &order[..moe.top_k];
+            let total: f32 = chosen.iter().map(|&e| scores[e]).sum();
+            for &e in chosen {
+                let weight = if moe.norm_topk_prob {
+                    scores[e] / total
+                } else {
+                    scores[e]
+                };
+                assigned[e].push((token, weight));
+            }
+        }
+
+        let proj = &mut proj.as_mut_slice::<f32>()[..n * hidden];
+        proj.fill(0.0);
+        let mut scratch = MlpScratch {
+            gate: gate.as_mut_slice(),
+            up: up.as_mut_slice(),
+            matmul: matmul_scratch.as_mut_slice(),
+        };
+        let (rows, out) = (rows.as_mut_slice::<f32>(), out.as_mut_slice::<f32>());
+        for (expert, tokens) in moe.experts.iter().zip(&assigned) {
+            if tokens.is_empty() {
+                continue;
+            }
+            let m = tokens.len();
+            for (r, &(token, _)) in tokens.iter().enumerate() {
+                rows[r * hidden..(r + 1) * hidden]
+                    .copy_from_slice(&h[token * hidden..(token + 1) * hidden]);
+            }
+            mlp(pool, expert, &rows[..m * hidden], m, out, &mut scratch);
+            for (r, &(token, weight)) in tokens.iter().enumerate() {
+                let dst = &mut proj[token * hidden..(token + 1) * hidden];
+                for (d, &o) in dst.iter_mut().zip(&out[r * hidden..(r + 1) * hidden]) {
+                    *d += o * weight;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn logits(&mut self, head: &Matrix, rows: usize) -> Result<&[f32]> {
+        let pool = &self.pool;
+        let Workspace {
+            slots,
+            logits,
+            matmul_scratch,
+            ..
+        } = &mut self.ws;
+        let h = &slots[Slot::Normed.index()].as_slice::<f32>()[..rows * head.cols];
+        let out = &mut logits.as_mut_slice::<f32>()[..rows * head.rows];
+        cpu::matmul(
+            pool,
+            h,
+            rows,
+            &head.as_mat(),
+            out,
+            matmul_scratch.as_mut_slice(),
+        );
+        Ok(out)
+    }
+}
+
+impl CpuBackend {
+    fn loader<'a>(&'a self, source: &'a dyn TensorSource) -> WeightLoader<'a> {
+        WeightLoader {
+            set: source,
+            owner: &self.owner,
+        }
+    }
+}
+
+/// `y[..m·out] = x · Wᵀ + b`.
+fn linear(
+    pool: &ThreadPool,
+    weight: &Matrix,
+    bias: Option<&Vector>,
+    x: &[f32],
+    m: usize,
+    y: &mut [f32],
+    scratch: &mut [f32],
+) {
+    let out = &mut y[..m * weight.rows];
+    cpu::matmul(pool, x, m, &weight.as_mat(), out, scratch);
+    if let Some(bias) = bias {
+        cpu::add_bias(out, bias.as_slice());
+    }
+}
+
+/// The buffers an expert's MLP writes besides its output.
+struct MlpScratch<'a> {
+    gate: &'a mut [f32],
+    up: &'a mut [f32],
+    matmul: &'a mut [f32],
+}
+
+/// `out = down(silu(gate(x)) · up(x))` for `m` rows outside the slots (an expert's tokens).
+fn mlp(
+    pool: &ThreadPool,
+    mlp: &Mlp<CpuBackend>,
+    x: &[f32],
+    m: usize,
+    out: &mut [f32],
+    s: &mut MlpScratch<'_>,
+) {
+    let width = mlp.width();
+    let (gate, up) = (&mut s.gate[..m * width], &mut s.up[..m * width]);
+    linear(
+        pool,
+        &mlp.gate.weight,
+        mlp.gate.bias.as_ref(),
+        x,
+        m,
+        gate,
+        s.matmul,
+    );
+    linear(
+        pool,
+        &mlp.up.weight,
+        mlp.up.bias.as_ref(),
+        x,
+        m,
+        up,
+        s.matmul,
+    );
+    cpu::silu_mul(pool, gate, up);
+    linear(
+        pool,
+        &mlp.down.weight,
+        mlp.down.bias.as_ref(),
+        gate,
+        m,
+        out,
+        s.matmul,
+    );
+}

@@ -1,0 +1,573 @@
+//! The CUDA backend: weights uploaded to device memory in their checkpoint dtype (f32, bf16,
+//! f16), f32 activation slots on the device, a device KV cache, and `ember_tensor::cuda`'s
+//! kernels on the device's one stream. Only the logits come back to the host.
+//!
+//! Decode (≤ [`cuda::MAX_BATCH`] rows) runs matrix-vector kernels that stream each weight
+//! once; longer batches (prefill) run cuBLASLt GEMMs on bf16/f16 copies of the activations
+//! with f32 accumulation (f32 weights stay on the matrix-vector path, 8 rows at a time).
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use ember_checkpoint::TensorSource;
+use ember_tensor::cpu::{AttentionShape, RopeLayout};
+use ember_tensor::cuda::{self, CudaDevice, DevMat, DevSlice, DeviceBuffer, Float, Gemm};
+use ember_tensor::quant::dequantize_row;
+use ember_tensor::{BufferKind, BufferOwner, DType};
+use half::{bf16, f16};
+
+use crate::backend::{AttentionParams, Backend, KvStore, RopeStyle, Slot, WeightMatrix};
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::kv_cache::KvDtype;
+use crate::rope::RopeTable;
+use crate::transformer::Moe;
+
+/// Weights on the device, in their stored dtype.
+pub struct CudaMatrix {
+    buffer: Arc<DeviceBuffer>,
+    /// Byte offset of row 0 in `buffer`.
+    offset: usize,
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+}
+
+impl CudaMatrix {
+    fn bytes(&self) -> Range<usize> {
+        self.offset..self.offset + self.size_in_bytes()
+    }
+
+    fn as_mat(&self) -> Result<DevMat<'_>> {
+        let data = self.buffer.as_slice::<u8>().slice(self.bytes());
+        Ok(DevMat::new(self.dtype, data, self.rows, self.cols)?)
+    }
+}
+
+impl WeightMatrix for CudaMatrix {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+
+    fn cols(&self) -> usize {
+        self.cols
+    }
+
+    fn size_in_bytes(&self) -> usize {
+        self.rows * self.dtype.row_bytes(self.cols)
+    }
+
+    fn slice_rows(&self, start: usize, end: usize) -> Self {
+        CudaMatrix {
+            buffer: Arc::clone(&self.buffer),
+            offset: self.offset + start * self.dtype.row_bytes(self.cols),
+            dtype: self.dtype,
+            rows: end - start,
+            cols: self.cols,
+        }
+    }
+}
+
+/// An f32 vector on the device.
+pub struct CudaVector(DeviceBuffer);
+
+impl CudaVector {
+    fn slice(&self) -> DevSlice<'_, f32> {
+        self.0.as_slice()
+    }
+}
+
+/// Rotary tables on the device, `[positions, head_dim / 2]`.
+pub struct CudaRope {
+    cos: DeviceBuffer,
+    sin: DeviceBuffer,
+}
+
+/// A sequence's keys and values on the device, `[layer][position][kv_dim]` as on the CPU.
+pub struct CudaKv {
+    keys: DeviceBuffer,
+    values: DeviceBuffer,
+    dtype: KvDtype,
+    kv_dim: usize,
+    capacity: usize,
+    len: usize,
+}
+
+impl CudaKv {
+    pub fn new(
+        device: &CudaDevice,
+        owner: &BufferOwner,
+        config: &ModelConfig,
+        capacity: usize,
+        dtype: KvDtype,
+    ) -> Result<Self> {
+        let kv_dim = config.kv_dim();
+        let bytes = config.num_hidden_layers * capacity * kv_dim * dtype.size_in_bytes();
+        let alloc = |label| owner.alloc_device(BufferKind::KvCache, label, device, bytes);
+        Ok(CudaKv {
+            keys: alloc("kv cache keys")?,
+            values: alloc("kv cache values")?,
+            dtype,
+            kv_dim,
+            capacity,
+            len: 0,
+        })
+    }
+
+    pub fn dtype(&self) -> KvDtype {
+        self.dtype
+    }
+}
+
+impl KvStore for CudaKv {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
+    fn advance(&mut self, n: usize) {
+        debug_assert!(self.len + n <= self.capacity);
+        self.len += n;
+    }
+}
+
+pub struct CudaBackend {
+    device: CudaDevice,
+    owner: BufferOwner,
+    gemm: Gemm,
+    max_batch: usize,
+    logit_rows: usize,
+    /// f32, indexed by [`Slot::index`].
+    slots: [DeviceBuffer; Slot::COUNT],
+    /// A GEMM's 16-bit copy of its input activations.
+    gemm_input: DeviceBuffer,
+    tokens: DeviceBuffer,
+    attention_scratch: DeviceBuffer,
+    logits: DeviceBuffer,
+    logits_host: Vec<f32>,
+}
+
+impl CudaBackend {
+    pub fn new(
+        device: CudaDevice,
+        config: &ModelConfig,
+        owner: &BufferOwner,
+        max_batch: usize,
+        logit_rows: usize,
+    ) -> Result<Self> {
+        let b = max_batch.max(1);
+        let logit_rows = logit_rows.max(1);
+        let f32s = |label: &str, n: usize| {
+            owner.alloc_device(BufferKind::Activations, label, &device, n * 4)
+        };
+        let mut slots = Vec::with_capacity(Slot::COUNT);
+        for slot in Slot::ALL {
+            slots.push(f32s(slot.label(), b * slot.width(config))?);
+        }
+        let widest = config
+            .hidden_size
+            .max(config.q_dim())
+            .max(config.ffn_width());
+        let shape = AttentionShape {
+            n_heads: config.num_attention_heads,
+            n_kv_heads: config.num_key_value_heads,
+            head_dim: config.head_dim,
+        };
+        let gemm_input = owner.alloc_device(
+            BufferKind::Activations,
+            "gemm input (16-bit)",
+            &device,
+            b * widest * 2,
+        )?;
+        let tokens = owner.alloc_device(BufferKind::Activations, "token ids", &device, b * 4)?;
+        let attention_scratch = f32s(
+            "attention splits",
+            cuda::attention_decode_scratch_len(shape),
+        )?;
+        let logits = f32s("logits", logit_rows * config.vocab_size)?;
+        let gemm = Gemm::new(&device, owner)?;
+        Ok(CudaBackend {
+            owner: owner.clone(),
+            gemm,
+            max_batch: b,
+            logit_rows,
+            slots: slots.try_into().expect("one buffer per slot"),
+            gemm_input,
+            tokens,
+            attention_scratch,
+            logits,
+            logits_host: vec![0.0; logit_rows * config.vocab_size],
+            device,
+        })
+    }
+
+    pub fn device(&self) -> &CudaDevice {
+        &self.device
+    }
+
+    fn upload(&self, name: &str, kind: BufferKind, bytes: &[u8]) -> Result<DeviceBuffer> {
+        let mut buffer = self
+            .owner
+            .alloc_device(kind, name, &self.device, bytes.len())?;
+        buffer.upload(bytes)?;
+        Ok(buffer)
+    }
+
+    fn matrix_from(
+        &self,
+        name: &str,
+        dtype: DType,
+        bytes: &[u8],
+        rows: usize,
+        cols: usize,
+    ) -> Result<CudaMatrix> {
+        if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
+            return Err(Error::Unsupported {
+                what: format!("{name}: {dtype} weights"),
+                backend: "CUDA",
+            });
+        }
+        let buffer = self.upload(name, BufferKind::Weights, bytes)?;
+        Ok(CudaMatrix {
+            buffer: Arc::new(buffer),
+            offset: 0,
+            dtype,
+            rows,
+            cols,
+        })
+    }
+
+    /// `dst[..rows·out] = src[..rows·in] · Wᵀ`, by matrix-vector kernels for decode and a GEMM
+    /// for longer batches.
+    fn project(&mut self, w: &CudaMatrix, src: Slot, rows: usize, dst: Slot) -> Result<()> {
+        let mat = w.as_mat()?;
+        let (n_in, n_out) = (w.cols, w.rows);
+        let [s, d] = self
+            .slots
+            .get_disjoint_mut([src.index(), dst.index()])
+            .expect("distinct slots");
+        let x = s.as_slice::<f32>().slice(0..rows * n_in);
+        let mut y = d.as_mut_slice::<f32>();
+        if rows <= cuda::MAX_BATCH || mat.dtype == Float::F32 {
+            for start in (0..rows).step_by(cuda::MAX_BATCH) {
+                let batch = (rows - start).min(cuda::MAX_BATCH);
+                let x = x.slice(start * n_in..(start + batch) * n_in);
+                let mut y = y.slice_mut(start * n_out..(start + batch) * n_out);
+                cuda::matvec(&self.device, &mat, x, batch, &mut y, false)?;
+            }
+            return Ok(());
+        }
+        let mut y = y.slice_mut(0..rows * n_out);
+        match mat.dtype {
+            Float::Bf16 => {
+                let mut a = self.gemm_input.as_mut_slice::<bf16>();
+                let mut a = a.slice_mut(0..rows * n_in);
+                cuda::convert(&self.device, x, &mut a)?;
+                self.gemm.matmul(a.as_slice(), &mat, &mut y, false)?;
+            }
+            Float::F16 => {
+                let mut a = self.gemm_input.as_mut_slice::<f16>();
+                let mut a = a.slice_mut(0..rows * n_in);
+                cuda::convert(&self.device, x, &mut a)?;
+                self.gemm.matmul(a.as_slice(), &mat, &mut y, false)?;
+            }
+            Float::F32 => unreachable!("f32 weights take the matrix-vector path"),
+        }
+        Ok(())
+    }
+}
+
+impl Backend for CudaBackend {
+    type Matrix = CudaMatrix;
+    type Vector = CudaVector;
+    type Rope = CudaRope;
+    type Kv = CudaKv;
+
+    fn max_batch(&self) -> usize {
+        self.max_batch
+    }
+
+    fn logit_rows(&self) -> usize {
+        self.logit_rows
+    }
+
+    fn load_matrix(
+        &self,
+        source: &dyn TensorSource,
+        name: &str,
+        rows: usize,
+        cols: usize,
+    ) -> Result<CudaMatrix> {
+        let t = source.get_shaped(name, &[rows, cols])?;
+        self.matrix_from(name, t.dtype, t.bytes, rows, cols)
+    }
+
+    fn load_stacked(
+        &self,
+        source: &dyn TensorSource,
+        name: &str,
+        count: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<CudaMatrix> {
+        let t = source.get_shaped(name, &[count, rows, cols])?;
+        self.matrix_from(name, t.dtype, t.bytes, count * rows, cols)
+    }
+
+    fn load_vector(&self, source: &dyn TensorSource, name: &str, len: usize) -> Result<CudaVector> {
+        let t = source.get_shaped(name, &[len])?;
+        let mut values = vec![0f32; len];
+        dequantize_row(t.dtype, t.bytes, &mut values);
+        let buffer = self.upload(name, BufferKind::Repacked, bytemuck::cast_slice(&values))?;
+        Ok(CudaVector(buffer))
+    }
+
+    fn rope_tables(&self, config: &ModelConfig, positions: usize) -> Result<CudaRope> {
+        // The CPU's tables, computed once on the host (the same angles on every device).
+        let host = RopeTable::new(config, positions, &self.owner)?;
+        Ok(CudaRope {
+            cos: self.upload(
+                "rope cos",
+                BufferKind::Scratch,
+                bytemuck::cast_slice(host.cos()),
+            )?,
+            sin: self.upload(
+                "rope sin",
+                BufferKind::Scratch,
+                bytemuck::cast_slice(host.sin()),
+            )?,
+        })
+    }
+
+    fn embed(&mut self, table: &CudaMatrix, tokens: &[u32]) -> Result<()> {
+        self.tokens.upload(tokens)?;
+        let ids = self.tokens.as_slice::<u32>().slice(0..tokens.len());
+        let hidden = table.cols;
+        let mut out = self.slots[Slot::Residual.index()].as_mut_slice::<f32>();
+        let mut out = out.slice_mut(0..tokens.len() * hidden);
+        let bytes = table.buffer.as_slice::<u8>().slice(table.bytes());
+        let dev = &self.device;
+        match table.dtype {
+            DType::BF16 => cuda::embedding(dev, bytes.cast::<bf16>(), hidden, ids, &mut out)?,
+            DType::F16 => cuda::embedding(dev, bytes.cast::<f16>(), hidden, ids, &mut out)?,
+            _ => cuda::embedding(dev, bytes.cast::<f32>(), hidden, ids, &mut out)?,
+        }
+        Ok(())
+    }
+
+    fn rms_norm(
+        &mut self,
+        src: Slot,
+        rows: Range<usize>,
+        weight: &CudaVector,
+        eps: f32,
+        dst: Slot,
+    ) -> Result<()> {
+        let width = weight.0.len() / 4;
+        let [s, d] = self
+            .slots
+            .get_disjoint_mut([src.index(), dst.index()])
+            .expect("distinct slots");
+        let x = s
+            .as_slice::<f32>()
+            .slice(rows.start * width..rows.end * width);
+        let mut out = d.as_mut_slice::<f32>();
+        let mut out = out.slice_mut(0..rows.len() * width);
+        cuda::rms_norm(&self.device, x, weight.slice(), eps, &mut out)?;
+        Ok(())
+    }
+
+    fn head_rms_norm(
+        &mut self,
+        slot: Slot,
+        len: usize,
+        weight: &CudaVector,
+        eps: f32,
+    ) -> Result<()> {
+        let mut x = self.slots[slot.index()].as_mut_slice::<f32>();
+        let mut x = x.slice_mut(0..len);
+        cuda::rms_norm_in_place(&self.device, &mut x, weight.slice(), eps)?;
+        Ok(())
+    }
+
+    fn linear(
+        &mut self,
+        weight: &CudaMatrix,
+        bias: Option<&CudaVector>,
+        src: Slot,
+        rows: usize,
+        dst: Slot,
+    ) -> Result<()> {
+        self.project(weight, src, rows, dst)?;
+        if let Some(bias) = bias {
+            let mut y = self.slots[dst.index()].as_mut_slice::<f32>();
+            for r in 0..rows {
+                let mut row = y.slice_mut(r * weight.rows..(r + 1) * weight.rows);
+                cuda::add(&self.device, &mut row, bias.slice())?;
+            }
+        }
+        Ok(())
+    }
+
+    fn rope(
+        &mut self,
+        tables: &CudaRope,
+        style: RopeStyle,
+        slot: Slot,
+        n_heads: usize,
+        head_dim: usize,
+        pos0: usize,
+        rows: usize,
+    ) -> Result<()> {
+        let layout = match style {
+            RopeStyle::Halves => RopeLayout::Halves,
+            RopeStyle::Pairs => RopeLayout::Pairs,
+        };
+        let mut x = self.slots[slot.index()].as_mut_slice::<f32>();
+        let mut x = x.slice_mut(0..rows * n_heads * head_dim);
+        let (cos, sin) = (tables.cos.as_slice(), tables.sin.as_slice());
+        cuda::rope(
+            &self.device,
+            &mut x,
+            n_heads,
+            head_dim,
+            pos0,
+            cos,
+            sin,
+            layout,
+            None,
+        )?;
+        Ok(())
+    }
+
+    fn attention(&mut self, kv: &mut CudaKv, p: AttentionParams, rows: usize) -> Result<()> {
+        let kv_dim = kv.kv_dim;
+        let layer_elems = kv.capacity * kv_dim;
+        let layer = p.layer * layer_elems..(p.layer + 1) * layer_elems;
+        let new = layer.start + p.pos0 * kv_dim..layer.start + (p.pos0 + rows) * kv_dim;
+        let shape = AttentionShape {
+            n_heads: p.n_heads,
+            n_kv_heads: p.n_kv_heads,
+            head_dim: p.head_dim,
+        };
+        let [q, k, v, out] = self
+            .slots
+            .get_disjoint_mut([
+                Slot::Queries.index(),
+                Slot::Keys.index(),
+                Slot::Values.index(),
+                Slot::AttentionOut.index(),
+            ])
+            .expect("distinct slots");
+        let q_len = rows * p.n_heads * p.head_dim;
+        let q = q.as_slice::<f32>().slice(0..q_len);
+        let mut out = out.as_mut_slice::<f32>();
+        let mut out = out.slice_mut(0..q_len);
+        let (k, v) = (
+            k.as_slice::<f32>().slice(0..rows * kv_dim),
+            v.as_slice::<f32>().slice(0..rows * kv_dim),
+        );
+        let dev = &self.device;
+        let context = p.pos0 + rows;
+        macro_rules! run {
+            ($t:ty) => {{
+                cuda::convert(
+                    dev,
+                    k,
+                    &mut kv.keys.as_mut_slice::<$t>().slice_mut(new.clone()),
+                )?;
+                cuda::convert(
+                    dev,
+                    v,
+                    &mut kv.values.as_mut_slice::<$t>().slice_mut(new.clone()),
+                )?;
+                let keys = kv.keys.as_slice::<$t>().slice(layer.clone());
+                let values = kv.values.as_slice::<$t>().slice(layer.clone());
+                if rows == 1 {
+                    let mut scratch = self.attention_scratch.as_mut_slice::<f32>();
+                    cuda::attention_decode(
+                        dev,
+                        q,
+                        keys,
+                        values,
+                        context,
+                        shape,
+                        p.scale,
+                        &mut scratch,
+                        &mut out,
+                    )?;
+                } else {
+                    cuda::attention_prefill(
+                        dev, q, keys, values, p.pos0, rows, shape, p.scale, &mut out,
+                    )?;
+                }
+            }};
+        }
+        match kv.dtype {
+            KvDtype::F32 => run!(f32),
+            KvDtype::F16 => run!(f16),
+        }
+        Ok(())
+    }
+
+    fn silu_mul(&mut self, len: usize) -> Result<()> {
+        let [gate, up] = self
+            .slots
+            .get_disjoint_mut([Slot::Gate.index(), Slot::Up.index()])
+            .expect("distinct slots");
+        let mut gate = gate.as_mut_slice::<f32>();
+        let mut gate = gate.slice_mut(0..len);
+        cuda::silu_mul_in_place(&self.device, &mut gate, up.as_slice::<f32>().slice(0..len))?;
+        Ok(())
+    }
+
+    fn add(&mut self, dst: Slot, src: Slot, len: usize) -> Result<()> {
+        let [s, d] = self
+            .slots
+            .get_disjoint_mut([src.index(), dst.index()])
+            .expect("distinct slots");
+        let mut d = d.as_mut_slice::<f32>();
+        let mut d = d.slice_mut(0..len);
+        cuda::add(&self.device, &mut d, s.as_slice::<f32>().slice(0..len))?;
+        Ok(())
+    }
+
+    fn moe(&mut self, _moe: &Moe<Self>, _rows: usize) -> Result<()> {
+        Err(Error::Unsupported {
+            what: "mixture-of-experts routing".into(),
+            backend: "CUDA",
+        })
+    }
+
+    fn logits(&mut self, head: &CudaMatrix, rows: usize) -> Result<&[f32]> {
+        let len = rows * head.rows;
+        self.project_to_logits(head, rows)?;
+        self.logits.download(&mut self.logits_host[..len])?;
+        Ok(&self.logits_host[..len])
+    }
+}
+
+impl CudaBackend {
+    /// `logits[..rows] = Normed[..rows] · headᵀ` (matrix-vector: at most a few rows).
+    fn project_to_logits(&mut self, head: &CudaMatrix, rows: usize) -> Result<()> {
+        let mat = head.as_mat()?;
+        let x = self.slots[Slot::Normed.index()]
+            .as_slice::<f32>()
+            .slice(0..rows * head.cols);
+        let mut y = self.logits.as_mut_slice::<f32>();
+        for start in (0..rows).step_by(cuda::MAX_BATCH) {
+            let batch = (rows - start).min(cuda::MAX_BATCH);
+            let x = x.slice(start * head.cols..(start + batch) * head.cols);
+            let mut y = y.slice_mut(start * head.rows..(start + batch) * head.rows);
+            cuda::matvec(&self.device, &mat, x, batch, &mut y, false)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,279 @@
+//! What the CUDA kernels reach on this machine's GPU, against its own ceilings.
+//!
+//! `cargo run --release -p ember-tensor --example cuda_probe`
+//!
+//! Prints the device, the device-to-device copy bandwidth (bytes read plus written), decode
+//! matvec bandwidth per weight type and shape as a share of that copy rate, flash-decoding
+//! attention bandwidth, and cuBLASLt GEMM TFLOP/s: medians of several timed runs after a
+//! warm-up. Weights rotate over enough copies to pass ~1 GiB per run, so the 60 MB L2 cannot
+//! serve them.
+
+use std::process::ExitCode;
+
+use ember_tensor::cpu::AttentionShape;
+use ember_tensor::cuda::{
+    self, CudaDevice, CudaError, DevMat, DeviceBuffer, DeviceElem, Float, Gemm, matvec_bytes,
+};
+use ember_tensor::{BufferKind, BufferOwner};
+use half::{bf16, f16};
+
+const REPEATS: usize = 9;
+/// Bytes of weights one timed run sweeps at least.
+const SWEEP_BYTES: usize = 1 << 30;
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("cuda_probe: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Median milliseconds of `work` over [`REPEATS`] runs, after one warm-up run.
+fn time(
+    device: &CudaDevice,
+    mut work: impl FnMut() -> Result<(), CudaError>,
+) -> Result<f64, CudaError> {
+    work()?;
+    let mut ms = Vec::with_capacity(REPEATS);
+    for _ in 0..REPEATS {
+        ms.push(device.time_ms(&mut work)? as f64);
+    }
+    Ok(median(ms))
+}
+
+struct Probe {
+    device: CudaDevice,
+    owner: BufferOwner,
+    seed: u64,
+}
+
+impl Probe {
+    fn alloc(&self, bytes: usize) -> Result<DeviceBuffer, CudaError> {
+        self.owner
+            .alloc_device(BufferKind::Scratch, "probe", &self.device, bytes)
+    }
+
+    /// A buffer of `n` random values in [-1, 1), as `T`.
+    fn random<T: DeviceElem>(
+        &mut self,
+        n: usize,
+        convert: impl Fn(f32) -> T,
+    ) -> Result<DeviceBuffer, CudaError> {
+        let data: Vec<T> = (0..n)
+            .map(|_| {
+                self.seed = self
+                    .seed
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                convert(((self.seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0)
+            })
+            .collect();
+        let mut buf = self.alloc(n * size_of::<T>())?;
+        buf.upload(&data)?;
+        Ok(buf)
+    }
+
+    fn copy_bandwidth(&self) -> Result<f64, CudaError> {
+        let bytes = 2usize << 30;
+        let src = self.alloc(bytes)?;
+        let mut dst = self.alloc(bytes)?;
+        self.device.fill_bytes(&mut dst.as_mut_slice::<u8>(), 1)?;
+        let ms = time(&self.device, || {
+            self.device
+                .copy(src.as_slice::<u8>(), &mut dst.as_mut_slice::<u8>())
+        })?;
+        Ok(2.0 * bytes as f64 / ms / 1e6)
+    }
+
+    /// GB/s of `batch`-row matvecs over `rows × cols` weights of `dtype`.
+    fn matvec(
+        &mut self,
+        dtype: Float,
+        rows: usize,
+        cols: usize,
+        batch: usize,
+    ) -> Result<f64, CudaError> {
+        let weight_bytes = rows * cols * dtype.size_in_bytes();
+        let copies = SWEEP_BYTES.div_ceil(weight_bytes).max(2);
+        let first = match dtype {
+            Float::F32 => self.random(rows * cols, |x| x)?,
+            Float::Bf16 => self.random(rows * cols, bf16::from_f32)?,
+            Float::F16 => self.random(rows * cols, f16::from_f32)?,
+        };
+        let mut weights = vec![first];
+        for _ in 1..copies {
+            let mut w = self.alloc(weight_bytes)?;
+            self.device
+                .copy(weights[0].as_slice::<u8>(), &mut w.as_mut_slice::<u8>())?;
+            weights.push(w);
+        }
+        let x = self.random(batch * cols, |v| v)?;
+        let mut y = self.alloc(batch * rows * 4)?;
+        let ms = time(&self.device, || {
+            for w in &weights {
+                let ty = match dtype {
+                    Float::F32 => ember_tensor::DType::F32,
+                    Float::Bf16 => ember_tensor::DType::BF16,
+                    Float::F16 => ember_tensor::DType::F16,
+                };
+                let mat = DevMat::new(ty, w.as_slice::<u8>(), rows, cols)?;
+                cuda::matvec(
+                    &self.device,
+                    &mat,
+                    x.as_slice(),
+                    batch,
+                    &mut y.as_mut_slice(),
+                    false,
+                )?;
+            }
+            Ok(())
+        })?;
+        let bytes = copies * matvec_bytes(dtype, rows, cols, batch);
+        Ok(bytes as f64 / ms / 1e6)
+    }
+
+    fn gemm(
+        &mut self,
+        gemm: &Gemm,
+        m: usize,
+        n: usize,
+        k: usize,
+        f32_out: bool,
+    ) -> Result<f64, CudaError> {
+        let a = self.random(m * k, bf16::from_f32)?;
+        let w = self.random(n * k, bf16::from_f32)?;
+        let mat = DevMat::from_slice(w.as_slice::<bf16>(), n, k)?;
+        let mut out = self.alloc(m * n * if f32_out { 4 } else { 2 })?;
+        let ms = time(&self.device, || {
+            if f32_out {
+                gemm.matmul(
+                    a.as_slice::<bf16>(),
+                    &mat,
+                    &mut out.as_mut_slice::<f32>(),
+                    false,
+                )
+            } else {
+                gemm.matmul(
+                    a.as_slice::<bf16>(),
+                    &mat,
+                    &mut out.as_mut_slice::<bf16>(),
+                    false,
+                )
+            }
+        })?;
+        Ok(2.0 * (m * n * k) as f64 / ms / 1e9)
+    }
+
+    /// GB/s of one decode step's attention over a bf16 cache of `context` positions, and µs.
+    fn attention(
+        &mut self,
+        shape: AttentionShape,
+        context: usize,
+    ) -> Result<(f64, f64), CudaError> {
+        let kv = context * shape.n_kv_heads * shape.head_dim;
+        let keys = self.random(kv, bf16::from_f32)?;
+        let values = self.random(kv, bf16::from_f32)?;
+        let q = self.random(shape.n_heads * shape.head_dim, |x| x)?;
+        let mut scratch = self.alloc(cuda::attention_decode_scratch_len(shape) * 4)?;
+        let mut out = self.alloc(shape.n_heads * shape.head_dim * 4)?;
+        let ms = time(&self.device, || {
+            cuda::attention_decode(
+                &self.device,
+                q.as_slice(),
+                keys.as_slice::<bf16>(),
+                values.as_slice::<bf16>(),
+                context,
+                shape,
+                0.088,
+                &mut scratch.as_mut_slice(),
+                &mut out.as_mut_slice(),
+            )
+        })?;
+        Ok((2.0 * kv as f64 * 2.0 / ms / 1e6, ms * 1e3))
+    }
+}
+
+fn run() -> Result<(), CudaError> {
+    let device = CudaDevice::open(0)?;
+    println!("device: {}", device.info());
+    let started = std::time::Instant::now();
+    device.load_all()?;
+    println!("kernels ready in {:.2?}", started.elapsed());
+    let mut probe = Probe {
+        device,
+        owner: BufferOwner::new(),
+        seed: 1,
+    };
+
+    let copy = probe.copy_bandwidth()?;
+    println!("device-to-device copy: {copy:.0} GB/s (read + write)");
+
+    println!("\nmatvec (decode), weights streamed from HBM:");
+    println!(
+        "{:<6} {:>15} {:>5} {:>9} {:>8}",
+        "dtype", "rows×cols", "batch", "GB/s", "of copy"
+    );
+    let shapes = [
+        (1024, 4096),
+        (4096, 4096),
+        (12288, 4096),
+        (4096, 12288),
+        (151936, 1024),
+    ];
+    let runs = [
+        (Float::Bf16, 1),
+        (Float::Bf16, 4),
+        (Float::Bf16, 8),
+        (Float::F16, 1),
+        (Float::F32, 1),
+    ];
+    for (rows, cols) in shapes {
+        for (dtype, batch) in runs {
+            let gbs = probe.matvec(dtype, rows, cols, batch)?;
+            println!(
+                "{:<6} {:>15} {:>5} {:>9.0} {:>7.0}%",
+                dtype.to_string(),
+                format!("{rows}×{cols}"),
+                batch,
+                gbs,
+                100.0 * gbs / copy
+            );
+        }
+    }
+
+    println!("\nattention_decode, bf16 cache (qwen3-8b heads 32/8×128):");
+    let shape = AttentionShape {
+        n_heads: 32,
+        n_kv_heads: 8,
+        head_dim: 128,
+    };
+    for context in [512, 4096, 32768] {
+        let (gbs, us) = probe.attention(shape, context)?;
+        println!(
+            "context {context:>6}: {us:>7.1} µs, {gbs:>5.0} GB/s ({:.0}% of copy)",
+            100.0 * gbs / copy
+        );
+    }
+
+    println!("\ncuBLASLt bf16 GEMM (f32 accumulate), out = a[m,k]·W[n,k]ᵀ:");
+    let gemm = Gemm::new(&probe.device, &probe.owner)?;
+    for (m, n, k) in [
+        (2048, 4096, 4096),
+        (2048, 12288, 4096),
+        (2048, 4096, 12288),
+        (8192, 8192, 8192),
+    ] {
+        let bf = probe.gemm(&gemm, m, n, k, false)?;
+        let f = probe.gemm(&gemm, m, n, k, true)?;
+        println!("{m}×{n}×{k}: {bf:.0} TFLOP/s bf16 out, {f:.0} TFLOP/s f32 out");
+    }
+    Ok(())
+}

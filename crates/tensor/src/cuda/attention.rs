@@ -1,0 +1,202 @@
+//! Attention over a KV cache: flash-decoding for one new token, tiled causal attention for a
+//! prompt chunk. Layouts as in [`crate::cpu::causal_attention`]: the cache of one layer is
+//! `[positions, n_kv_heads · head_dim]`, queries and outputs `[tokens, n_heads · head_dim]`.
+
+use super::device::launch;
+use super::kernels::Kernel;
+use super::{CudaDevice, CudaError, DevSlice, DevSliceMut, FloatElem, config, ensure, int};
+use crate::cpu::AttentionShape;
+
+/// The widest head the kernels take (8 values per lane).
+pub const MAX_HEAD_DIM: usize = 256;
+
+/// The most chunks decode splits the context into; sizes the scratch.
+const MAX_SPLITS: usize = 64;
+/// Keys per chunk at least: one tile.
+const MIN_KEYS_PER_SPLIT: usize = 32;
+/// Query rows a block takes (`ATT_ROWS` in attention.cu), and its threads.
+const ROWS: usize = 16;
+const THREADS: u32 = 128;
+
+/// f32 elements of scratch [`attention_decode`] needs for a shape (any context length).
+pub fn attention_decode_scratch_len(shape: AttentionShape) -> usize {
+    MAX_SPLITS * shape.n_heads * (shape.head_dim + 2)
+}
+
+fn check_shape(op: &'static str, shape: AttentionShape) -> Result<u8, CudaError> {
+    let AttentionShape {
+        n_heads,
+        n_kv_heads,
+        head_dim,
+    } = shape;
+    ensure!(
+        n_kv_heads > 0 && n_heads % n_kv_heads == 0,
+        op,
+        "{n_heads} heads over {n_kv_heads} kv heads"
+    );
+    ensure!(
+        (1..=MAX_HEAD_DIM).contains(&head_dim),
+        op,
+        "head_dim {head_dim} outside 1..={MAX_HEAD_DIM}"
+    );
+    // Values of a head each lane holds.
+    Ok(match head_dim.div_ceil(32) {
+        0..=2 => 2,
+        3..=4 => 4,
+        _ => 8,
+    })
+}
+
+fn check_cache<T: FloatElem>(
+    op: &'static str,
+    keys: DevSlice<'_, T>,
+    values: DevSlice<'_, T>,
+    positions: usize,
+    shape: AttentionShape,
+) -> Result<(), CudaError> {
+    let need = positions * shape.n_kv_heads * shape.head_dim;
+    ensure!(
+        keys.len() >= need && values.len() >= need,
+        op,
+        "cache of {} keys and {} values is shorter than {positions} positions ({need})",
+        keys.len(),
+        values.len()
+    );
+    Ok(())
+}
+
+/// Attention of one new token's queries `q` (`[n_heads · head_dim]`) over the first `context`
+/// positions of the cache (the token's own included), into `out`.
+///
+/// The context is split into up to 64 chunks, each taken by its own blocks; a second pass
+/// merges them. `scratch` holds [`attention_decode_scratch_len`] values.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_decode<T: FloatElem>(
+    device: &CudaDevice,
+    q: DevSlice<'_, f32>,
+    keys: DevSlice<'_, T>,
+    values: DevSlice<'_, T>,
+    context: usize,
+    shape: AttentionShape,
+    scale: f32,
+    scratch: &mut DevSliceMut<'_, f32>,
+    out: &mut DevSliceMut<'_, f32>,
+) -> Result<(), CudaError> {
+    const OP: &str = "attention_decode";
+    let width = check_shape(OP, shape)?;
+    check_cache(OP, keys, values, context, shape)?;
+    let AttentionShape {
+        n_heads,
+        n_kv_heads,
+        head_dim,
+    } = shape;
+    let q_len = n_heads * head_dim;
+    ensure!(
+        q.len() == q_len && out.len() == q_len,
+        OP,
+        "q {} and out {} for {n_heads} heads of {head_dim}",
+        q.len(),
+        out.len()
+    );
+    ensure!(context > 0, OP, "no keys to attend to");
+    ensure!(
+        scratch.len() >= attention_decode_scratch_len(shape),
+        OP,
+        "scratch of {} values, {} needed",
+        scratch.len(),
+        attention_decode_scratch_len(shape)
+    );
+
+    // Enough chunks for about two blocks per multiprocessor, each a whole number of tiles.
+    let row_chunks = (n_heads / n_kv_heads).div_ceil(ROWS);
+    let blocks_per_split = n_kv_heads * row_chunks;
+    let target_splits = (2 * device.info().multiprocessors).div_ceil(blocks_per_split);
+    let keys_per_split = context
+        .div_ceil(target_splits)
+        .max(MIN_KEYS_PER_SPLIT)
+        .max(context.div_ceil(MAX_SPLITS))
+        .next_multiple_of(32);
+    let splits = context.div_ceil(keys_per_split);
+
+    let (part_ml, part_acc) = scratch.reborrow().split_at_mut(MAX_SPLITS * n_heads * 2);
+    let (qp, kp, vp) = (q.device_ptr(), keys.device_ptr(), values.device_ptr());
+    let (mlp, accp, outp) = (
+        part_ml.device_ptr(),
+        part_acc.device_ptr(),
+        out.device_ptr(),
+    );
+    let (ctx, heads, kv_heads, d) = (
+        int(OP, "context", context)?,
+        int(OP, "n_heads", n_heads)?,
+        int(OP, "n_kv_heads", n_kv_heads)?,
+        int(OP, "head_dim", head_dim)?,
+    );
+    let (kps, n_splits) = (keys_per_split as i32, splits as i32);
+    let kernel = Kernel::AttentionDecode {
+        kv: T::FLOAT,
+        width,
+    };
+    let smem = kernel.dynamic_smem_bytes().unwrap_or(0);
+    let grid = (splits as u32, int(OP, "blocks", blocks_per_split)? as u32);
+    launch!(device, kernel, config(grid, THREADS, smem);
+        qp, kp, vp, mlp, accp, ctx, heads, kv_heads, d, scale, kps)?;
+    launch!(device, Kernel::AttentionCombine, config((n_heads as u32, 1), THREADS, 0);
+        mlp, accp, outp, n_splits, heads, d)
+}
+
+/// Causal attention of `n` new tokens at positions `pos0..pos0 + n` (their keys and values
+/// already in the cache): query `i` sees positions `..=pos0 + i`. `q` and `out` are
+/// `[n, n_heads · head_dim]`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_prefill<T: FloatElem>(
+    device: &CudaDevice,
+    q: DevSlice<'_, f32>,
+    keys: DevSlice<'_, T>,
+    values: DevSlice<'_, T>,
+    pos0: usize,
+    n: usize,
+    shape: AttentionShape,
+    scale: f32,
+    out: &mut DevSliceMut<'_, f32>,
+) -> Result<(), CudaError> {
+    const OP: &str = "attention_prefill";
+    let width = check_shape(OP, shape)?;
+    check_cache(OP, keys, values, pos0 + n, shape)?;
+    let AttentionShape {
+        n_heads,
+        n_kv_heads,
+        head_dim,
+    } = shape;
+    let len = n * n_heads * head_dim;
+    ensure!(
+        q.len() == len && out.len() == len,
+        OP,
+        "q {} and out {} for {n} tokens of {n_heads} heads of {head_dim}",
+        q.len(),
+        out.len()
+    );
+    if n == 0 {
+        return Ok(());
+    }
+    let (qp, kp, vp, op) = (
+        q.device_ptr(),
+        keys.device_ptr(),
+        values.device_ptr(),
+        out.device_ptr(),
+    );
+    let (tokens, p0, heads, kv_heads, d) = (
+        int(OP, "n", n)?,
+        int(OP, "pos0", pos0)?,
+        int(OP, "n_heads", n_heads)?,
+        int(OP, "n_kv_heads", n_kv_heads)?,
+        int(OP, "head_dim", head_dim)?,
+    );
+    let kernel = Kernel::AttentionPrefill {
+        kv: T::FLOAT,
+        width,
+    };
+    let smem = kernel.dynamic_smem_bytes().unwrap_or(0);
+    let grid = (n.div_ceil(ROWS) as u32, n_heads as u32);
+    launch!(device, kernel, config(grid, THREADS, smem);
+        qp, kp, vp, op, tokens, p0, heads, kv_heads, d, scale)
+}

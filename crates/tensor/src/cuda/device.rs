@@ -1,0 +1,500 @@
+//! [`CudaDevice`]: one GPU, opened without panicking whatever the machine lacks.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::{Arc, Mutex};
+
+use cudarc::cublaslt::{result as blas, sys as blas_sys};
+use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags, CUfunction_attribute};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, result as drv};
+use cudarc::nvrtc::Ptx;
+
+use super::compile::{Compiler, arch_name, nvrtc_version};
+use super::error::{CudaError, ensure};
+use super::kernels::{Kernel, Module};
+use super::memory::{DevSlice, DevSliceMut, DeviceElem, DeviceMemory};
+
+/// What [`CudaDevice::probe`] and [`CudaDevice::info`] report.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceInfo {
+    pub ordinal: usize,
+    /// Devices the driver sees.
+    pub count: usize,
+    pub name: String,
+    pub compute_capability: (i32, i32),
+    pub multiprocessors: usize,
+    pub memory_bytes: usize,
+    pub l2_bytes: usize,
+    /// `(major, minor)` of the CUDA version the driver supports.
+    pub driver: (i32, i32),
+    pub nvrtc: (i32, i32),
+}
+
+impl DeviceInfo {
+    /// The NVRTC target for this device, `sm_90` on an H100/H200.
+    pub fn arch(&self) -> String {
+        arch_name(self.compute_capability)
+    }
+}
+
+impl fmt::Display for DeviceInfo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} (device {} of {}, {}, {} SMs, {:.1} GiB, driver CUDA {}.{}, NVRTC {}.{})",
+            self.name,
+            self.ordinal,
+            self.count,
+            self.arch(),
+            self.multiprocessors,
+            self.memory_bytes as f64 / (1u64 << 30) as f64,
+            self.driver.0,
+            self.driver.1,
+            self.nvrtc.0,
+            self.nvrtc.1,
+        )
+    }
+}
+
+/// cudarc's check that a library loads (it tries the same file names it loads later).
+type Present = unsafe fn() -> bool;
+
+/// The libraries CUDA needs, as [`CudaError::Unavailable`] names them.
+const LIBRARIES: [(&str, Present); 4] = [
+    (
+        "libcuda.so.1 (the NVIDIA driver)",
+        cudarc::driver::sys::is_culib_present,
+    ),
+    (
+        "libnvrtc.so.13 (NVRTC, the CUDA run-time compiler)",
+        cudarc::nvrtc::sys::is_culib_present,
+    ),
+    (
+        "libcublas.so.13 (cuBLAS)",
+        cudarc::cublas::sys::is_culib_present,
+    ),
+    (
+        "libcublasLt.so.13 (cuBLASLt)",
+        cudarc::cublaslt::sys::is_culib_present,
+    ),
+];
+
+/// The error for the libraries that are missing, or `None` when all load.
+fn missing_libraries() -> Option<CudaError> {
+    let missing: Vec<&str> = LIBRARIES
+        .iter()
+        // SAFETY: the check only dlopens and closes the library.
+        .filter(|(_, present)| !unsafe { present() })
+        .map(|(name, _)| *name)
+        .collect();
+    unavailable(&missing)
+}
+
+fn unavailable(missing: &[&str]) -> Option<CudaError> {
+    (!missing.is_empty()).then(|| CudaError::Unavailable {
+        missing: missing.join(", "),
+    })
+}
+
+/// One CUDA device: its context, the one stream every op runs on in order, the cuBLASLt
+/// handle, and the kernel modules compiled for it (on first use). Cheap to clone; clones share
+/// all of it.
+#[derive(Clone)]
+pub struct CudaDevice {
+    inner: Arc<Inner>,
+}
+
+// Field order is drop order: modules and handles before the stream, the stream before the
+// context.
+struct Inner {
+    kernels: Mutex<Kernels>,
+    blas: BlasHandle,
+    compiler: Compiler,
+    stream: Arc<CudaStream>,
+    ctx: Arc<CudaContext>,
+    info: DeviceInfo,
+}
+
+#[derive(Default)]
+struct Kernels {
+    modules: HashMap<Module, Arc<CudaModule>>,
+    functions: HashMap<Kernel, CudaFunction>,
+}
+
+struct BlasHandle(blas_sys::cublasLtHandle_t);
+
+// SAFETY: a cuBLASLt handle may be used from any thread, one call at a time; ember's ops take
+// it from one thread per device.
+unsafe impl Send for BlasHandle {}
+unsafe impl Sync for BlasHandle {}
+
+impl Drop for BlasHandle {
+    fn drop(&mut self) {
+        // SAFETY: created by cublasLtCreate, destroyed once here.
+        if let Err(e) = unsafe { blas::destroy_handle(self.0) } {
+            tracing::warn!("cublasLtDestroy failed: {e}");
+        }
+    }
+}
+
+impl fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "CudaDevice({})", self.inner.info)
+    }
+}
+
+impl CudaDevice {
+    /// Opens device `ordinal`. Fails, never panics, when a CUDA library is missing (the error
+    /// names which), when there is no such device, or when the driver refuses.
+    pub fn open(ordinal: usize) -> Result<CudaDevice, CudaError> {
+        if let Some(e) = missing_libraries() {
+            return Err(e);
+        }
+        // The libraries resolve symbols lazily and panic on a missing one; a driver older than
+        // the bindings expect must still be an error.
+        catch_unwind(AssertUnwindSafe(|| Self::open_checked(ordinal))).unwrap_or_else(|panic| {
+            let message = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "unknown panic".into());
+            Err(CudaError::Panicked {
+                op: "opening the device",
+                message,
+            })
+        })
+    }
+
+    /// Which GPU `--device auto` would take (device 0), or why there is none; for the log.
+    pub fn probe() -> Result<DeviceInfo, CudaError> {
+        CudaDevice::open(0).map(|d| d.info().clone())
+    }
+
+    fn open_checked(ordinal: usize) -> Result<CudaDevice, CudaError> {
+        let count =
+            CudaContext::device_count().map_err(CudaError::driver("cuDeviceGetCount"))? as usize;
+        if ordinal >= count {
+            return Err(CudaError::NoDevice { ordinal, count });
+        }
+        let ctx = CudaContext::new(ordinal).map_err(CudaError::driver("creating the context"))?;
+        let stream = ctx
+            .new_stream()
+            .map_err(CudaError::driver("creating a stream"))?;
+        let attribute = |a| {
+            ctx.attribute(a)
+                .map_err(CudaError::driver("cuDeviceGetAttribute"))
+        };
+        let mut driver = 0;
+        // SAFETY: a valid out-pointer.
+        unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver) }
+            .result()
+            .map_err(CudaError::driver("cuDriverGetVersion"))?;
+        let info = DeviceInfo {
+            ordinal,
+            count,
+            name: ctx.name().map_err(CudaError::driver("cuDeviceGetName"))?,
+            compute_capability: ctx
+                .compute_capability()
+                .map_err(CudaError::driver("reading the compute capability"))?,
+            multiprocessors: attribute(
+                CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )? as usize,
+            memory_bytes: ctx
+                .total_mem()
+                .map_err(CudaError::driver("cuDeviceTotalMem"))?,
+            l2_bytes: attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)? as usize,
+            driver: (driver / 1000, driver % 1000 / 10),
+            nvrtc: nvrtc_version()?,
+        };
+        let blas = BlasHandle(blas::create_handle().map_err(CudaError::blas("cublasLtCreate"))?);
+        Ok(CudaDevice {
+            inner: Arc::new(Inner {
+                kernels: Mutex::default(),
+                blas,
+                compiler: Compiler::new(info.arch(), info.nvrtc),
+                stream,
+                ctx,
+                info,
+            }),
+        })
+    }
+
+    pub fn info(&self) -> &DeviceInfo {
+        &self.inner.info
+    }
+
+    pub fn ordinal(&self) -> usize {
+        self.inner.info.ordinal
+    }
+
+    /// The stream every op of this device is enqueued on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.inner.stream
+    }
+
+    pub(crate) fn blas_handle(&self) -> blas_sys::cublasLtHandle_t {
+        self.inner.blas.0
+    }
+
+    /// Compiles (or loads from the cache) every kernel module now, so that no op compiles on
+    /// first use (and none does while a graph is being captured).
+    pub fn load_all(&self) -> Result<(), CudaError> {
+        let mut kernels = self.kernels();
+        for module in Module::ALL {
+            self.module(&mut kernels, module)?;
+        }
+        Ok(())
+    }
+
+    fn kernels(&self) -> std::sync::MutexGuard<'_, Kernels> {
+        // A panic while holding the lock leaves at worst a module loaded but not listed.
+        self.inner.kernels.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn module(&self, kernels: &mut Kernels, module: Module) -> Result<Arc<CudaModule>, CudaError> {
+        if let Some(m) = kernels.modules.get(&module) {
+            return Ok(Arc::clone(m));
+        }
+        let compiler = &self.inner.compiler;
+        let load = |cubin: Vec<u8>| self.inner.ctx.load_module(Ptx::from_binary(cubin));
+        let loaded = match load(compiler.cubin(module, false)?) {
+            Ok(m) => m,
+            // A cached image the driver refuses (damaged, or from another driver): rebuild it.
+            Err(e) => {
+                tracing::warn!(
+                    "cached {}.cu did not load ({e}); recompiling",
+                    module.name()
+                );
+                load(compiler.cubin(module, true)?)
+                    .map_err(CudaError::driver("cuModuleLoadData"))?
+            }
+        };
+        kernels.modules.insert(module, Arc::clone(&loaded));
+        Ok(loaded)
+    }
+
+    /// The loaded entry point of `kernel`.
+    pub(crate) fn function(&self, kernel: Kernel) -> Result<CudaFunction, CudaError> {
+        let mut kernels = self.kernels();
+        if let Some(f) = kernels.functions.get(&kernel) {
+            return Ok(f.clone());
+        }
+        let module = self.module(&mut kernels, kernel.module())?;
+        let function = module
+            .load_function(&kernel.symbol())
+            .map_err(CudaError::driver("cuModuleGetFunction"))?;
+        if let Some(bytes) = kernel.dynamic_smem_bytes().filter(|&b| b > 48 * 1024) {
+            function
+                .set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    bytes as i32,
+                )
+                .map_err(CudaError::driver("raising the shared-memory limit"))?;
+        }
+        kernels.functions.insert(kernel, function.clone());
+        Ok(function)
+    }
+
+    fn bind(&self) -> Result<(), CudaError> {
+        self.inner
+            .ctx
+            .bind_to_thread()
+            .map_err(CudaError::driver("cuCtxSetCurrent"))
+    }
+
+    /// Raw device memory; [`crate::BufferOwner::alloc_device`] is the way in.
+    pub(crate) fn malloc(&self, label: &str, bytes: usize) -> Result<DeviceMemory, CudaError> {
+        if bytes == 0 {
+            return Ok(DeviceMemory::new(0, 0, self.clone()));
+        }
+        self.bind()?;
+        // SAFETY: the context is current; the pointer is freed once, by DeviceMemory.
+        let ptr = unsafe { drv::malloc_sync(bytes) }.map_err(|source| CudaError::Alloc {
+            label: label.into(),
+            bytes,
+            source,
+        })?;
+        Ok(DeviceMemory::new(ptr, bytes, self.clone()))
+    }
+
+    /// Frees memory from [`Self::malloc`] once the work enqueued before has finished.
+    pub(crate) fn free(&self, ptr: u64) {
+        let result = self
+            .bind()
+            .and_then(|()| self.synchronize())
+            .and_then(|()| {
+                // SAFETY: allocated by cuMemAlloc, freed once; no enqueued work is left to use it.
+                unsafe { drv::free_sync(ptr) }.map_err(CudaError::driver("cuMemFree"))
+            });
+        if let Err(e) = result {
+            tracing::warn!("freeing device memory at {ptr:#x} failed: {e}");
+        }
+    }
+
+    /// Waits for everything enqueued so far.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.inner
+            .stream
+            .synchronize()
+            .map_err(CudaError::driver("cuStreamSynchronize"))
+    }
+
+    /// Copies host data into device memory of the same length, and waits for it.
+    pub fn upload<T: DeviceElem>(
+        &self,
+        dst: &mut DevSliceMut<'_, T>,
+        src: &[T],
+    ) -> Result<(), CudaError> {
+        ensure!(
+            dst.len() == src.len(),
+            "upload",
+            "{} elements into {}",
+            src.len(),
+            dst.len()
+        );
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: `dst` is a live device range of `src.len()` elements; the wait below keeps
+        // `src` borrowed until the copy is done.
+        unsafe { drv::memcpy_htod_async(dst.device_ptr(), src, self.inner.stream.cu_stream()) }
+            .map_err(CudaError::driver("cuMemcpyHtoDAsync"))?;
+        self.synchronize()
+    }
+
+    /// Copies device memory into a host slice of the same length, after the work before it.
+    pub fn download<T: DeviceElem>(
+        &self,
+        src: DevSlice<'_, T>,
+        dst: &mut [T],
+    ) -> Result<(), CudaError> {
+        ensure!(
+            dst.len() == src.len(),
+            "download",
+            "{} elements into {}",
+            src.len(),
+            dst.len()
+        );
+        if dst.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: as in `upload`, the other way.
+        unsafe { drv::memcpy_dtoh_async(dst, src.device_ptr(), self.inner.stream.cu_stream()) }
+            .map_err(CudaError::driver("cuMemcpyDtoHAsync"))?;
+        self.synchronize()
+    }
+
+    /// Enqueues a device-to-device copy between slices of the same length.
+    pub fn copy<T: DeviceElem>(
+        &self,
+        src: DevSlice<'_, T>,
+        dst: &mut DevSliceMut<'_, T>,
+    ) -> Result<(), CudaError> {
+        ensure!(
+            dst.len() == src.len(),
+            "copy",
+            "{} elements into {}",
+            src.len(),
+            dst.len()
+        );
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: both ranges are live device memory of `size_of_val` bytes.
+        unsafe {
+            drv::memcpy_dtod_async(
+                dst.device_ptr(),
+                src.device_ptr(),
+                src.len() * size_of::<T>(),
+                self.inner.stream.cu_stream(),
+            )
+        }
+        .map_err(CudaError::driver("cuMemcpyDtoDAsync"))
+    }
+
+    /// Enqueues setting every byte of `dst` to `byte` (tests poison outputs with it).
+    pub fn fill_bytes<T: DeviceElem>(
+        &self,
+        dst: &mut DevSliceMut<'_, T>,
+        byte: u8,
+    ) -> Result<(), CudaError> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: a live device range.
+        unsafe {
+            drv::memset_d8_async(
+                dst.device_ptr(),
+                byte,
+                dst.len() * size_of::<T>(),
+                self.inner.stream.cu_stream(),
+            )
+        }
+        .map_err(CudaError::driver("cuMemsetD8Async"))
+    }
+
+    /// Milliseconds of device time `work` enqueues, measured with events on the stream.
+    pub fn time_ms(&self, work: impl FnOnce() -> Result<(), CudaError>) -> Result<f32, CudaError> {
+        let event = || {
+            self.inner
+                .ctx
+                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(CudaError::driver("cuEventCreate"))
+        };
+        let (start, end) = (event()?, event()?);
+        let stream = &self.inner.stream;
+        start
+            .record(stream)
+            .map_err(CudaError::driver("cuEventRecord"))?;
+        work()?;
+        end.record(stream)
+            .map_err(CudaError::driver("cuEventRecord"))?;
+        end.synchronize()
+            .map_err(CudaError::driver("cuEventSynchronize"))?;
+        start
+            .elapsed_ms(&end)
+            .map_err(CudaError::driver("cuEventElapsedTime"))
+    }
+}
+
+/// Enqueues `kernel` on the device's stream with the given arguments (locals, so each lives
+/// until the launch has copied it).
+macro_rules! launch {
+    ($device:expr, $kernel:expr, $config:expr; $($arg:ident),+ $(,)?) => {{
+        use cudarc::driver::PushKernelArg as _;
+        let kernel: $crate::cuda::kernels::Kernel = $kernel;
+        let function = $device.function(kernel)?;
+        let mut builder = $device.stream().launch_builder(&function);
+        $( builder.arg(&$arg); )+
+        // SAFETY: the arguments match the kernel's parameters in order and type (u64 device
+        // pointers, i32/i64 sizes, f32 scalars), and the op checked every range it reads or
+        // writes against the shapes it passes.
+        unsafe { builder.launch($config) }
+            .map(|_| ())
+            .map_err(|source| $crate::cuda::CudaError::Launch {
+                kernel: kernel.symbol(),
+                source,
+            })
+    }};
+}
+pub(crate) use launch;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unavailable_names_each_missing_library() {
+        assert!(unavailable(&[]).is_none());
+        let e = unavailable(&[LIBRARIES[0].0, LIBRARIES[3].0]).unwrap();
+        assert_eq!(
+            e.to_string(),
+            "CUDA unavailable: libcuda.so.1 (the NVIDIA driver), libcublasLt.so.13 (cuBLASLt) not found"
+        );
+    }
+}

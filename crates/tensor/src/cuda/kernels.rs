@@ -1,0 +1,243 @@
+//! The kernel sources and the typed handles that name their entry points.
+//!
+//! One `.cu` file per op family ([`Module`]), compiled as a whole by NVRTC on first use. Code
+//! names a kernel by [`Kernel`], never by a string: the symbol is formatted in one place,
+//! [`Kernel::symbol`], from the same names the `.cu` macros paste together.
+
+use std::fmt;
+
+/// Prepended to every module: 16-bit float conversions, warp and block reductions, loads.
+const COMMON: &str = include_str!("kernels/common.cuh");
+
+/// One source file of kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Module {
+    Matvec,
+    RmsNorm,
+    Rope,
+    Elementwise,
+    Embedding,
+    Argmax,
+    Attention,
+}
+
+impl Module {
+    pub const ALL: [Module; 7] = [
+        Module::Matvec,
+        Module::RmsNorm,
+        Module::Rope,
+        Module::Elementwise,
+        Module::Embedding,
+        Module::Argmax,
+        Module::Attention,
+    ];
+
+    /// The file name without `.cu`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Module::Matvec => "matvec",
+            Module::RmsNorm => "rms_norm",
+            Module::Rope => "rope",
+            Module::Elementwise => "elementwise",
+            Module::Embedding => "embedding",
+            Module::Argmax => "argmax",
+            Module::Attention => "attention",
+        }
+    }
+
+    fn body(self) -> &'static str {
+        match self {
+            Module::Matvec => include_str!("kernels/matvec.cu"),
+            Module::RmsNorm => include_str!("kernels/rms_norm.cu"),
+            Module::Rope => include_str!("kernels/rope.cu"),
+            Module::Elementwise => include_str!("kernels/elementwise.cu"),
+            Module::Embedding => include_str!("kernels/embedding.cu"),
+            Module::Argmax => include_str!("kernels/argmax.cu"),
+            Module::Attention => include_str!("kernels/attention.cu"),
+        }
+    }
+
+    /// The whole program NVRTC compiles.
+    pub fn source(self) -> String {
+        format!("{COMMON}\n{}", self.body())
+    }
+}
+
+/// An element type the kernels read or write: 32-bit floats and the two 16-bit formats.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Float {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl Float {
+    /// The suffix the `.cu` macros give each instantiation.
+    pub fn tag(self) -> &'static str {
+        match self {
+            Float::F32 => "f32",
+            Float::Bf16 => "bf16",
+            Float::F16 => "f16",
+        }
+    }
+
+    pub fn size_in_bytes(self) -> usize {
+        match self {
+            Float::F32 => 4,
+            Float::Bf16 | Float::F16 => 2,
+        }
+    }
+}
+
+impl fmt::Display for Float {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.tag())
+    }
+}
+
+/// One kernel entry point.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Kernel {
+    /// `batch` in 1..=8.
+    Matvec {
+        weights: Float,
+        batch: u8,
+    },
+    RmsNorm {
+        out: Float,
+    },
+    Rope,
+    SiluMul {
+        out: Float,
+    },
+    Add,
+    Convert {
+        from: Float,
+        to: Float,
+    },
+    Embedding {
+        table: Float,
+    },
+    Argmax,
+    /// `width` = values of a head each lane holds: 2, 4 or 8 (head_dim up to 64, 128, 256).
+    AttentionDecode {
+        kv: Float,
+        width: u8,
+    },
+    AttentionCombine,
+    AttentionPrefill {
+        kv: Float,
+        width: u8,
+    },
+}
+
+impl Kernel {
+    pub fn module(self) -> Module {
+        match self {
+            Kernel::Matvec { .. } => Module::Matvec,
+            Kernel::RmsNorm { .. } => Module::RmsNorm,
+            Kernel::Rope => Module::Rope,
+            Kernel::SiluMul { .. } | Kernel::Add | Kernel::Convert { .. } => Module::Elementwise,
+            Kernel::Embedding { .. } => Module::Embedding,
+            Kernel::Argmax => Module::Argmax,
+            Kernel::AttentionDecode { .. }
+            | Kernel::AttentionCombine
+            | Kernel::AttentionPrefill { .. } => Module::Attention,
+        }
+    }
+
+    /// Dynamic shared memory each block of this kernel takes (the attention tiles).
+    pub fn dynamic_smem_bytes(self) -> Option<usize> {
+        match self {
+            Kernel::AttentionDecode { width, .. } | Kernel::AttentionPrefill { width, .. } => {
+                // Key tile (rows padded by one), value tile, 16 query rows: see attention.cu.
+                let row = width as usize * 32;
+                Some((32 * (row + 1) + 32 * row + 16 * row) * 4)
+            }
+            _ => None,
+        }
+    }
+
+    /// The `extern "C"` name in the module.
+    pub fn symbol(self) -> String {
+        match self {
+            Kernel::Matvec { weights, batch } => format!("matvec_{weights}_b{batch}"),
+            Kernel::RmsNorm { out } => format!("rms_norm_{out}"),
+            Kernel::Rope => "rope".into(),
+            Kernel::SiluMul { out } => format!("silu_mul_{out}"),
+            Kernel::Add => "add_f32".into(),
+            Kernel::Convert { from, to } => format!("convert_{from}_{to}"),
+            Kernel::Embedding { table } => format!("embedding_{table}"),
+            Kernel::Argmax => "argmax".into(),
+            Kernel::AttentionDecode { kv, width } => format!("attention_decode_{kv}_e{width}"),
+            Kernel::AttentionCombine => "attention_combine".into(),
+            Kernel::AttentionPrefill { kv, width } => format!("attention_prefill_{kv}_e{width}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every symbol the Rust side can name is defined in its module's source (by a macro
+    /// whose pasted name we look for piece by piece, or spelled out).
+    #[test]
+    fn every_kernel_symbol_is_in_its_source() {
+        let floats = [Float::F32, Float::Bf16, Float::F16];
+        let mut kernels = vec![
+            Kernel::Rope,
+            Kernel::Add,
+            Kernel::Argmax,
+            Kernel::AttentionCombine,
+        ];
+        for f in floats {
+            kernels.push(Kernel::Embedding { table: f });
+            for batch in 1..=8 {
+                kernels.push(Kernel::Matvec { weights: f, batch });
+            }
+            for width in [2, 4, 8] {
+                kernels.push(Kernel::AttentionDecode { kv: f, width });
+                kernels.push(Kernel::AttentionPrefill { kv: f, width });
+            }
+        }
+        for out in [Float::F32, Float::Bf16] {
+            kernels.push(Kernel::RmsNorm { out });
+            kernels.push(Kernel::SiluMul { out });
+        }
+        for to in floats {
+            kernels.push(Kernel::Convert {
+                from: Float::F32,
+                to,
+            });
+        }
+        for from in [Float::Bf16, Float::F16] {
+            kernels.push(Kernel::Convert {
+                from,
+                to: Float::F32,
+            });
+        }
+        for k in kernels {
+            let source = k.module().source();
+            let symbol = k.symbol();
+            let direct =
+                source.contains(&format!(" {symbol}(")) || source.contains(&format!("{symbol},"));
+            let pasted = match k {
+                Kernel::Matvec { weights, batch } => {
+                    source.contains(&format!("matvec_##T##_b{batch},"))
+                        && source.contains(&format!("MATVEC_ALL_BATCHES({weights},"))
+                }
+                Kernel::AttentionDecode { kv, width } | Kernel::AttentionPrefill { kv, width } => {
+                    source.contains(&format!("ATTENTION(T, KV, {width})"))
+                        && source.contains(&format!("ATTENTION_ALL_WIDTHS({kv},"))
+                }
+                _ => false,
+            };
+            assert!(
+                direct || pasted,
+                "{symbol} not found in {}.cu",
+                k.module().name()
+            );
+        }
+    }
+}

@@ -1,0 +1,267 @@
+// Attention of f32 queries over a KV cache of f32, bf16 or f16.
+//
+// The cache of one layer is [positions, n_kv_heads, d]; queries and outputs are
+// [tokens, n_heads, d] f32; query head h reads kv head h / (n_heads / n_kv_heads).
+//
+// Both kernels walk the keys in tiles of 32 staged as f32 in shared memory. Within a tile a
+// lane owns one key: it takes that key's score, the warp agrees on the tile's maximum, and
+// the running (max, sum, weighted values) of each query row are rescaled once per tile
+// (online softmax), so no score vector is ever stored. A lane holds E = ceil(d / 32) of a
+// row's output values (elements lane, lane + 32, ...). A block has 4 warps and up to 16
+// rows, dealt round-robin (row r to warp r % 4) so that a few rows still use every warp.
+//
+// - attention_decode: one query per head, the keys split into chunks across blocks
+//   (flash-decoding); a block takes one chunk for the query heads of one kv head, so each
+//   key is read once for the whole group, and writes its unnormalised partial result.
+//   attention_combine merges the chunks.
+// - attention_prefill: causal attention of a prompt chunk of n tokens at positions
+//   pos0..pos0+n over the cache (which already holds them); a block takes 16 queries of one
+//   head.
+
+#define ATT_TILE 32
+#define ATT_WARPS 4
+#define ATT_ROWS_PER_WARP 4
+#define ATT_ROWS (ATT_WARPS * ATT_ROWS_PER_WARP)
+#define ATT_THREADS (ATT_WARPS * 32)
+
+template <int E> struct RowState {
+    float m, l;
+    float acc[E];
+};
+
+template <int E> __device__ __forceinline__ void row_init(RowState<E>& st) {
+    st.m = NEG_INF;
+    st.l = 0.0f;
+#pragma unroll
+    for (int j = 0; j < E; ++j) st.acc[j] = 0.0f;
+}
+
+// Shared memory of a block: the key tile (rows padded by one float so that lane t reading
+// key t hits its own bank), the value tile, and the block's query rows.
+template <int E> struct Smem {
+    static const int DP = E * 32;
+    float* k;  // [ATT_TILE][DP + 1]
+    float* v;  // [ATT_TILE][DP]
+    float* q;  // [ATT_ROWS][DP]
+    __device__ __forceinline__ Smem(float* base) {
+        k = base;
+        v = k + ATT_TILE * (DP + 1);
+        q = v + ATT_TILE * DP;
+    }
+};
+
+// Keys and values t0..t0+count of one kv head into the tiles; the rest of the tile and the
+// elements past d are zero, so they add nothing.
+template <typename KV, int E>
+__device__ __forceinline__ void load_tile(const Smem<E>& s, const KV* __restrict__ kc,
+                                          const KV* __restrict__ vc, int t0, int count,
+                                          int kv_stride, int offset, int d) {
+    const int DP = E * 32;
+    for (int idx = threadIdx.x; idx < ATT_TILE * DP; idx += blockDim.x) {
+        const int t = idx / DP, e = idx - t * DP;
+        float kv = 0.0f, vv = 0.0f;
+        if (t < count && e < d) {
+            const size_t o = (size_t)(t0 + t) * kv_stride + offset + e;
+            kv = to_f32(kc[o]);
+            vv = to_f32(vc[o]);
+        }
+        s.k[t * (DP + 1) + e] = kv;
+        s.v[t * DP + e] = vv;
+    }
+}
+
+// Folds the first `visible` keys of the staged tile into one query row.
+template <int E>
+__device__ __forceinline__ void row_update(RowState<E>& st, const Smem<E>& s, int row,
+                                           int visible, float scale) {
+    const int DP = E * 32;
+    const int lane = threadIdx.x & 31;
+    float score = NEG_INF;
+    if (lane < visible) {
+        const float* q = s.q + row * DP;
+        const float* k = s.k + lane * (DP + 1);
+        // Four chains, so the FMAs do not wait on each other.
+        float dot[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 8
+        for (int e = 0; e < DP; e += 4) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) dot[j] = fmaf(q[e + j], k[e + j], dot[j]);
+        }
+        score = ((dot[0] + dot[1]) + (dot[2] + dot[3])) * scale;
+    }
+    const float tile_max = warp_max(score);
+    if (tile_max == NEG_INF) return;  // uniform across the warp
+    const float m = fmaxf(st.m, tile_max);
+    const float correction = __expf(st.m - m);  // 0 on the first tile (st.m = -inf)
+    const float p = lane < visible ? __expf(score - m) : 0.0f;
+    st.l = st.l * correction + warp_sum(p);
+#pragma unroll
+    for (int j = 0; j < E; ++j) st.acc[j] *= correction;
+#pragma unroll 8
+    for (int t = 0; t < ATT_TILE; ++t) {
+        const float pt = __shfl_sync(FULL_MASK, p, t);
+        const float* v = s.v + t * DP + lane;
+#pragma unroll
+        for (int j = 0; j < E; ++j) st.acc[j] = fmaf(pt, v[j * 32], st.acc[j]);
+    }
+    st.m = m;
+}
+
+// Copies a query row into the block's shared rows, zero past d (or all zero for no row).
+template <int E>
+__device__ __forceinline__ void stage_query(const Smem<E>& s, int row, const float* q, int d) {
+    const int DP = E * 32;
+    for (int e = threadIdx.x & 31; e < DP; e += 32) s.q[row * DP + e] = (q && e < d) ? q[e] : 0.0f;
+}
+
+// grid: (splits, n_kv_heads * ceil(group / 16)); part_ml [splits, n_heads, 2],
+// part_acc [splits, n_heads, d].
+template <typename KV, int E>
+__device__ __forceinline__ void attention_decode(const float* __restrict__ q,
+                                                 const KV* __restrict__ kc,
+                                                 const KV* __restrict__ vc,
+                                                 float* __restrict__ part_ml,
+                                                 float* __restrict__ part_acc, int context,
+                                                 int n_heads, int n_kv_heads, int d, float scale,
+                                                 int keys_per_split) {
+    extern __shared__ float smem[];
+    const Smem<E> s(smem);
+    const int group = n_heads / n_kv_heads;
+    const int chunks = (group + ATT_ROWS - 1) / ATT_ROWS;
+    const int kvh = blockIdx.y / chunks;
+    const int g0 = (blockIdx.y % chunks) * ATT_ROWS;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int split = blockIdx.x;
+    const int t_begin = split * keys_per_split;
+    const int t_end = min(context, t_begin + keys_per_split);
+
+    for (int i = 0; i < ATT_ROWS_PER_WARP; ++i) {
+        const int g = g0 + i * ATT_WARPS + warp;
+        stage_query<E>(s, i * ATT_WARPS + warp, g < group ? q + (size_t)(kvh * group + g) * d : 0, d);
+    }
+    RowState<E> st[ATT_ROWS_PER_WARP];
+#pragma unroll
+    for (int i = 0; i < ATT_ROWS_PER_WARP; ++i) row_init<E>(st[i]);
+
+    for (int t0 = t_begin; t0 < t_end; t0 += ATT_TILE) {
+        const int count = min(ATT_TILE, t_end - t0);
+        __syncthreads();  // the previous tile is no longer read (and the queries are staged)
+        load_tile<KV, E>(s, kc, vc, t0, count, n_kv_heads * d, kvh * d, d);
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < ATT_ROWS_PER_WARP; ++i) {
+            const int r = i * ATT_WARPS + warp;
+            if (g0 + r < group) row_update<E>(st[i], s, r, count, scale);
+        }
+    }
+
+#pragma unroll
+    for (int i = 0; i < ATT_ROWS_PER_WARP; ++i) {
+        const int g = g0 + i * ATT_WARPS + warp;
+        if (g >= group) continue;
+        const size_t part = (size_t)split * n_heads + kvh * group + g;
+        if (lane == 0) {
+            part_ml[2 * part] = st[i].m;
+            part_ml[2 * part + 1] = st[i].l;
+        }
+#pragma unroll
+        for (int j = 0; j < E; ++j) {
+            const int e = j * 32 + lane;
+            if (e < d) part_acc[part * d + e] = st[i].acc[j];
+        }
+    }
+}
+
+// out[h] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s over the splits; grid: n_heads.
+extern "C" __global__ void attention_combine(const float* __restrict__ part_ml,
+                                             const float* __restrict__ part_acc,
+                                             float* __restrict__ out, int splits, int n_heads,
+                                             int d) {
+    const int h = blockIdx.x;
+    float m = NEG_INF;
+    for (int s = 0; s < splits; ++s) m = fmaxf(m, part_ml[2 * ((size_t)s * n_heads + h)]);
+    float l = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+        const size_t p = (size_t)s * n_heads + h;
+        l += __expf(part_ml[2 * p] - m) * part_ml[2 * p + 1];
+    }
+    const float inv = 1.0f / l;
+    for (int e = threadIdx.x; e < d; e += blockDim.x) {
+        float o = 0.0f;
+        for (int s = 0; s < splits; ++s) {
+            const size_t p = (size_t)s * n_heads + h;
+            o = fmaf(__expf(part_ml[2 * p] - m), part_acc[p * d + e], o);
+        }
+        out[(size_t)h * d + e] = o * inv;
+    }
+}
+
+// grid: (ceil(n / 16), n_heads).
+template <typename KV, int E>
+__device__ __forceinline__ void attention_prefill(const float* __restrict__ q,
+                                                  const KV* __restrict__ kc,
+                                                  const KV* __restrict__ vc,
+                                                  float* __restrict__ out, int n, int pos0,
+                                                  int n_heads, int n_kv_heads, int d,
+                                                  float scale) {
+    extern __shared__ float smem[];
+    const Smem<E> s(smem);
+    const int h = blockIdx.y;
+    const int kvh = h / (n_heads / n_kv_heads);
+    const int i0 = blockIdx.x * ATT_ROWS;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int j = 0; j < ATT_ROWS_PER_WARP; ++j) {
+        const int r = j * ATT_WARPS + warp, i = i0 + r;
+        stage_query<E>(s, r, i < n ? q + ((size_t)i * n_heads + h) * d : 0, d);
+    }
+    RowState<E> st[ATT_ROWS_PER_WARP];
+#pragma unroll
+    for (int i = 0; i < ATT_ROWS_PER_WARP; ++i) row_init<E>(st[i]);
+
+    const int keys = pos0 + min(n, i0 + ATT_ROWS);  // the block's last query sees these
+    for (int t0 = 0; t0 < keys; t0 += ATT_TILE) {
+        const int count = min(ATT_TILE, keys - t0);
+        __syncthreads();
+        load_tile<KV, E>(s, kc, vc, t0, count, n_kv_heads * d, kvh * d, d);
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < ATT_ROWS_PER_WARP; ++j) {
+            const int r = j * ATT_WARPS + warp;
+            const int i = i0 + r;
+            // Query i sees keys up to its own position pos0 + i.
+            const int visible = min(count, pos0 + i + 1 - t0);
+            if (i < n && visible > 0) row_update<E>(st[j], s, r, visible, scale);
+        }
+    }
+
+#pragma unroll
+    for (int j = 0; j < ATT_ROWS_PER_WARP; ++j) {
+        const int i = i0 + j * ATT_WARPS + warp;
+        if (i >= n) continue;
+        const float inv = 1.0f / st[j].l;
+        float* o = out + ((size_t)i * n_heads + h) * d;
+#pragma unroll
+        for (int jj = 0; jj < E; ++jj) {
+            const int e = jj * 32 + lane;
+            if (e < d) o[e] = st[j].acc[jj] * inv;
+        }
+    }
+}
+
+#define ATTENTION(T, KV, E)                                                                    \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_decode_##T##_e##E(      \
+        const float* q, const KV* kc, const KV* vc, float* part_ml, float* part_acc,           \
+        int context, int n_heads, int n_kv_heads, int d, float scale, int keys_per_split) {    \
+        attention_decode<KV, E>(q, kc, vc, part_ml, part_acc, context, n_heads, n_kv_heads, d, \
+                                scale, keys_per_split);                                        \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_prefill_##T##_e##E(     \
+        const float* q, const KV* kc, const KV* vc, float* out, int n, int pos0, int n_heads,  \
+        int n_kv_heads, int d, float scale) {                                                  \
+        attention_prefill<KV, E>(q, kc, vc, out, n, pos0, n_heads, n_kv_heads, d, scale);      \
+    }
+#define ATTENTION_ALL_WIDTHS(T, KV) ATTENTION(T, KV, 2) ATTENTION(T, KV, 4) ATTENTION(T, KV, 8)
+
+ATTENTION_ALL_WIDTHS(f32, float)
+ATTENTION_ALL_WIDTHS(bf16, bf16_t)
+ATTENTION_ALL_WIDTHS(f16, f16_t)

@@ -1,0 +1,40 @@
+// Rotary position embedding of rows of `heads` heads of d values, in place; row t is at
+// position pos0 + t. cos/sin are [positions, d/2]. `pairs` picks the layout: 0 rotates
+// element i with i + d/2 (HF "rotate half"), 1 rotates 2i with 2i + 1 (GGUF llama).
+//
+// With `norm_weight` set, each head is first RMS-normalised and scaled by it (Qwen3's q/k
+// norm), so the head is read and written once. One warp per (row, head).
+
+#define ROPE_THREADS 128
+
+extern "C" __global__ void __launch_bounds__(ROPE_THREADS)
+    rope(float* x, const float* __restrict__ cos_table, const float* __restrict__ sin_table,
+         const float* __restrict__ norm_weight, int n, int heads, int d, int pos0, int pairs,
+         float eps) {
+    const int lane = threadIdx.x & 31;
+    const int item = blockIdx.x * (ROPE_THREADS / 32) + (threadIdx.x >> 5);
+    if (item >= n * heads) return;
+    const int t = item / heads;
+    const int half = d / 2;
+    float* h = x + (size_t)item * d;
+    float scale = 1.0f;
+    if (norm_weight) {
+        float ss = 0.0f;
+        for (int i = lane; i < d; i += 32) ss = fmaf(h[i], h[i], ss);
+        scale = 1.0f / sqrtf(warp_sum(ss) / (float)d + eps);
+    }
+    const float* c = cos_table + (size_t)(pos0 + t) * half;
+    const float* s = sin_table + (size_t)(pos0 + t) * half;
+    // Each lane rewrites only the pairs it reads; the shuffle above ordered the norm's reads.
+    for (int i = lane; i < half; i += 32) {
+        const int a = pairs ? 2 * i : i;
+        const int b = pairs ? 2 * i + 1 : i + half;
+        float x1 = h[a], x2 = h[b];
+        if (norm_weight) {
+            x1 = norm_weight[a] * (x1 * scale);
+            x2 = norm_weight[b] * (x2 * scale);
+        }
+        h[a] = x1 * c[i] - x2 * s[i];
+        h[b] = x2 * c[i] + x1 * s[i];
+    }
+}

@@ -1,0 +1,78 @@
+//! CUDA: the device, its memory, and the kernels the model code calls.
+//!
+//! Everything is loaded at run time (cudarc with `dynamic-loading`): building and testing
+//! need no CUDA, and a machine without it gets a [`CudaError::Unavailable`] naming the missing
+//! library from [`CudaDevice::open`], never a panic.
+//!
+//! - [`CudaDevice`]: context, one stream, the cuBLASLt handle, kernels compiled by NVRTC for
+//!   the device's architecture on first use and cached on disk ([`compile`]).
+//! - Memory: [`BufferOwner::alloc_device`](crate::BufferOwner::alloc_device) makes a
+//!   [`DeviceBuffer`], listed with the host buffers; ops take typed views of it
+//!   ([`DevSlice`], [`DevSliceMut`], [`DevMat`] for weights).
+//! - Ops, one file per family, each a `.cu` in `kernels/` with a typed launcher here:
+//!   [`matvec()`] (decode), [`Gemm`] (prefill, cuBLASLt), [`rms_norm()`], [`rope()`],
+//!   [`silu_mul()`], [`add()`], [`convert()`], [`embedding()`], [`argmax()`],
+//!   [`attention_decode()`] and [`attention_prefill()`].
+//!
+//! Numerics: every sum is f32. Weights are f32, bf16 or f16 as stored; the residual stream,
+//! norms, RoPE, attention queries and outputs are f32; the KV cache is f32, bf16 or f16
+//! (written with [`convert()`]); prefill GEMMs take bf16 activations ([`rms_norm()`] and
+//! [`silu_mul()`] can write them directly) and give f32 or bf16.
+//!
+//! Ops enqueue on the device's stream and return at once; [`CudaDevice::download`] (or
+//! [`CudaDevice::synchronize`]) waits. A failed launch is an `Err`; a fault inside a kernel
+//! shows at the next wait.
+
+pub mod compile;
+mod device;
+mod error;
+pub(crate) mod kernels;
+mod memory;
+
+mod argmax;
+mod attention;
+mod elementwise;
+mod embedding;
+mod gemm;
+mod matvec;
+mod rms_norm;
+mod rope;
+
+pub use argmax::argmax;
+pub use attention::{
+    MAX_HEAD_DIM, attention_decode, attention_decode_scratch_len, attention_prefill,
+};
+pub use device::{CudaDevice, DeviceInfo};
+pub use elementwise::{add, convert, silu_mul, silu_mul_in_place};
+pub use embedding::embedding;
+pub use error::CudaError;
+pub use gemm::Gemm;
+pub use kernels::{Float, Module};
+pub use matvec::{MAX_BATCH, matvec, matvec_bytes};
+pub use memory::{DevMat, DevSlice, DevSliceMut, DeviceBuffer, DeviceElem, FloatElem};
+pub use rms_norm::{add_rms_norm, rms_norm, rms_norm_in_place};
+pub use rope::{RopeNorm, rope};
+
+use error::ensure;
+
+/// Threads of the element-wise and row kernels.
+const THREADS: u32 = 256;
+
+/// `v` as a kernel's `int`, or an error naming the op and the quantity.
+fn int(op: &'static str, what: &str, v: usize) -> Result<i32, CudaError> {
+    i32::try_from(v).map_err(|_| CudaError::invalid(op, format!("{what} = {v} passes i32")))
+}
+
+/// Blocks for a grid-stride loop over `n` elements: enough to fill the device, no more.
+fn stride_blocks(device: &CudaDevice, n: usize) -> u32 {
+    let full = n.div_ceil(THREADS as usize);
+    full.clamp(1, device.info().multiprocessors * 8) as u32
+}
+
+fn config(grid: (u32, u32), threads: u32, smem: usize) -> cudarc::driver::LaunchConfig {
+    cudarc::driver::LaunchConfig {
+        grid_dim: (grid.0, grid.1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: smem as u32,
+    }
+}

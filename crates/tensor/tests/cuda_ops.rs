@@ -1,0 +1,910 @@
+//! Every CUDA op against the CPU kernels or a scalar f64 reference, on random data with odd
+//! sizes. Each test that needs a GPU prints "skipped: no CUDA" and returns when
+//! `CudaDevice::open(0)` fails, so the suite passes on machines without one.
+//!
+//! Tolerances (relative to the reference, or absolute where values are O(1)):
+//! - f32 sums of f32 or 16-bit inputs: 1e-5 relative (f32 rounding over k ≤ 4096 terms);
+//! - 16-bit outputs: half an ulp of the format on top (bf16 4e-3, f16 5e-4 relative);
+//! - attention: 1e-4 absolute (f32 sums, fast exponentials, outputs O(1));
+//! - conversions and gathers: bit-exact.
+
+use std::sync::Arc;
+
+use ember_residency::{Bound, Membership, RegionKind, ResidencySet, TestBackend};
+use ember_tensor::cpu::{self, AttentionShape, RopeLayout, RopeTables};
+use ember_tensor::cuda::{
+    self, CudaDevice, CudaError, DevMat, DeviceBuffer, DeviceElem, FloatElem, Gemm, Module,
+    RopeNorm, compile,
+};
+use ember_tensor::{BufferKind, BufferOwner, Location, ThreadPool};
+use half::{bf16, f16};
+
+fn device() -> Option<CudaDevice> {
+    match CudaDevice::open(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            println!("skipped: no CUDA ({e})");
+            None
+        }
+    }
+}
+
+/// A small deterministic generator: uniform values in [-1, 1).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> f32 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.next()).collect()
+    }
+}
+
+/// A float type on both sides: converts to and from f32 as the device does.
+trait Elem: FloatElem {
+    fn from_f32(x: f32) -> Self;
+    fn to_f32(self) -> f32;
+}
+
+impl Elem for f32 {
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl Elem for bf16 {
+    fn from_f32(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+}
+
+impl Elem for f16 {
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+}
+
+fn round<T: Elem>(x: &[f32]) -> Vec<T> {
+    x.iter().map(|&v| T::from_f32(v)).collect()
+}
+
+fn widen<T: Elem>(x: &[T]) -> Vec<f32> {
+    x.iter().map(|&v| v.to_f32()).collect()
+}
+
+struct Ctx {
+    device: CudaDevice,
+    owner: BufferOwner,
+}
+
+impl Ctx {
+    fn new() -> Option<Ctx> {
+        device().map(|device| Ctx {
+            device,
+            owner: BufferOwner::new(),
+        })
+    }
+
+    fn upload<T: DeviceElem>(&self, data: &[T]) -> DeviceBuffer {
+        let mut buf = self
+            .owner
+            .alloc_device(
+                BufferKind::Scratch,
+                "test input",
+                &self.device,
+                size_of_val(data),
+            )
+            .unwrap();
+        buf.upload(data).unwrap();
+        buf
+    }
+
+    /// An output buffer of `n` elements, every byte 0xff (NaN as f32), so an element the
+    /// kernel never wrote shows.
+    fn poisoned<T: DeviceElem>(&self, n: usize) -> DeviceBuffer {
+        let mut buf = self
+            .owner
+            .alloc_device(
+                BufferKind::Scratch,
+                "test output",
+                &self.device,
+                n * size_of::<T>(),
+            )
+            .unwrap();
+        self.device
+            .fill_bytes(&mut buf.as_mut_slice::<u8>(), 0xff)
+            .unwrap();
+        buf
+    }
+
+    fn download<T: DeviceElem + Default>(&self, buf: &DeviceBuffer) -> Vec<T> {
+        let mut out = vec![T::default(); buf.len() / size_of::<T>()];
+        buf.download(&mut out).unwrap();
+        out
+    }
+}
+
+/// ‖got − want‖ / ‖want‖, failing on any NaN.
+fn rel_err(got: &[f32], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    assert!(got.iter().all(|v| !v.is_nan()), "NaN in the output");
+    let (mut num, mut den) = (0f64, 0f64);
+    for (&g, &w) in got.iter().zip(want) {
+        num += (g as f64 - w) * (g as f64 - w);
+        den += w * w;
+    }
+    (num / den.max(1e-300)).sqrt()
+}
+
+fn max_abs_err(got: &[f32], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    got.iter()
+        .zip(want)
+        .map(|(&g, &w)| {
+            assert!(!g.is_nan(), "NaN in the output (reference {w})");
+            (g as f64 - w).abs()
+        })
+        .fold(0.0, f64::max)
+}
+
+#[test]
+fn open_without_the_libraries_names_the_missing_one() {
+    match CudaDevice::open(0) {
+        Err(e @ CudaError::Unavailable { .. }) => {
+            let message = e.to_string();
+            assert!(
+                message.starts_with("CUDA unavailable: lib") && message.ends_with("not found"),
+                "{message}"
+            );
+            println!("as expected here: {message}");
+        }
+        Err(e) => println!("libraries present, but: {e}"),
+        Ok(d) => println!("skipped: CUDA present ({})", d.info()),
+    }
+    // Probing says the same thing, as a value.
+    match CudaDevice::probe() {
+        Ok(info) => assert!(info.arch().starts_with("sm_")),
+        Err(e) => assert!(!e.to_string().is_empty()),
+    }
+}
+
+#[test]
+fn every_module_compiles_with_nvrtc() {
+    // NVRTC needs no GPU: wherever the library loads, every kernel source must compile.
+    if !compile::nvrtc_present() {
+        println!("skipped: no NVRTC");
+        return;
+    }
+    for module in Module::ALL {
+        let cubin = compile::compile_cubin(&module.source(), module, "sm_90")
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            cubin.starts_with(b"\x7fELF"),
+            "{} gave no CUBIN",
+            module.name()
+        );
+    }
+}
+
+#[test]
+fn device_buffers_are_listed_and_counted_by_the_residency_set() {
+    let Some(ctx) = Ctx::new() else { return };
+    let owner = &ctx.owner;
+    let host = owner.alloc(BufferKind::Weights, "host", 4096).unwrap();
+    let dev = owner
+        .alloc_device(BufferKind::KvCache, "kv", &ctx.device, 1 << 20)
+        .unwrap();
+    let info = owner.list().into_iter().find(|b| b.id == dev.id()).unwrap();
+    assert_eq!(
+        info.location,
+        Location::Device {
+            ordinal: ctx.device.ordinal()
+        }
+    );
+    assert_eq!(info.addr as u64, dev.device_ptr());
+    assert_eq!(info.region().kind, RegionKind::Device);
+
+    let regions = owner
+        .list()
+        .iter()
+        .map(|b| (b.id.raw(), b.region()))
+        .collect();
+    let (set, report) = ResidencySet::establish(
+        Arc::new(TestBackend::new()),
+        Bound::fixed(1 << 30, "a test bound"),
+        regions,
+    );
+    assert!(report.held);
+    assert_eq!(report.device_bytes, 1 << 20);
+    owner.attach_residency(Arc::clone(&set));
+    let later = owner
+        .alloc_device(BufferKind::Activations, "act", &ctx.device, 4096)
+        .unwrap();
+    assert_eq!(set.membership(later.id().raw()), Membership::Staged);
+    drop(later);
+    drop(dev);
+    assert_eq!(set.stats().device_bytes, 0, "device buffers left the set");
+    assert_eq!(owner.list().len(), 1);
+    drop(host);
+}
+
+#[test]
+fn uploads_downloads_and_slices_round_trip() {
+    let Some(ctx) = Ctx::new() else { return };
+    let data: Vec<u32> = (0..1001).collect();
+    let mut buf = ctx.upload(&data);
+    assert_eq!(ctx.download::<u32>(&buf), data);
+    ctx.device
+        .upload(&mut buf.as_mut_slice::<u32>().slice_mut(10..13), &[7, 8, 9])
+        .unwrap();
+    let mut part = [0u32; 5];
+    ctx.device
+        .download(buf.as_slice::<u32>().slice(9..14), &mut part)
+        .unwrap();
+    assert_eq!(part, [9, 7, 8, 9, 13]);
+    let mut copy = ctx.poisoned::<u32>(1001);
+    ctx.device
+        .copy(buf.as_slice::<u32>(), &mut copy.as_mut_slice())
+        .unwrap();
+    assert_eq!(ctx.download::<u32>(&copy)[10..13], [7, 8, 9]);
+    assert!(
+        buf.upload(&vec![0u32; 1002]).is_err(),
+        "an upload past the end is an error"
+    );
+}
+
+/// `y = W·x (+ y)` in f64 from the weights as stored.
+fn matvec_reference(
+    w: &[f32],
+    x: &[f32],
+    y0: Option<&[f32]>,
+    rows: usize,
+    cols: usize,
+) -> Vec<f64> {
+    let batch = x.len() / cols;
+    let mut y = vec![0f64; batch * rows];
+    for b in 0..batch {
+        for r in 0..rows {
+            let dot: f64 = (0..cols)
+                .map(|c| w[r * cols + c] as f64 * x[b * cols + c] as f64)
+                .sum();
+            y[b * rows + r] = dot + y0.map_or(0.0, |y0| y0[b * rows + r] as f64);
+        }
+    }
+    y
+}
+
+fn check_matvec<T: Elem>(ctx: &Ctx, rng: &mut Rng, rows: usize, cols: usize, batch: usize) {
+    let w: Vec<T> = round(&rng.vec(rows * cols));
+    let x = rng.vec(batch * cols);
+    let wbuf = ctx.upload(&w);
+    let xbuf = ctx.upload(&x);
+    let mat = DevMat::from_slice(wbuf.as_slice::<T>(), rows, cols).unwrap();
+    let wf = widen(&w);
+
+    let mut y = ctx.poisoned::<f32>(batch * rows);
+    cuda::matvec(
+        &ctx.device,
+        &mat,
+        xbuf.as_slice(),
+        batch,
+        &mut y.as_mut_slice(),
+        false,
+    )
+    .unwrap();
+    let got = ctx.download::<f32>(&y);
+    let err = rel_err(&got, &matvec_reference(&wf, &x, None, rows, cols));
+    assert!(
+        err < 1e-5,
+        "matvec {} {rows}×{cols} batch {batch}: error {err:e}",
+        T::FLOAT
+    );
+
+    // Accumulating into what is there.
+    let y0 = rng.vec(batch * rows);
+    let mut y = ctx.upload(&y0);
+    cuda::matvec(
+        &ctx.device,
+        &mat,
+        xbuf.as_slice(),
+        batch,
+        &mut y.as_mut_slice(),
+        true,
+    )
+    .unwrap();
+    let err = rel_err(
+        &ctx.download::<f32>(&y),
+        &matvec_reference(&wf, &x, Some(&y0), rows, cols),
+    );
+    assert!(err < 1e-5, "accumulating matvec: error {err:e}");
+}
+
+#[test]
+fn matvec_matches_f64_reference() {
+    let Some(ctx) = Ctx::new() else { return };
+    let mut rng = Rng(1);
+    // Vectorised (cols a multiple of 8) and scalar (odd cols) paths, short and long rows, odd
+    // row counts, every batch size.
+    for (rows, cols) in [(37, 13), (75, 256), (65, 2048), (1001, 1032), (4096, 4096)] {
+        for batch in [1, 2, 3, 5, 8] {
+            check_matvec::<bf16>(&ctx, &mut rng, rows, cols, batch);
+        }
+        check_matvec::<f16>(&ctx, &mut rng, rows, cols, 1);
+        check_matvec::<f16>(&ctx, &mut rng, rows, cols, 4);
+        check_matvec::<f32>(&ctx, &mut rng, rows, cols, 1);
+        check_matvec::<f32>(&ctx, &mut rng, rows, cols, 7);
+    }
+    for batch in [4, 6, 7] {
+        check_matvec::<bf16>(&ctx, &mut rng, 129, 520, batch);
+    }
+}
+
+fn check_gemm<O: Elem + Default>(
+    ctx: &Ctx,
+    gemm: &Gemm,
+    rng: &mut Rng,
+    m: usize,
+    n: usize,
+    k: usize,
+) {
+    let a: Vec<bf16> = round(&rng.vec(m * k));
+    let w: Vec<bf16> = round(&rng.vec(n * k));
+    let (abuf, wbuf) = (ctx.upload(&a), ctx.upload(&w));
+    let mat = DevMat::from_slice(wbuf.as_slice::<bf16>(), n, k).unwrap();
+    let (af, wf) = (widen(&a), widen(&w));
+    // out = a·Wᵀ is m matvecs of W.
+    let want = matvec_reference(&wf, &af, None, n, k);
+    let mut out = ctx.poisoned::<O>(m * n);
+    gemm.matmul(
+        abuf.as_slice::<bf16>(),
+        &mat,
+        &mut out.as_mut_slice::<O>(),
+        false,
+    )
+    .unwrap();
+    let got = widen(&ctx.download::<O>(&out));
+    let tolerance = if O::FLOAT == cuda::Float::F32 {
+        1e-5
+    } else {
+        4e-3
+    };
+    let err = rel_err(&got, &want);
+    assert!(
+        err < tolerance,
+        "gemm {m}×{n}×{k} into {}: error {err:e}",
+        O::FLOAT
+    );
+
+    let c0: Vec<O> = round(&rng.vec(m * n));
+    let mut out = ctx.upload(&c0);
+    gemm.matmul(
+        abuf.as_slice::<bf16>(),
+        &mat,
+        &mut out.as_mut_slice::<O>(),
+        true,
+    )
+    .unwrap();
+    let want: Vec<f64> = want
+        .iter()
+        .zip(widen(&c0))
+        .map(|(w, c)| w + c as f64)
+        .collect();
+    let err = rel_err(&widen(&ctx.download::<O>(&out)), &want);
+    assert!(err < tolerance, "accumulating gemm: error {err:e}");
+}
+
+#[test]
+fn gemm_matches_f64_reference() {
+    let Some(ctx) = Ctx::new() else { return };
+    let gemm = Gemm::new(&ctx.device, &ctx.owner).unwrap();
+    let mut rng = Rng(2);
+    for (m, n, k) in [(37, 72, 136), (64, 256, 512), (300, 1000, 1024), (5, 8, 8)] {
+        check_gemm::<f32>(&ctx, &gemm, &mut rng, m, n, k);
+        check_gemm::<bf16>(&ctx, &gemm, &mut rng, m, n, k);
+    }
+}
+
+#[test]
+fn rms_norm_matches_cpu() {
+    let Some(ctx) = Ctx::new() else { return };
+    let pool = ThreadPool::new(1);
+    let mut rng = Rng(3);
+    for (rows, d) in [(5, 1000), (3, 4096), (1, 13)] {
+        let x = rng.vec(rows * d);
+        let add = rng.vec(rows * d);
+        let w = rng.vec(d);
+        let eps = 1e-6;
+        let (xbuf, wbuf) = (ctx.upload(&x), ctx.upload(&w));
+        let mut want = vec![0f32; rows * d];
+        cpu::rms_norm(&pool, &x, &w, eps, &mut want);
+        let want64: Vec<f64> = want.iter().map(|&v| v as f64).collect();
+
+        let mut out = ctx.poisoned::<f32>(rows * d);
+        cuda::rms_norm(
+            &ctx.device,
+            xbuf.as_slice(),
+            wbuf.as_slice(),
+            eps,
+            &mut out.as_mut_slice::<f32>(),
+        )
+        .unwrap();
+        let err = rel_err(&ctx.download::<f32>(&out), &want64);
+        assert!(err < 1e-5, "rms_norm {rows}×{d}: error {err:e}");
+
+        let mut out16 = ctx.poisoned::<bf16>(rows * d);
+        cuda::rms_norm(
+            &ctx.device,
+            xbuf.as_slice(),
+            wbuf.as_slice(),
+            eps,
+            &mut out16.as_mut_slice::<bf16>(),
+        )
+        .unwrap();
+        let err = rel_err(&widen(&ctx.download::<bf16>(&out16)), &want64);
+        assert!(err < 4e-3, "rms_norm to bf16: error {err:e}");
+
+        let mut inplace = ctx.upload(&x);
+        cuda::rms_norm_in_place(
+            &ctx.device,
+            &mut inplace.as_mut_slice(),
+            wbuf.as_slice(),
+            eps,
+        )
+        .unwrap();
+        let err = rel_err(&ctx.download::<f32>(&inplace), &want64);
+        assert!(err < 1e-5, "rms_norm in place: error {err:e}");
+
+        // Fused residual add: x becomes x + add, out its norm.
+        let mut xs = ctx.upload(&x);
+        let addbuf = ctx.upload(&add);
+        let mut out = ctx.poisoned::<f32>(rows * d);
+        cuda::add_rms_norm(
+            &ctx.device,
+            &mut xs.as_mut_slice(),
+            addbuf.as_slice(),
+            wbuf.as_slice(),
+            eps,
+            &mut out.as_mut_slice::<f32>(),
+        )
+        .unwrap();
+        let sum: Vec<f32> = x.iter().zip(&add).map(|(a, b)| a + b).collect();
+        assert_eq!(ctx.download::<f32>(&xs), sum, "the residual add is exact");
+        cpu::rms_norm(&pool, &sum, &w, eps, &mut want);
+        let want64: Vec<f64> = want.iter().map(|&v| v as f64).collect();
+        let err = rel_err(&ctx.download::<f32>(&out), &want64);
+        assert!(err < 1e-5, "add_rms_norm: error {err:e}");
+    }
+}
+
+#[test]
+fn rope_matches_cpu_in_both_layouts_with_and_without_the_head_norm() {
+    let Some(ctx) = Ctx::new() else { return };
+    let pool = ThreadPool::new(1);
+    let mut rng = Rng(4);
+    for (n_heads, head_dim) in [(3, 64), (5, 128), (2, 20)] {
+        let (rows, pos0, positions) = (7, 5, 40);
+        let half = head_dim / 2;
+        let (mut cos, mut sin) = (vec![0f32; positions * half], vec![0f32; positions * half]);
+        for p in 0..positions {
+            for i in 0..half {
+                let angle = p as f64 / 1e6f64.powf(2.0 * i as f64 / head_dim as f64);
+                cos[p * half + i] = angle.cos() as f32;
+                sin[p * half + i] = angle.sin() as f32;
+            }
+        }
+        let (cbuf, sbuf) = (ctx.upload(&cos), ctx.upload(&sin));
+        let norm_w = rng.vec(head_dim);
+        let nbuf = ctx.upload(&norm_w);
+        for layout in [RopeLayout::Halves, RopeLayout::Pairs] {
+            for with_norm in [false, true] {
+                let x = rng.vec(rows * n_heads * head_dim);
+                let mut want = x.clone();
+                if with_norm {
+                    cpu::rms_norm_in_place(&pool, &mut want, &norm_w, 1e-6);
+                }
+                let tables = RopeTables {
+                    cos: &cos,
+                    sin: &sin,
+                    layout,
+                };
+                cpu::rope_in_place(&pool, &mut want, n_heads, head_dim, pos0, tables);
+                let mut xbuf = ctx.upload(&x);
+                let norm = with_norm.then(|| RopeNorm {
+                    weight: nbuf.as_slice(),
+                    eps: 1e-6,
+                });
+                cuda::rope(
+                    &ctx.device,
+                    &mut xbuf.as_mut_slice(),
+                    n_heads,
+                    head_dim,
+                    pos0,
+                    cbuf.as_slice(),
+                    sbuf.as_slice(),
+                    layout,
+                    norm,
+                )
+                .unwrap();
+                let want64: Vec<f64> = want.iter().map(|&v| v as f64).collect();
+                let err = max_abs_err(&ctx.download::<f32>(&xbuf), &want64);
+                assert!(
+                    err < 1e-5,
+                    "rope {layout:?} norm {with_norm} {n_heads}×{head_dim}: error {err:e}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn silu_mul_add_and_convert() {
+    let Some(ctx) = Ctx::new() else { return };
+    let mut rng = Rng(5);
+    let n = 1_000_003;
+    let gate: Vec<f32> = rng.vec(n).iter().map(|v| v * 8.0).collect();
+    let up = rng.vec(n);
+    let (gbuf, ubuf) = (ctx.upload(&gate), ctx.upload(&up));
+    let want: Vec<f64> = gate
+        .iter()
+        .zip(&up)
+        .map(|(&g, &u)| g as f64 / (1.0 + (-g as f64).exp()) * u as f64)
+        .collect();
+    let mut out = ctx.poisoned::<f32>(n);
+    cuda::silu_mul(
+        &ctx.device,
+        gbuf.as_slice(),
+        ubuf.as_slice(),
+        &mut out.as_mut_slice::<f32>(),
+    )
+    .unwrap();
+    let err = rel_err(&ctx.download::<f32>(&out), &want);
+    assert!(err < 1e-6, "silu_mul: error {err:e}");
+    let mut out16 = ctx.poisoned::<bf16>(n);
+    cuda::silu_mul(
+        &ctx.device,
+        gbuf.as_slice(),
+        ubuf.as_slice(),
+        &mut out16.as_mut_slice::<bf16>(),
+    )
+    .unwrap();
+    let err = rel_err(&widen(&ctx.download::<bf16>(&out16)), &want);
+    assert!(err < 4e-3, "silu_mul to bf16: error {err:e}");
+    let mut g = ctx.upload(&gate);
+    cuda::silu_mul_in_place(&ctx.device, &mut g.as_mut_slice(), ubuf.as_slice()).unwrap();
+    assert_eq!(ctx.download::<f32>(&g), ctx.download::<f32>(&out));
+
+    let mut x = ctx.upload(&gate);
+    cuda::add(&ctx.device, &mut x.as_mut_slice(), ubuf.as_slice()).unwrap();
+    let sum: Vec<f32> = gate.iter().zip(&up).map(|(a, b)| a + b).collect();
+    assert_eq!(ctx.download::<f32>(&x), sum);
+
+    // Conversions round to nearest even exactly as `half` does, NaN and infinities included.
+    let mut values = rng.vec(10_001);
+    values.extend([
+        f32::NAN,
+        f32::INFINITY,
+        -0.0,
+        1e-40,
+        65504.0,
+        70000.0,
+        3.0e38,
+    ]);
+    let vbuf = ctx.upload(&values);
+    let mut b = ctx.poisoned::<bf16>(values.len());
+    cuda::convert(
+        &ctx.device,
+        vbuf.as_slice::<f32>(),
+        &mut b.as_mut_slice::<bf16>(),
+    )
+    .unwrap();
+    let got_b = ctx.download::<bf16>(&b);
+    let want_b: Vec<u16> = values
+        .iter()
+        .map(|&v| bf16::from_f32(v).to_bits())
+        .collect();
+    assert_eq!(
+        got_b.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        want_b
+    );
+    let mut h = ctx.poisoned::<f16>(values.len());
+    cuda::convert(
+        &ctx.device,
+        vbuf.as_slice::<f32>(),
+        &mut h.as_mut_slice::<f16>(),
+    )
+    .unwrap();
+    let got_h: Vec<u16> = ctx
+        .download::<f16>(&h)
+        .iter()
+        .map(|v| v.to_bits())
+        .collect();
+    for ((g, v), x) in got_h
+        .iter()
+        .zip(values.iter().map(|&v| f16::from_f32(v).to_bits()))
+        .zip(&values)
+    {
+        // NaN payloads may differ; any NaN is right for a NaN.
+        assert!(
+            *g == v || (x.is_nan() && f16::from_bits(*g).is_nan()),
+            "f16 of {x}: {g:#x} vs {v:#x}"
+        );
+    }
+    let mut back = ctx.poisoned::<f32>(values.len());
+    cuda::convert(
+        &ctx.device,
+        b.as_slice::<bf16>(),
+        &mut back.as_mut_slice::<f32>(),
+    )
+    .unwrap();
+    let back = ctx.download::<f32>(&back);
+    for (g, w) in back.iter().zip(&got_b) {
+        assert!(g.to_bits() == w.to_f32().to_bits() || g.is_nan());
+    }
+    assert!(
+        cuda::convert(
+            &ctx.device,
+            b.as_slice::<bf16>(),
+            &mut h.as_mut_slice::<f16>()
+        )
+        .is_err(),
+        "bf16 to f16 is not built and says so"
+    );
+}
+
+#[test]
+fn embedding_gathers_rows_and_marks_bad_ids() {
+    let Some(ctx) = Ctx::new() else { return };
+    let mut rng = Rng(6);
+    let (vocab, hidden) = (100, 70);
+    let table_f = rng.vec(vocab * hidden);
+    let tokens: Vec<u32> = vec![0, 99, 42, 42, 100, 7];
+    let tbuf = ctx.upload(&tokens);
+    fn check<T: Elem>(
+        ctx: &Ctx,
+        table_f: &[f32],
+        tokens: &[u32],
+        tbuf: &DeviceBuffer,
+        hidden: usize,
+    ) {
+        let table: Vec<T> = round(table_f);
+        let table_buf = ctx.upload(&table);
+        let mut out = ctx.poisoned::<f32>(tokens.len() * hidden);
+        cuda::embedding(
+            &ctx.device,
+            table_buf.as_slice::<T>(),
+            hidden,
+            tbuf.as_slice(),
+            &mut out.as_mut_slice(),
+        )
+        .unwrap();
+        let got = ctx.download::<f32>(&out);
+        for (i, &t) in tokens.iter().enumerate() {
+            let row = &got[i * hidden..(i + 1) * hidden];
+            if t as usize * hidden >= table.len() {
+                assert!(row.iter().all(|v| v.is_nan()), "bad id {t} gives NaN");
+            } else {
+                assert_eq!(
+                    row,
+                    widen(&table[t as usize * hidden..(t as usize + 1) * hidden])
+                );
+            }
+        }
+    }
+    check::<f32>(&ctx, &table_f, &tokens, &tbuf, hidden);
+    check::<bf16>(&ctx, &table_f, &tokens, &tbuf, hidden);
+    check::<f16>(&ctx, &table_f, &tokens, &tbuf, hidden);
+}
+
+#[test]
+fn argmax_takes_the_lowest_index_on_ties_and_never_nan() {
+    let Some(ctx) = Ctx::new() else { return };
+    let mut rng = Rng(7);
+    let vocab = 151_936;
+    let mut logits = rng.vec(4 * vocab);
+    // Row 1: a tie between a late and an early index, and a NaN above both.
+    logits[vocab + 150_000] = 5.0;
+    logits[vocab + 1234] = 5.0;
+    logits[vocab + 17] = f32::NAN;
+    // Row 2: all NaN. Row 3: the maximum at the very end.
+    logits[2 * vocab..3 * vocab].fill(f32::NAN);
+    logits[4 * vocab - 1] = 9.0;
+    let lbuf = ctx.upload(&logits);
+    let mut out = ctx.poisoned::<u32>(4);
+    cuda::argmax(&ctx.device, lbuf.as_slice(), vocab, &mut out.as_mut_slice()).unwrap();
+    let got = ctx.download::<u32>(&out);
+    let row0 = &logits[..vocab];
+    let want0 = row0
+        .iter()
+        .enumerate()
+        .fold(0, |best, (i, &v)| if v > row0[best] { i } else { best });
+    assert_eq!(got, vec![want0 as u32, 1234, 0, vocab as u32 - 1]);
+}
+
+/// Causal attention in f64 over the cache as stored: query `i` (at position `pos0 + i`)
+/// sees positions `..=pos0 + i`.
+fn attention_reference(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    pos0: usize,
+    n: usize,
+    shape: AttentionShape,
+    scale: f32,
+) -> Vec<f64> {
+    let AttentionShape {
+        n_heads,
+        n_kv_heads,
+        head_dim: d,
+    } = shape;
+    let group = n_heads / n_kv_heads;
+    let kv_row = n_kv_heads * d;
+    let mut out = vec![0f64; n * n_heads * d];
+    for i in 0..n {
+        for h in 0..n_heads {
+            let off = (h / group) * d;
+            let qh = &q[(i * n_heads + h) * d..][..d];
+            let scores: Vec<f64> = (0..=pos0 + i)
+                .map(|t| {
+                    (0..d)
+                        .map(|e| qh[e] as f64 * k[t * kv_row + off + e] as f64)
+                        .sum::<f64>()
+                        * scale as f64
+                })
+                .collect();
+            let m = scores.iter().cloned().fold(f64::MIN, f64::max);
+            let z: f64 = scores.iter().map(|s| (s - m).exp()).sum();
+            for e in 0..d {
+                out[(i * n_heads + h) * d + e] = scores
+                    .iter()
+                    .enumerate()
+                    .map(|(t, s)| (s - m).exp() / z * v[t * kv_row + off + e] as f64)
+                    .sum();
+            }
+        }
+    }
+    out
+}
+
+fn check_attention<T: Elem>(
+    ctx: &Ctx,
+    rng: &mut Rng,
+    shape: AttentionShape,
+    pos0: usize,
+    n: usize,
+) {
+    let AttentionShape {
+        n_heads,
+        n_kv_heads,
+        head_dim,
+    } = shape;
+    let positions = pos0 + n;
+    let kv_len = positions * n_kv_heads * head_dim;
+    // Keys scaled up so some scores are large and the softmax is far from uniform.
+    let k: Vec<T> = round(&rng.vec(kv_len).iter().map(|x| x * 3.0).collect::<Vec<_>>());
+    let v: Vec<T> = round(&rng.vec(kv_len));
+    let q = rng.vec(n * n_heads * head_dim);
+    let (kf, vf) = (widen(&k), widen(&v));
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    let (kbuf, vbuf, qbuf) = (ctx.upload(&k), ctx.upload(&v), ctx.upload(&q));
+    let what = format!("{} cache, {shape:?}, pos0 {pos0}, n {n}", T::FLOAT);
+
+    let want = attention_reference(&q, &kf, &vf, pos0, n, shape, scale);
+    let mut out = ctx.poisoned::<f32>(n * n_heads * head_dim);
+    cuda::attention_prefill(
+        &ctx.device,
+        qbuf.as_slice(),
+        kbuf.as_slice::<T>(),
+        vbuf.as_slice::<T>(),
+        pos0,
+        n,
+        shape,
+        scale,
+        &mut out.as_mut_slice(),
+    )
+    .unwrap();
+    let err = max_abs_err(&ctx.download::<f32>(&out), &want);
+    assert!(err < 1e-4, "attention_prefill, {what}: error {err:e}");
+
+    // Decode: the last query alone over every position.
+    let q_last = &q[(n - 1) * n_heads * head_dim..];
+    let want = attention_reference(q_last, &kf, &vf, positions - 1, 1, shape, scale);
+    let qbuf = ctx.upload(q_last);
+    let mut scratch = ctx.poisoned::<f32>(cuda::attention_decode_scratch_len(shape));
+    let mut out = ctx.poisoned::<f32>(n_heads * head_dim);
+    cuda::attention_decode(
+        &ctx.device,
+        qbuf.as_slice(),
+        kbuf.as_slice::<T>(),
+        vbuf.as_slice::<T>(),
+        positions,
+        shape,
+        scale,
+        &mut scratch.as_mut_slice(),
+        &mut out.as_mut_slice(),
+    )
+    .unwrap();
+    let err = max_abs_err(&ctx.download::<f32>(&out), &want);
+    assert!(err < 1e-4, "attention_decode, {what}: error {err:e}");
+}
+
+#[test]
+fn attention_matches_f64_reference() {
+    let Some(ctx) = Ctx::new() else { return };
+    let mut rng = Rng(8);
+    let shape = |n_heads, n_kv_heads, head_dim| AttentionShape {
+        n_heads,
+        n_kv_heads,
+        head_dim,
+    };
+    // Odd head widths (padded lanes), groups of 1 to 20 (more than one block of rows), short
+    // and long contexts (one split, many splits).
+    let cases = [
+        (shape(6, 2, 20), 0, 7),
+        (shape(6, 2, 20), 30, 1),
+        (shape(8, 8, 64), 3, 33),
+        (shape(32, 8, 128), 0, 50),
+        (shape(32, 8, 128), 4000, 5),
+        (shape(12, 2, 80), 100, 17),
+        (shape(20, 1, 128), 64, 16),
+        (shape(4, 2, 256), 700, 3),
+    ];
+    for (s, pos0, n) in cases {
+        check_attention::<f32>(&ctx, &mut rng, s, pos0, n);
+        check_attention::<bf16>(&ctx, &mut rng, s, pos0, n);
+    }
+    check_attention::<f16>(&ctx, &mut rng, shape(32, 8, 128), 1000, 9);
+}
+
+#[test]
+fn bad_arguments_are_errors_that_name_the_op() {
+    let Some(ctx) = Ctx::new() else { return };
+    let w = ctx.upload(&[bf16::ZERO; 64]);
+    let x = ctx.upload(&[0f32; 8]);
+    let mut y = ctx.poisoned::<f32>(8);
+    let mat = DevMat::from_slice(w.as_slice::<bf16>(), 8, 8).unwrap();
+    let err = cuda::matvec(
+        &ctx.device,
+        &mat,
+        x.as_slice(),
+        9,
+        &mut y.as_mut_slice(),
+        false,
+    )
+    .unwrap_err();
+    assert!(err.to_string().starts_with("matvec: batch 9"), "{err}");
+    assert!(DevMat::new(ember_tensor::DType::Q4_0, w.as_slice::<u8>(), 8, 8).is_err());
+    let shape = AttentionShape {
+        n_heads: 4,
+        n_kv_heads: 4,
+        head_dim: 512,
+    };
+    let mut scratch = ctx.poisoned::<f32>(8);
+    let err = cuda::attention_decode(
+        &ctx.device,
+        x.as_slice(),
+        x.as_slice::<f32>(),
+        x.as_slice::<f32>(),
+        1,
+        shape,
+        1.0,
+        &mut scratch.as_mut_slice(),
+        &mut y.as_mut_slice(),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("head_dim 512"), "{err}");
+}

@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""The same decode benchmark as `ember bench decode`, in PyTorch + transformers, on a GPU.
+
+Loads a Hugging Face checkpoint (e.g. one written by `ember gen-checkpoint`) in bf16, prefills a
+fixed pseudo-random prompt, then greedily decodes with a static KV cache, eager and (when it
+works here) with torch.compile. Prints one JSON line per mode with medians, to be read beside
+`ember bench decode --device cuda --json` run on the same checkpoint in the same session.
+
+    python3 scripts/torch_decode_bench.py CHECKPOINT_DIR [--prompt-tokens 512] [--decode-tokens 128]
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from transformers import AutoModelForCausalLM
+
+
+def prompt_ids(n, vocab):
+    state, ids = 0x12345678, []
+    for _ in range(n):
+        state = (state * 6364136223846793005 + 1442695040888963407) % 2**64
+        ids.append((state >> 33) % vocab)
+    return ids
+
+
+def run(model, ids, decode_tokens, repeats):
+    from transformers import StaticCache
+
+    prefill, decode = [], []
+    for _ in range(repeats):
+        cache = StaticCache(config=model.config, max_batch_size=1,
+                            max_cache_len=len(ids) + decode_tokens + 1,
+                            device="cuda", dtype=torch.bfloat16)
+        x = torch.tensor([ids], device="cuda")
+        pos = torch.arange(len(ids), device="cuda")
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.no_grad():
+            logits = model(x, past_key_values=cache, cache_position=pos, use_cache=True).logits
+            token = logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+        prefill.append(len(ids) / (time.perf_counter() - t))
+        t = time.perf_counter()
+        with torch.no_grad():
+            for i in range(decode_tokens):
+                p = torch.tensor([len(ids) + i], device="cuda")
+                logits = model(token, past_key_values=cache, cache_position=p, use_cache=True).logits
+                token = logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+        decode.append(decode_tokens / (time.perf_counter() - t))
+    return statistics.median(prefill), statistics.median(decode)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("checkpoint")
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-compile", action="store_true")
+    a = ap.parse_args()
+    model = AutoModelForCausalLM.from_pretrained(a.checkpoint, dtype=torch.bfloat16).cuda().eval()
+    ids = prompt_ids(a.prompt_tokens, model.config.vocab_size)
+    modes = ["eager"] + ([] if a.no_compile else ["compile"])
+    for mode in modes:
+        try:
+            if mode == "compile":
+                model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=False)
+                run(model, ids[:16], 4, 1)  # compile before timing
+            pp, tg = run(model, ids, a.decode_tokens, a.repeats)
+            print(json.dumps({"torch": torch.__version__, "mode": mode, "checkpoint": a.checkpoint,
+                              "prefill_tok_s": round(pp, 1), "decode_tok_s": round(tg, 2)}), flush=True)
+        except Exception as e:  # a mode that fails here is reported, not fatal
+            print(json.dumps({"mode": mode, "error": f"{type(e).__name__}: {e}"[:300]}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
