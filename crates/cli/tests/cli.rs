@@ -195,3 +195,41 @@ fn help_lists_every_command_and_flag() {
         );
     }
 }
+
+/// Without a GPU (CI, this machine) `--device cuda` is one clear error naming what is missing,
+/// and `auto` falls back to the CPU; with one, both run on it.
+#[test]
+fn device_cuda_without_cuda_is_a_clear_error_and_auto_falls_back() {
+    let model = fixture("qwen3-f32");
+    let model = model.to_str().unwrap();
+    let cuda = ember(&[
+        "run", "-m", model, "-p", "hi", "-n", "2", "--device", "cuda",
+    ]);
+    let stderr = String::from_utf8_lossy(&cuda.stderr);
+    if cuda.status.success() {
+        eprintln!("a CUDA device is present: nothing to check here");
+        return;
+    }
+    assert!(stderr.starts_with("error:"), "{stderr}");
+    assert!(
+        stderr.contains("CUDA unavailable") || stderr.contains("no CUDA device"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+
+    let auto = Command::new(env!("CARGO_BIN_EXE_ember"))
+        .args([
+            "run", "-m", model, "-p", "hi", "-n", "2", "--device", "auto",
+        ])
+        .env("EMBER_LOG", "info")
+        .env("NO_COLOR", "1")
+        .output()
+        .unwrap();
+    assert!(auto.status.success());
+    let log = String::from_utf8_lossy(&auto.stderr);
+    assert!(log.contains("device: cpu (CUDA unavailable"), "{log}");
+
+    let bad = ember(&["run", "-m", model, "-p", "hi", "--device", "tpu"]);
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("cuda:N"));
+}

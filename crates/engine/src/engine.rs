@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use ember_checkpoint::{GgufFile, SafetensorsSet, TensorSource, read_json};
 use ember_models::{
-    CpuBackend, CudaBackend, CudaKv, KvCache, KvDtype, Logits, ModelConfig, Transformer,
+    Arithmetic, CpuBackend, CudaBackend, CudaKv, KvCache, KvDtype, Logits, ModelConfig, Transformer,
 };
 use ember_residency::{
     Bound, CODE_ID_BASE, MlockBackend, Region, ResidencySet, executable_regions,
@@ -282,11 +282,24 @@ impl Engine {
         let kv_dtype = options.kv_dtype.unwrap_or(default_kv);
         let source = weights.source();
         let (runner, keepalive_scratch, weights): (Box<dyn Runner>, _, _) =
-            match choose_device(options.device, &weights)? {
+            match choose_device(options.device, &weights, &config)? {
                 None => {
                     let pool = ThreadPool::new(threads);
-                    let backend =
-                        CpuBackend::new(&config, pool, &owner, options.max_batch, context, 1)?;
+                    // An f16 cache is the GGUF path, checked against llama.cpp: imitate its
+                    // arithmetic there; elsewhere transformers' (the golden fixtures).
+                    let arithmetic = match kv_dtype {
+                        KvDtype::F16 => Arithmetic::LlamaCpp,
+                        KvDtype::F32 => Arithmetic::Transformers,
+                    };
+                    let backend = CpuBackend::new(
+                        &config,
+                        pool,
+                        &owner,
+                        options.max_batch,
+                        context,
+                        1,
+                        arithmetic,
+                    )?;
                     let model = Transformer::load(&backend, config, source, context)?;
                     let kv = KvCache::new(&model.config, context, kv_dtype, &owner)?;
                     let scratch = owner.alloc(
@@ -594,15 +607,28 @@ enum KeepaliveScratch {
 }
 
 /// The CUDA device to run on, or `None` for the CPU; `auto` logs which and why.
-fn choose_device(device: Device, weights: &WeightFiles) -> Result<Option<CudaDevice>> {
+fn choose_device(
+    device: Device,
+    weights: &WeightFiles,
+    config: &ModelConfig,
+) -> Result<Option<CudaDevice>> {
+    // What the CUDA backend cannot run yet, said before anything is uploaded.
+    let cpu_only = if matches!(weights, WeightFiles::Gguf(_)) {
+        Some("GGUF (quantized) models run on the CPU; quantized CUDA kernels come later")
+    } else if config.moe.is_some() {
+        Some("mixture-of-experts models run on the CPU; routing on CUDA comes later")
+    } else {
+        None
+    };
     match device {
         Device::Cpu => Ok(None),
+        Device::Cuda(_) if cpu_only.is_some() => {
+            Err(Error::NotOnCuda(cpu_only.unwrap_or_default()))
+        }
         Device::Cuda(ordinal) => Ok(Some(CudaDevice::open(ordinal).map_err(Error::Cuda)?)),
         Device::Auto => {
-            if matches!(weights, WeightFiles::Gguf(_)) {
-                tracing::info!(
-                    "device: cpu (GGUF models run on the CPU; quantized CUDA kernels come later)"
-                );
+            if let Some(reason) = cpu_only {
+                tracing::info!("device: cpu ({reason})");
                 return Ok(None);
             }
             match CudaDevice::open(0) {

@@ -25,6 +25,8 @@ pub enum Error {
     NoChatTemplate(PathBuf),
     #[error(transparent)]
     Cuda(#[from] ember_tensor::cuda::CudaError),
+    #[error("--device cuda: {0} (use --device cpu or auto)")]
+    NotOnCuda(&'static str),
     #[error("{0} (--residency required)")]
     ResidencyRequired(String),
     #[error("the prompt is empty")]

@@ -209,8 +209,8 @@ pub trait Backend {
     fn attention(&mut self, kv: &mut Self::Kv, params: AttentionParams, rows: usize) -> Result<()>;
     /// `Gate[..len] = silu(Gate[..len]) · Up[..len]`.
     fn silu_mul(&mut self, len: usize) -> Result<()>;
-    /// `dst[..len] += src[..len]`.
-    fn add(&mut self, dst: Slot, src: Slot, len: usize) -> Result<()>;
+    /// `dst[offset..offset + len] += src[..len]`.
+    fn add(&mut self, dst: Slot, offset: usize, src: Slot, len: usize) -> Result<()>;
     /// A mixture-of-experts block: routes each of `rows` tokens of `Normed` to its top-k
     /// experts and writes their weighted sum to `BlockOut`.
     fn moe(&mut self, moe: &Moe<Self>, rows: usize) -> Result<()>

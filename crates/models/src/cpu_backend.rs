@@ -16,8 +16,18 @@ use crate::transformer::{Mlp, Moe};
 use crate::weights::{Matrix, Vector, WeightLoader};
 use crate::workspace::{MoeWorkspace, Workspace};
 
+/// Whose arithmetic the CPU kernels reproduce where the two references differ in rounding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arithmetic {
+    /// Hugging Face transformers' (the golden fixtures; safetensors checkpoints).
+    Transformers,
+    /// llama.cpp's, op by op (GGUF checkpoints with an f16 cache, checked against llama.cpp).
+    LlamaCpp,
+}
+
 pub struct CpuBackend {
     pool: ThreadPool,
+    arithmetic: Arithmetic,
     owner: BufferOwner,
     ws: Workspace,
 }
@@ -32,6 +42,7 @@ impl CpuBackend {
         max_batch: usize,
         context: usize,
         logit_rows: usize,
+        arithmetic: Arithmetic,
     ) -> Result<Self> {
         let ws = Workspace::new(
             config,
@@ -43,6 +54,7 @@ impl CpuBackend {
         )?;
         Ok(CpuBackend {
             pool,
+            arithmetic,
             owner: owner.clone(),
             ws,
         })
@@ -185,10 +197,14 @@ impl Backend for CpuBackend {
             RopeStyle::Halves => RopeLayout::Halves,
             RopeStyle::Pairs => RopeLayout::Pairs,
         };
+        // llama.cpp's angles and fused rotation when imitating it (see `Arithmetic`).
+        let ggml = self.arithmetic == Arithmetic::LlamaCpp;
+        let (cos, sin) = tables.tables(ggml);
         let tables = RopeTables {
-            cos: tables.cos(),
-            sin: tables.sin(),
+            cos,
+            sin,
             layout,
+            fused: ggml,
         };
         let pool = &self.pool;
         let x = &mut self.ws.slots[slot.index()].as_mut_slice::<f32>()[..rows * n_heads * head_dim];
@@ -253,9 +269,9 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn add(&mut self, dst: Slot, src: Slot, len: usize) -> Result<()> {
+    fn add(&mut self, dst: Slot, offset: usize, src: Slot, len: usize) -> Result<()> {
         let (_, s, d, _) = self.src_dst(src, dst);
-        cpu::add_assign(&mut d[..len], &s[..len]);
+        cpu::add_assign(&mut d[offset..offset + len], &s[..len]);
         Ok(())
     }
 

@@ -332,17 +332,10 @@ impl Backend for CudaBackend {
     fn rope_tables(&self, config: &ModelConfig, positions: usize) -> Result<CudaRope> {
         // The CPU's tables, computed once on the host (the same angles on every device).
         let host = RopeTable::new(config, positions, &self.owner)?;
+        let (cos, sin) = host.tables(false);
         Ok(CudaRope {
-            cos: self.upload(
-                "rope cos",
-                BufferKind::Scratch,
-                bytemuck::cast_slice(host.cos()),
-            )?,
-            sin: self.upload(
-                "rope sin",
-                BufferKind::Scratch,
-                bytemuck::cast_slice(host.sin()),
-            )?,
+            cos: self.upload("rope cos", BufferKind::Scratch, bytemuck::cast_slice(cos))?,
+            sin: self.upload("rope sin", BufferKind::Scratch, bytemuck::cast_slice(sin))?,
         })
     }
 
@@ -528,13 +521,13 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    fn add(&mut self, dst: Slot, src: Slot, len: usize) -> Result<()> {
+    fn add(&mut self, dst: Slot, offset: usize, src: Slot, len: usize) -> Result<()> {
         let [s, d] = self
             .slots
             .get_disjoint_mut([src.index(), dst.index()])
             .expect("distinct slots");
         let mut d = d.as_mut_slice::<f32>();
-        let mut d = d.slice_mut(0..len);
+        let mut d = d.slice_mut(offset..offset + len);
         cuda::add(&self.device, &mut d, s.as_slice::<f32>().slice(0..len))?;
         Ok(())
     }

@@ -22,7 +22,7 @@ mod workspace;
 
 pub use backend::{Backend, KvStore, Slot};
 pub use config::{Architecture, ModelConfig, MoeConfig};
-pub use cpu_backend::CpuBackend;
+pub use cpu_backend::{Arithmetic, CpuBackend};
 pub use cuda_backend::{CudaBackend, CudaKv};
 pub use error::{Error, Result};
 pub use kv_cache::{KvCache, KvDtype};

@@ -5,10 +5,13 @@ use ember_tensor::{Buffer, BufferKind, BufferOwner};
 use crate::config::{Llama3RopeScaling, ModelConfig};
 use crate::error::Result;
 
-/// cos and sin of every (position, frequency) pair, computed once for the whole context.
+/// cos and sin of every (position, frequency) pair, computed once for the whole context, as
+/// transformers computes them and as llama.cpp does (the f16-cache path imitates llama.cpp).
 pub struct RopeTable {
     cos: Buffer,
     sin: Buffer,
+    ggml_cos: Buffer,
+    ggml_sin: Buffer,
     pub positions: usize,
 }
 
@@ -29,19 +32,50 @@ impl RopeTable {
                 }
             }
         }
+        let mut ggml_cos = owner.alloc(BufferKind::Scratch, "rope cos", positions * half * 4)?;
+        let mut ggml_sin = owner.alloc(BufferKind::Scratch, "rope sin", positions * half * 4)?;
+        {
+            let (c, s) = (
+                ggml_cos.as_mut_slice::<f32>(),
+                ggml_sin.as_mut_slice::<f32>(),
+            );
+            for pos in 0..positions {
+                ggml_angles(config, pos, |i, cos, sin| {
+                    c[pos * half + i] = cos;
+                    s[pos * half + i] = sin;
+                });
+            }
+        }
         Ok(RopeTable {
             cos,
             sin,
+            ggml_cos,
+            ggml_sin,
             positions,
         })
     }
 
-    pub fn cos(&self) -> &[f32] {
-        self.cos.as_slice()
+    /// cos and sin as transformers computes them, or (`ggml`) as llama.cpp does.
+    pub fn tables(&self, ggml: bool) -> (&[f32], &[f32]) {
+        if ggml {
+            (self.ggml_cos.as_slice(), self.ggml_sin.as_slice())
+        } else {
+            (self.cos.as_slice(), self.sin.as_slice())
+        }
     }
+}
 
-    pub fn sin(&self) -> &[f32] {
-        self.sin.as_slice()
+/// cos and sin of position `pos`'s angles as llama.cpp's `ggml_rope_cache_init` computes them:
+/// `theta_scale = powf(base, -2/d)`, the angle of pair `i` by `i` f32 multiplications of the
+/// position by it, and libm's `cosf`/`sinf` (which Rust's f32 methods call). Llama 3 scaling
+/// (per-frequency factors in GGUF) is not supported by GGUF loading, so it is not applied.
+fn ggml_angles(config: &ModelConfig, pos: usize, mut put: impl FnMut(usize, f32, f32)) {
+    let d = config.head_dim;
+    let theta_scale = (config.rope_theta as f32).powf(-2.0 / d as f32);
+    let mut theta = pos as f32;
+    for i in 0..d / 2 {
+        put(i, theta.cos(), theta.sin());
+        theta *= theta_scale;
     }
 }
 

@@ -83,6 +83,16 @@ pub enum FeedForward<B: Backend> {
     Sparse(Moe<B>),
 }
 
+impl<B: Backend> FeedForward<B> {
+    /// The MLP of a dense layer (for tools that run a layer's kernels one by one).
+    pub fn dense(&self) -> Option<&Mlp<B>> {
+        match self {
+            FeedForward::Dense(mlp) => Some(mlp),
+            FeedForward::Sparse(_) => None,
+        }
+    }
+}
+
 pub struct Attention<B: Backend> {
     pub q: Linear<B>,
     pub k: Linear<B>,
@@ -273,20 +283,28 @@ impl<B: Backend> Transformer<B> {
         for (index, layer) in self.layers.iter().enumerate() {
             b.rms_norm(Slot::Residual, 0..n, &layer.input_norm, eps, Slot::Normed)?;
             self.attention(b, kv, index, &layer.attention, n, pos0)?;
-            b.add(Slot::Residual, Slot::BlockOut, n * hidden)?;
+            b.add(Slot::Residual, 0, Slot::BlockOut, n * hidden)?;
 
+            // The last layer's MLP runs only on the rows that give logits (llama.cpp's
+            // `inp_out_ids`): less work, and its products see the batch llama.cpp's do.
+            let first = if index + 1 == self.layers.len() && logits == Logits::Last {
+                n - 1
+            } else {
+                0
+            };
+            let m = n - first;
             b.rms_norm(
                 Slot::Residual,
-                0..n,
+                first..n,
                 &layer.post_attention_norm,
                 eps,
                 Slot::Normed,
             )?;
             match &layer.feed_forward {
-                FeedForward::Dense(mlp) => mlp.apply(b, n)?,
-                FeedForward::Sparse(moe) => b.moe(moe, n)?,
+                FeedForward::Dense(mlp) => mlp.apply(b, m)?,
+                FeedForward::Sparse(moe) => b.moe(moe, m)?,
             }
-            b.add(Slot::Residual, Slot::BlockOut, n * hidden)?;
+            b.add(Slot::Residual, first * hidden, Slot::BlockOut, m * hidden)?;
         }
         kv.advance(n);
 

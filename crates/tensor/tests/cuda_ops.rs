@@ -338,8 +338,8 @@ fn check_matvec<T: Elem>(ctx: &Ctx, rng: &mut Rng, rows: usize, cols: usize, bat
 fn matvec_matches_f64_reference() {
     let Some(ctx) = Ctx::new() else { return };
     let mut rng = Rng(1);
-    // Vectorised (cols a multiple of 8) and scalar (odd cols) paths, short and long rows, odd
-    // row counts, every batch size.
+    // Vectorised (cols a multiple of 8) and scalar (odd cols) paths, 1 to 8 warps sharing a
+    // row (short to long rows), odd row counts, every batch size.
     for (rows, cols) in [(37, 13), (75, 256), (65, 2048), (1001, 1032), (4096, 4096)] {
         for batch in [1, 2, 3, 5, 8] {
             check_matvec::<bf16>(&ctx, &mut rng, rows, cols, batch);
@@ -521,6 +521,8 @@ fn rope_matches_cpu_in_both_layouts_with_and_without_the_head_norm() {
                     cos: &cos,
                     sin: &sin,
                     layout,
+                    // transformers' rotation, which the CUDA kernel computes.
+                    fused: false,
                 };
                 cpu::rope_in_place(&pool, &mut want, n_heads, head_dim, pos0, tables);
                 let mut xbuf = ctx.upload(&x);

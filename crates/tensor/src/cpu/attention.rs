@@ -1,8 +1,10 @@
 //! Causal attention of new queries over a sequence's cached keys and values.
 //!
 //! One (query, head) pair is one unit of work: scores against every visible key, a softmax,
-//! a weighted sum of values, always in key order. Prefill and decode run the same unit, so a
-//! token's output is the same whichever way it was computed.
+//! a weighted sum of values. Over an f32 cache the sums run in key order and prefill and
+//! decode run the same unit, so a token's output is the same whichever way it was computed.
+//! Over an f16 cache the unit is llama.cpp's (see `attend_items_f16`), whose summation order
+//! depends on whether the query came alone or in a batch.
 
 use super::simd::{F16, Simd, WeightElem};
 use super::{Isa, SharedPtr, simd_dispatch};
@@ -133,18 +135,9 @@ struct Job {
 simd_dispatch!(fn attend_f32(job: Job) => attend_items_f32);
 simd_dispatch!(fn attend_f16(job: Job) => attend_items_f16);
 
+/// Attention over an f32 cache: scores by [`dot4`], softmax, weighted sum in key order.
 #[inline(always)]
 unsafe fn attend_items_f32<S: Simd>(job: Job) {
-    unsafe { attend_items::<S, f32>(job) }
-}
-
-#[inline(always)]
-unsafe fn attend_items_f16<S: Simd>(job: Job) {
-    unsafe { attend_items::<S, F16>(job) }
-}
-
-#[inline(always)]
-unsafe fn attend_items<S: Simd, E: WeightElem>(job: Job) {
     let AttentionShape {
         n_heads,
         n_kv_heads,
@@ -162,35 +155,23 @@ unsafe fn attend_items<S: Simd, E: WeightElem>(job: Job) {
         let visible = job.pos0 + i + 1;
         let kv_offset = (h / group) * d;
         unsafe {
-            // An f16 cache multiplies f16 queries and f16 weights, as llama.cpp's attention
-            // does: ember then computes what that reference computes, not something close.
-            let mut q_rounded = [0f32; MAX_HEAD_DIM];
-            let mut q = job.q.get().add((i * n_heads + h) * d) as *const f32;
-            if E::round_operand(1.0 + f32::EPSILON) != 1.0 + f32::EPSILON {
-                for (e, r) in q_rounded.iter_mut().enumerate().take(d) {
-                    *r = E::round_operand(*q.add(e));
-                }
-                q = q_rounded.as_ptr();
-            }
-            let key = |t: usize| (job.keys.get() as *const E).add(t * kv_row + kv_offset);
+            let q = job.q.get().add((i * n_heads + h) * d) as *const f32;
+            let key = |t: usize| (job.keys.get() as *const f32).add(t * kv_row + kv_offset);
             let mut t = 0;
             while t + 4 <= visible {
-                let s = dot4::<S, E>(q, [key(t), key(t + 1), key(t + 2), key(t + 3)], d);
+                let s = dot4::<S, f32>(q, [key(t), key(t + 1), key(t + 2), key(t + 3)], d);
                 for (j, value) in s.into_iter().enumerate() {
                     *scores.add(t + j) = value * job.scale;
                 }
                 t += 4;
             }
             while t < visible {
-                *scores.add(t) = dot4::<S, E>(q, [key(t); 4], d)[0] * job.scale;
+                *scores.add(t) = dot4::<S, f32>(q, [key(t); 4], d)[0] * job.scale;
                 t += 1;
             }
             softmax::<S>(scores, visible);
-            for t in 0..visible {
-                *scores.add(t) = E::round_operand(*scores.add(t));
-            }
-            let value = |t: usize| (job.values.get() as *const E).add(t * kv_row + kv_offset);
-            weighted_sum::<S, E>(
+            let value = |t: usize| (job.values.get() as *const f32).add(t * kv_row + kv_offset);
+            weighted_sum::<S, f32>(
                 scores,
                 visible,
                 value,
@@ -198,6 +179,201 @@ unsafe fn attend_items<S: Simd, E: WeightElem>(job: Job) {
                 d,
             );
         }
+    }
+}
+
+/// Attention over an f16 cache computes what llama.cpp's CPU backend computes with its default
+/// f16 cache and without flash attention, to the bit: `kq = mul_mat(k, q)` with `q` rounded to
+/// f16, `soft_max_ext`, then `kqv = mul_mat(v, kq)` with the weights rounded to f16. Its
+/// `mul_mat` of f16 data takes llamafile's `tinyBLAS` when a batch has two tokens or more
+/// (16 lanes along the dot product, `k % 16 == 0`) and `ggml_vec_dot_f16` for one token
+/// (64 lanes and leftovers in f64); the dot products here follow whichever llama.cpp would
+/// take. So on this path one token's result depends on whether it came alone or in a batch,
+/// as it does in llama.cpp.
+#[inline(always)]
+unsafe fn attend_items_f16<S: Simd>(job: Job) {
+    let AttentionShape {
+        n_heads,
+        n_kv_heads,
+        head_dim: d,
+    } = job.shape;
+    let group = n_heads / n_kv_heads;
+    let kv_row = n_kv_heads * d;
+    let scores = unsafe { job.scratch.get().add(job.thread * job.per_thread) };
+    let n = job.items / n_heads;
+    let batched = n >= 2;
+    let kq_lanes = if batched && d % 16 == 0 { 16 } else { 64 };
+    let kqv_lanes = if batched { 16 } else { 64 };
+    let mut acc = vec![0f32; kqv_lanes * d];
+    for item in (job.thread..job.items).step_by(job.parts) {
+        let (h, i) = (item / n, item % n);
+        let visible = job.pos0 + i + 1;
+        let kv_offset = (h / group) * d;
+        unsafe {
+            let mut q16 = [0f32; MAX_HEAD_DIM];
+            let q = job.q.get().add((i * n_heads + h) * d) as *const f32;
+            for (e, r) in q16.iter_mut().enumerate().take(d) {
+                *r = F16::round_operand(*q.add(e));
+            }
+            let key = |t: usize| (job.keys.get() as *const F16).add(t * kv_row + kv_offset);
+            let mut t = 0;
+            while t < visible {
+                let k = std::array::from_fn(|j| key((t + j).min(visible - 1)));
+                let dots = match kq_lanes / S::LANES {
+                    1 => dot4_lanes::<S, 1>(q16.as_ptr(), k, d),
+                    2 => dot4_lanes::<S, 2>(q16.as_ptr(), k, d),
+                    4 => dot4_lanes::<S, 4>(q16.as_ptr(), k, d),
+                    _ => dot4_lanes::<S, 8>(q16.as_ptr(), k, d),
+                };
+                for (j, dot) in dots.into_iter().enumerate().take(visible - t) {
+                    *scores.add(t + j) = dot * job.scale;
+                }
+                t += 4;
+            }
+            softmax::<S>(scores, visible);
+            for t in 0..visible {
+                *scores.add(t) = F16::round_operand(*scores.add(t));
+            }
+            let value = |t: usize| (job.values.get() as *const F16).add(t * kv_row + kv_offset);
+            weighted_sum_lanes::<S>(
+                scores,
+                visible,
+                value,
+                job.out.get().add((i * n_heads + h) * d),
+                d,
+                kqv_lanes,
+                &mut acc,
+            );
+        }
+    }
+}
+
+/// `Σ_e q[e]·k[e]` for four keys, each with `NV·S::LANES` f32 accumulators (lane `l` takes
+/// `e ≡ l mod lanes`, one FMA each in order), folded by halves (lane `l` with `l + lanes/2`,
+/// …) as ggml's reductions and `_mm512_reduce_add_ps` fold; the `d % lanes` leftovers are
+/// added in f64 after, as `ggml_vec_dot_f16` adds them.
+#[inline(always)]
+unsafe fn dot4_lanes<S: Simd, const NV: usize>(
+    q: *const f32,
+    k: [*const F16; 4],
+    d: usize,
+) -> [f32; 4] {
+    unsafe {
+        let lanes = NV * S::LANES;
+        let mut acc = [[S::zero(); NV]; 4];
+        let full = d / lanes * lanes;
+        let mut p = 0;
+        while p < full {
+            for j in 0..NV {
+                let e = p + j * S::LANES;
+                let qv = S::load(q.add(e));
+                for (a, kk) in acc.iter_mut().zip(k) {
+                    a[j] = S::fma(qv, F16::load::<S>(kk.add(e)), a[j]);
+                }
+            }
+            p += lanes;
+        }
+        // Loops, not closures: a closure may not be inlined into the caller's instruction set.
+        let mut out = [0f32; 4];
+        for (key, a) in acc.iter_mut().enumerate() {
+            let mut half = NV / 2;
+            while half > 0 {
+                for j in 0..half {
+                    a[j] = S::add(a[j], a[j + half]);
+                }
+                half /= 2;
+            }
+            out[key] = S::hsum(a[0]);
+            if full < d {
+                let mut sum = out[key] as f64;
+                for e in full..d {
+                    sum += (*q.add(e) * (*k[key].add(e)).to_f32()) as f64;
+                }
+                out[key] = sum as f32;
+            }
+        }
+        out
+    }
+}
+
+/// `out = Σ_t w[t] · v(t)` with `lanes` partial sums per output element (sum `l` takes the keys
+/// `t ≡ l mod lanes`, one FMA each in key order), folded by halves: the order of llama.cpp's
+/// `mul_mat(v, kq)` over its transposed f16 value cache. `partial` holds `lanes · d` values.
+/// Four sums of up to four vectors of outputs stay in registers while their keys stream past.
+#[inline(always)]
+unsafe fn weighted_sum_lanes<S: Simd>(
+    w: *const f32,
+    n: usize,
+    v: impl Fn(usize) -> *const F16,
+    out: *mut f32,
+    d: usize,
+    lanes: usize,
+    partial: &mut [f32],
+) {
+    const G: usize = 4;
+    const NV: usize = 4;
+    unsafe {
+        let used = lanes.min(n);
+        let part = partial.as_mut_ptr();
+        let mut e0 = 0;
+        while e0 < d {
+            let width = (NV * S::LANES).min(d - e0);
+            let len = |c: usize| S::LANES.min(width.saturating_sub(c * S::LANES));
+            for g in (0..used).step_by(G) {
+                let mut acc = [[S::zero(); NV]; G];
+                let mut t0 = g;
+                while t0 < n {
+                    for (j, a) in acc.iter_mut().enumerate() {
+                        let t = t0 + j;
+                        if g + j >= used || t >= n {
+                            break;
+                        }
+                        let wt = S::splat(*w.add(t));
+                        let row = v(t).add(e0);
+                        for (c, ac) in a.iter_mut().enumerate() {
+                            let l = len(c);
+                            if l == S::LANES {
+                                *ac = S::fma(wt, F16::load::<S>(row.add(c * S::LANES)), *ac);
+                            } else if l > 0 {
+                                let x = F16::load_partial::<S>(row.add(c * S::LANES), l);
+                                *ac = S::fma(wt, x, *ac);
+                            }
+                        }
+                    }
+                    t0 += lanes;
+                }
+                for (j, a) in acc.iter().enumerate().take(used - g) {
+                    for (c, ac) in a.iter().enumerate() {
+                        let l = len(c);
+                        if l > 0 {
+                            S::store_partial(part.add((g + j) * d + e0 + c * S::LANES), *ac, l);
+                        }
+                    }
+                }
+            }
+            e0 += width;
+        }
+        // Sums past the last key are zero in llama.cpp's padded cache; adding them changes
+        // nothing, so only the halves that hold keys are added.
+        let mut half = lanes / 2;
+        while half > 0 {
+            for j in 0..half.min(used) {
+                if j + half < used {
+                    let (dst, src) = (part.add(j * d), part.add((j + half) * d) as *const f32);
+                    let mut e = 0;
+                    while e + S::LANES <= d {
+                        S::store(dst.add(e), S::add(S::load(dst.add(e)), S::load(src.add(e))));
+                        e += S::LANES;
+                    }
+                    while e < d {
+                        *dst.add(e) += *src.add(e);
+                        e += 1;
+                    }
+                }
+            }
+            half /= 2;
+        }
+        std::ptr::copy_nonoverlapping(part as *const f32, out, d);
     }
 }
 
@@ -231,7 +407,9 @@ unsafe fn dot4<S: Simd, E: WeightElem>(q: *const f32, k: [*const E; 4], d: usize
     }
 }
 
-/// `x = softmax(x)` over `n` scores, exponentials vectorised.
+/// `x = softmax(x)` over `n` scores as llama.cpp's `ggml_vec_soft_max_f32` computes it with
+/// AVX-512: exponentials of `x − max` ([`Simd::exp`]), summed 16 at a time by halves
+/// (`_mm512_reduce_add_ps`) into an f64 total, then scaled by `(f32)(1 / total)`.
 #[inline(always)]
 unsafe fn softmax<S: Simd>(x: *mut f32, n: usize) {
     unsafe {
@@ -240,18 +418,30 @@ unsafe fn softmax<S: Simd>(x: *mut f32, n: usize) {
             max = max.max(*x.add(t));
         }
         let neg_max = S::splat(-max);
-        let mut sum = 0f32;
         let mut t = 0;
         while t < n {
             let len = S::LANES.min(n - t);
             let e = S::exp(S::add(S::load_partial(x.add(t), len), neg_max));
             S::store_partial(x.add(t), e, len);
-            for j in 0..len {
-                sum += *x.add(t + j);
-            }
             t += len;
         }
-        let inv = 1.0 / sum;
+        let mut sum = 0f64;
+        for chunk in (0..n).step_by(16) {
+            // Past `n` llama.cpp's masked scores give exactly 0.
+            let mut v = [0f32; 16];
+            for (j, lane) in v.iter_mut().enumerate().take((n - chunk).min(16)) {
+                *lane = *x.add(chunk + j);
+            }
+            let mut half = 8;
+            while half > 0 {
+                for j in 0..half {
+                    v[j] += v[j + half];
+                }
+                half /= 2;
+            }
+            sum += v[0] as f64;
+        }
+        let inv = (1.0 / sum) as f32;
         for t in 0..n {
             *x.add(t) *= inv;
         }
@@ -302,6 +492,7 @@ unsafe fn weighted_sum<S: Simd, E: WeightElem>(
 
 #[cfg(test)]
 mod tests {
+    use super::super::simd::Portable;
     use super::*;
 
     #[test]
@@ -376,7 +567,9 @@ mod tests {
         assert_eq!(last, &out[(n - 1) * q_row..]);
 
         // An f16 cache computes over f16 keys and values, with queries and weights rounded to
-        // f16 as llama.cpp does: close to the f32 result, and the same for decode and prefill.
+        // f16 as llama.cpp does: close to the f32 result. A query alone takes llama.cpp's
+        // one-token order (64 partial sums) and in a batch its batched one (16); with this few
+        // keys and a head of 20 both orders add the same terms in the same order.
         let to_f16 = |x: &[f32]| {
             x.iter()
                 .map(|&v| half::f16::from_f32(v).to_bits())
@@ -413,5 +606,104 @@ mod tests {
             &mut scratch,
         );
         assert_eq!(last16, &out16[(n - 1) * q_row..]);
+    }
+
+    /// llama.cpp's order for an f16 cache, written out plainly: `lanes` partial sums of fused
+    /// products, folded by halves, leftovers in f64.
+    fn ggml_dot(a: &[f32], b: &[f32], lanes: usize) -> f32 {
+        let full = a.len() / lanes * lanes;
+        let mut acc = vec![0f32; lanes];
+        for e in 0..full {
+            acc[e % lanes] = a[e].mul_add(b[e], acc[e % lanes]);
+        }
+        let mut half = lanes / 2;
+        while half > 0 {
+            for j in 0..half {
+                acc[j] += acc[j + half];
+            }
+            half /= 2;
+        }
+        let mut sum = acc[0] as f64;
+        for e in full..a.len() {
+            sum += (a[e] * b[e]) as f64;
+        }
+        sum as f32
+    }
+
+    #[test]
+    fn f16_cache_follows_llama_cpp_order_alone_and_batched() {
+        let shape = AttentionShape {
+            n_heads: 2,
+            n_kv_heads: 1,
+            head_dim: 64,
+        };
+        let (d, n) = (64usize, 150usize);
+        let mut seed = 11u64;
+        let mut next = || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+            ((seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+        };
+        let r16 = |x: f32| half::f16::from_f32(x).to_f32();
+        let q: Vec<f32> = (0..n * 2 * d).map(|_| next() * 4.0).collect();
+        let k: Vec<f32> = (0..n * d).map(|_| r16(next() * 4.0)).collect();
+        let v: Vec<f32> = (0..n * d).map(|_| r16(next())).collect();
+        let bits = |x: &[f32]| -> Vec<u16> {
+            x.iter()
+                .map(|&x| half::f16::from_f32(x).to_bits())
+                .collect()
+        };
+        let (k16, v16) = (bits(&k), bits(&v));
+        let pool = ThreadPool::new(2);
+        let mut scratch = vec![0f32; attention_scratch_len(2, n)];
+        let run = |pos0: usize, rows: usize, scratch: &mut [f32]| {
+            let mut out = vec![0f32; rows * 2 * d];
+            causal_attention(
+                &pool,
+                &q[pos0 * 2 * d..(pos0 + rows) * 2 * d],
+                KvSlice::F16(&k16),
+                KvSlice::F16(&v16),
+                pos0,
+                rows,
+                shape,
+                0.125,
+                &mut out,
+                scratch,
+            );
+            out
+        };
+        let batched = run(0, n, &mut scratch);
+        let alone = run(n - 1, 1, &mut scratch);
+        for (lanes, got, i) in [
+            (16, &batched[(n - 1) * 2 * d..], n - 1),
+            (64, &alone[..], n - 1),
+        ] {
+            for h in 0..2 {
+                let qh: Vec<f32> = q[(i * 2 + h) * d..(i * 2 + h + 1) * d]
+                    .iter()
+                    .map(|&x| r16(x))
+                    .collect();
+                let mut p: Vec<f32> = (0..=i)
+                    .map(|t| ggml_dot(&qh, &k[t * d..(t + 1) * d], lanes) * 0.125)
+                    .collect();
+                unsafe { softmax::<Portable>(p.as_mut_ptr(), p.len()) };
+                let p: Vec<f32> = p.iter().map(|&x| r16(x)).collect();
+                for e in 0..d {
+                    // The value cache transposed and padded with zeros, as llama.cpp keeps it.
+                    let mut col: Vec<f32> = (0..=i).map(|t| v[t * d + e]).collect();
+                    let mut pp = p.clone();
+                    col.resize(256, 0.0);
+                    pp.resize(256, 0.0);
+                    let want = ggml_dot(&col, &pp, lanes);
+                    assert_eq!(
+                        got[h * d + e].to_bits(),
+                        want.to_bits(),
+                        "lanes {lanes} head {h} elem {e}"
+                    );
+                }
+            }
+        }
+        // The two orders are different sums: alone and batched are close, not equal.
+        let last = &batched[(n - 1) * 2 * d..];
+        assert!(last.iter().zip(&alone).all(|(a, b)| (a - b).abs() < 1e-3));
     }
 }

@@ -47,22 +47,17 @@ pub fn rms_norm_in_place(pool: &ThreadPool, x: &mut [f32], weight: &[f32], eps: 
     });
 }
 
+/// `1 / sqrt(mean(x²) + eps)` as llama.cpp's `ggml_compute_forward_rms_norm_f32` computes
+/// it: each square rounded to f32, summed in order in f64, the mean rounded to f32. The f64
+/// sum makes it at least as exact as any f32 order, and the result is llama.cpp's to the bit.
 #[inline]
 fn inv_rms(row: &[f32], eps: f32) -> f32 {
-    // Eight partial sums: vectorisable, and the same order for every row length split.
-    let mut partial = [0f32; 8];
-    let chunks = row.chunks_exact(8);
-    let tail = chunks.remainder();
-    for chunk in chunks {
-        for (p, v) in partial.iter_mut().zip(chunk) {
-            *p += v * v;
-        }
+    let mut sum = 0f64;
+    for v in row {
+        sum += (v * v) as f64;
     }
-    for (p, v) in partial.iter_mut().zip(tail) {
-        *p += v * v;
-    }
-    let sum: f32 = partial.iter().sum();
-    1.0 / (sum / row.len() as f32 + eps).sqrt()
+    let mean = (sum / row.len() as f64) as f32;
+    1.0 / (mean + eps).sqrt()
 }
 
 #[inline]
@@ -88,6 +83,9 @@ pub struct RopeTables<'a> {
     pub cos: &'a [f32],
     pub sin: &'a [f32],
     pub layout: RopeLayout,
+    /// Rotate as llama.cpp's `rotate_pairs` is compiled (GCC contracts `x0·cos − x1·sin` to
+    /// `fma(x0, cos, −(x1·sin))`), rather than with two rounded products as transformers does.
+    pub fused: bool,
 }
 
 /// Rotary embedding of rows of `n_heads` heads of `head_dim`; row `r` is at position `pos0 + r`.
@@ -107,26 +105,49 @@ pub fn rope_in_place(
         "rope: positions beyond the table"
     );
     let ptr = SharedPtr(x.as_mut_ptr());
+    let isa = Isa::detect();
     for_rows(pool, rows, row_len, |r| {
         let pos = pos0 + r;
-        let (c, s) = (
-            &tables.cos[pos * half..(pos + 1) * half],
-            &tables.sin[pos * half..(pos + 1) * half],
-        );
         // SAFETY: each row index is visited by one thread only.
-        let row = unsafe { std::slice::from_raw_parts_mut(ptr.get().add(r * row_len), row_len) };
-        for head in row.chunks_exact_mut(head_dim) {
-            for i in 0..half {
-                let (a, b) = match tables.layout {
-                    RopeLayout::Halves => (i, i + half),
-                    RopeLayout::Pairs => (2 * i, 2 * i + 1),
-                };
-                let (x1, x2) = (head[a], head[b]);
+        let row = unsafe { SharedPtr(ptr.get().add(r * row_len)) };
+        rope_row(isa, row, row_len, head_dim, pos, tables);
+    });
+}
+
+// Dispatched so that `mul_add` is one FMA instruction where the set has it.
+simd_dispatch!(fn rope_row(row: SharedPtr<f32>, row_len: usize, head_dim: usize, pos: usize, tables: RopeTables<'_>) => rope_row_generic);
+
+#[inline(always)]
+unsafe fn rope_row_generic<S: Simd>(
+    row: SharedPtr<f32>,
+    row_len: usize,
+    head_dim: usize,
+    pos: usize,
+    tables: RopeTables<'_>,
+) {
+    let half = head_dim / 2;
+    let (c, s) = (
+        &tables.cos[pos * half..(pos + 1) * half],
+        &tables.sin[pos * half..(pos + 1) * half],
+    );
+    // SAFETY: the caller owns the row.
+    let row = unsafe { std::slice::from_raw_parts_mut(row.get(), row_len) };
+    for head in row.chunks_exact_mut(head_dim) {
+        for i in 0..half {
+            let (a, b) = match tables.layout {
+                RopeLayout::Halves => (i, i + half),
+                RopeLayout::Pairs => (2 * i, 2 * i + 1),
+            };
+            let (x1, x2) = (head[a], head[b]);
+            if tables.fused {
+                head[a] = x1.mul_add(c[i], -(x2 * s[i]));
+                head[b] = x1.mul_add(s[i], x2 * c[i]);
+            } else {
                 head[a] = x1 * c[i] - x2 * s[i];
                 head[b] = x2 * c[i] + x1 * s[i];
             }
         }
-    });
+    }
 }
 
 /// `gate[i] = silu(gate[i]) * up[i]`, the SwiGLU activation.
@@ -223,6 +244,7 @@ mod tests {
             cos: &c,
             sin: &s,
             layout: RopeLayout::Halves,
+            fused: false,
         };
         rope_in_place(&pool, &mut x, 1, 4, 0, tables);
         assert_eq!(x, [1.0 * 0.0 - 3.0 * 1.0, 2.0, 3.0 * 0.0 + 1.0, 4.0]);

@@ -9,13 +9,21 @@
 //! | weights     | activations | per block, f32, added to the row's sum in block order       |
 //! |-------------|-------------|-------------------------------------------------------------|
 //! | Q8_0, Q4_0  | Q8_0        | `(dw·dx)·S`                                                  |
-//! | Q4_1        | Q8_1        | `(dw·dx)·S + mw·sx`                                          |
-//! | Q4_K, Q5_K  | Q8_K        | `(dw·dx)·Σ sc·S − (dminw·dx)·Σ m·bsum`                       |
-//! | Q6_K        | Q8_K        | `(dw·dx)·Σ sc·S`                                             |
+//! | Q4_1        | Q8_1        | see below                                                    |
+//! | Q5_K        | Q8_K        | `(dw·dx)·Σ sc·S − (dminw·dx)·Σ m·bsum`                       |
+//! | Q4_K, Q6_K  | Q8_K        | see below                                                    |
 //!
-//! Integer sums are exact and every float operation is a lane-wise IEEE multiply, add or
-//! subtract in that fixed order, so an output is bit-identical whatever the instruction set,
-//! batch size, tile shape or thread count.
+//! Q4_1 instead keeps llama.cpp's eight partial sums per output and its fused multiply-adds
+//! ([`tile_q41`]), so that its outputs are llama.cpp's to the bit.
+//!
+//! Q4_K and Q6_K follow llama.cpp's x86 kernels too, including their choice by batch: Q4_K
+//! (repacked there) fuses per super-block for a lone row and per 64 values for rows in whole
+//! groups of four ([`tile_q45k`]); Q6_K keeps eight lanes below eight rows and one sum per
+//! super-block from eight rows on ([`tile_q6k`]). Q8_0, Q4_0 and Q5_K keep ember's own order.
+//!
+//! Integer sums are exact and every float operation is a lane-wise IEEE multiply, add,
+//! subtract or fused multiply-add in a fixed order, so an output is bit-identical whatever
+//! the instruction set, tile shape or thread count (and, but for the cases above, batch size).
 
 use super::Isa;
 use crate::dtype::DType;
@@ -78,6 +86,9 @@ pub(crate) struct ActLayout {
     pub a: usize,
     pub b: usize,
     pub stride: usize,
+    /// Activation rows in the product being computed (set by [`rows`]): llama.cpp takes
+    /// another Q6_K kernel for eight rows or more, and the kernels here follow it.
+    pub batch: usize,
 }
 
 impl ActLayout {
@@ -102,6 +113,7 @@ impl ActLayout {
             a,
             b,
             stride: end.div_ceil(64) * 64,
+            batch: 1,
         }
     }
 
@@ -250,6 +262,8 @@ pub(crate) unsafe trait Qv: Copy {
     type V: Copy;
     type I: Copy;
     type F: Copy;
+    /// 16 f32 lanes.
+    type F2: Copy;
     unsafe fn zero() -> Self::V;
     unsafe fn load(p: *const u8) -> Self::V;
     /// `g0 = p0[..32]`, `g1 = p1[..32]`.
@@ -295,9 +309,6 @@ pub(crate) unsafe trait Qv: Copy {
     unsafe fn scale_pick4(s: Self::V, j: [usize; 4]) -> Self::V;
     /// i16 lanes: the 16-byte quarter `q` all `p[q]` (i8), `q < 4`.
     unsafe fn scales4(p: *const i8) -> Self::V;
-    /// i16 lanes, per quarter `q` of 8: the first four `p[q]` (i8), the last four `p[4 + q]`
-    /// — the scales of a [`Qv::packs32`] of two vectors scaled by `p[..4]` and `p[4..8]`.
-    unsafe fn scales4x2(p: *const i8) -> Self::V;
     /// For 8 vectors of i32 lanes: lane `r` of the first result is the sum of `v[r].g0`'s
     /// lanes, of the second the sum of `v[r].g1`'s.
     unsafe fn reduce(v: &[Self::V; QR]) -> (Self::I, Self::I);
@@ -306,6 +317,24 @@ pub(crate) unsafe trait Qv: Copy {
     unsafe fn reduce_x(v: &[Self::V; QR]) -> (Self::I, Self::I);
     /// Lane `r`: `Σ_t mins[r].byte(t)·s[t]`, `t < 8`.
     unsafe fn mins_dot8(mins: &[u64; QR], s: *const i16) -> Self::I;
+    /// Per pair `c < 4`, lane `r`: `Σ_{t ∈ {2c, 2c+1}} mins[r].byte(t)·s[t]`.
+    #[inline(always)]
+    unsafe fn mins_dot_pairs(mins: &[u64; QR], s: *const i16) -> [Self::I; 4] {
+        let mut out = [unsafe { Self::isplat(0) }; 4];
+        for (c, o) in out.iter_mut().enumerate() {
+            let mut b = [0i16; 8];
+            unsafe {
+                b[2 * c] = s.add(2 * c).read_unaligned();
+                b[2 * c + 1] = s.add(2 * c + 1).read_unaligned();
+                *o = Self::mins_dot8(mins, b.as_ptr());
+            }
+        }
+        out
+    }
+    /// Lane `r`: `Σ_j sc[r][j]·s[j]`, `j < 16`.
+    unsafe fn scales_dot8(sc: [*const i8; QR], s: *const i16) -> Self::I;
+    /// Shifts each lane left by 5 (× 32).
+    unsafe fn ishl5(a: Self::I) -> Self::I;
     /// `(g0(a) | g0(b), g1(a) | g1(b))`.
     unsafe fn regroup(a: Self::V, b: Self::V) -> (Self::V, Self::V);
     /// Four Q4_1 blocks from `p`: the low nibbles of their `qs` (16 bytes a block, in block
@@ -318,8 +347,6 @@ pub(crate) unsafe trait Qv: Copy {
             Self::regroup(a, b)
         }
     }
-    /// For lane `r`: the sum of 16-byte quarter `q` of `v[r]`, for each `q < 4`.
-    unsafe fn reduce_q(v: &[Self::V; QR]) -> [Self::I; 4];
     /// `d` and `m` of the four Q4_1 blocks at each `p[r]`, widened.
     #[inline(always)]
     unsafe fn meta_q41(p: &[*const u8; QR]) -> [(Self::F, Self::F); 4] {
@@ -354,13 +381,9 @@ pub(crate) unsafe trait Qv: Copy {
         }
         unsafe { (Self::f16x8(dw), Self::f16x8(dm)) }
     }
-    /// Lane `r`: `Σ_j sc[r][j]·s[j]`, `j < 16`.
-    unsafe fn scales_dot8(sc: [*const i8; QR], s: *const i16) -> Self::I;
     unsafe fn isplat(v: i32) -> Self::I;
     unsafe fn iadd(a: Self::I, b: Self::I) -> Self::I;
     unsafe fn isub(a: Self::I, b: Self::I) -> Self::I;
-    /// Shifts each lane left by 5 (× 32).
-    unsafe fn ishl5(a: Self::I) -> Self::I;
     unsafe fn cvt(a: Self::I) -> Self::F;
     unsafe fn fzero() -> Self::F;
     unsafe fn fsplat(v: f32) -> Self::F;
@@ -370,6 +393,33 @@ pub(crate) unsafe trait Qv: Copy {
     /// Eight f16 values (four per word, from the low bits up), widened.
     unsafe fn f16x8(h: [u64; 2]) -> Self::F;
     unsafe fn fstore(p: *mut f32, a: Self::F);
+    /// `a·b + c`, one rounding.
+    unsafe fn ffma(a: Self::F, b: Self::F, c: Self::F) -> Self::F;
+    /// Per 128-bit quarter `q`: `[a.q, b.q, c.q, d.q]` (a 4×4 transpose of quarters). With
+    /// `a`, `b` a row's low- and high-nibble sums of four Q4_1 blocks and `c`, `d` the next
+    /// row's, result `q` holds block `q`'s eight lanes of `ggml_vec_dot_q4_1_q8_1` for both.
+    unsafe fn q41_lanes(a: Self::V, b: Self::V, c: Self::V, d: Self::V) -> [Self::V; 4];
+    /// 16 i32 lanes to f32.
+    unsafe fn cvt2(v: Self::V) -> Self::F2;
+    unsafe fn f2zero() -> Self::F2;
+    unsafe fn f2splat(v: f32) -> Self::F2;
+    unsafe fn fmul2(a: Self::F2, b: Self::F2) -> Self::F2;
+    /// `a·b + c` over 16 lanes, one rounding.
+    unsafe fn ffma2(a: Self::F2, b: Self::F2, c: Self::F2) -> Self::F2;
+    /// Lane `r` of `f` (`r = 2p`) in lanes 0–7, lane `2p + 1` in lanes 8–15.
+    unsafe fn pair_splat(f: Self::F, p: usize) -> Self::F2;
+    unsafe fn f2store(p: *mut f32, a: Self::F2);
+    /// i32 lane `j`: the low 16 bits of `a[j]`, then `b[j]` in the high 16 (two i16 sums).
+    unsafe fn pair16(a: Self::V, b: Self::V) -> Self::V;
+    /// i32 lane `j` as two i16: `p[j/4]`, `p[4 + j/4]` (i8): the Q6_K sub-block scales of
+    /// [`Qv::pair16`] of two 64-value sums.
+    unsafe fn scales_q6(p: *const i8) -> Self::V;
+    /// `[a[l] + a[l+8] for l < 8, b[l] + b[l+8] for l < 8]` over i32 lanes.
+    unsafe fn q6_fold(a: Self::V, b: Self::V) -> Self::V;
+    /// i32 lane `l < 8`: `32·(bs[2l]·sa[2l] + bs[2l+1]·sa[2l+1])`; lanes 8–15 the same with
+    /// `sb` (Q6_K's offset term, as `ggml_vec_dot_q6_K_q8_K` forms it).
+    unsafe fn q6_mins(sa: *const i8, sb: *const i8, bs: *const i16) -> Self::V;
+    unsafe fn isub2(a: Self::V, b: Self::V) -> Self::V;
     #[inline(always)]
     unsafe fn prefetch(p: *const u8) {
         let _ = p;
@@ -423,6 +473,83 @@ unsafe impl Qv for Portable {
     type V = Pv;
     type I = [i32; 8];
     type F = [f32; 8];
+    type F2 = [f32; 16];
+
+    #[inline(always)]
+    unsafe fn ffma(a: [f32; 8], b: [f32; 8], c: [f32; 8]) -> [f32; 8] {
+        std::array::from_fn(|i| a[i].mul_add(b[i], c[i]))
+    }
+    #[inline(always)]
+    unsafe fn q41_lanes(a: Pv, b: Pv, c: Pv, d: Pv) -> [Pv; 4] {
+        std::array::from_fn(|q| {
+            let mut v = [0u8; 64];
+            for (j, src) in [a, b, c, d].iter().enumerate() {
+                v[16 * j..16 * j + 16].copy_from_slice(&src.0[16 * q..16 * q + 16]);
+            }
+            Pv(v)
+        })
+    }
+    #[inline(always)]
+    unsafe fn cvt2(v: Pv) -> [f32; 16] {
+        v.i32s().map(|x| x as f32)
+    }
+    #[inline(always)]
+    unsafe fn f2zero() -> [f32; 16] {
+        [0.0; 16]
+    }
+    #[inline(always)]
+    unsafe fn f2splat(v: f32) -> [f32; 16] {
+        [v; 16]
+    }
+    #[inline(always)]
+    unsafe fn fmul2(a: [f32; 16], b: [f32; 16]) -> [f32; 16] {
+        std::array::from_fn(|i| a[i] * b[i])
+    }
+    #[inline(always)]
+    unsafe fn ffma2(a: [f32; 16], b: [f32; 16], c: [f32; 16]) -> [f32; 16] {
+        std::array::from_fn(|i| a[i].mul_add(b[i], c[i]))
+    }
+    #[inline(always)]
+    unsafe fn pair_splat(f: [f32; 8], p: usize) -> [f32; 16] {
+        std::array::from_fn(|i| f[2 * p + i / 8])
+    }
+    #[inline(always)]
+    unsafe fn f2store(p: *mut f32, a: [f32; 16]) {
+        unsafe { p.cast::<[f32; 16]>().write_unaligned(a) }
+    }
+    #[inline(always)]
+    unsafe fn pair16(a: Pv, b: Pv) -> Pv {
+        let (a, b) = (a.i32s(), b.i32s());
+        Pv::from_i32(std::array::from_fn(|j| (a[j] & 0xFFFF) | (b[j] << 16)))
+    }
+    #[inline(always)]
+    unsafe fn scales_q6(p: *const i8) -> Pv {
+        Pv::from_i16(std::array::from_fn(|l| {
+            let j = l / 2;
+            (unsafe { *p.add(if l % 2 == 0 { j / 4 } else { 4 + j / 4 }) }) as i16
+        }))
+    }
+    #[inline(always)]
+    unsafe fn q6_fold(a: Pv, b: Pv) -> Pv {
+        let (a, b) = (a.i32s(), b.i32s());
+        Pv::from_i32(std::array::from_fn(|j| {
+            let v = if j < 8 { a } else { b };
+            v[j % 8].wrapping_add(v[j % 8 + 8])
+        }))
+    }
+    #[inline(always)]
+    unsafe fn q6_mins(sa: *const i8, sb: *const i8, bs: *const i16) -> Pv {
+        Pv::from_i32(std::array::from_fn(|j| {
+            let (sc, l) = if j < 8 { (sa, j) } else { (sb, j - 8) };
+            let t = |g: usize| unsafe { *sc.add(g) as i32 * bs.add(g).read_unaligned() as i32 };
+            32 * (t(2 * l) + t(2 * l + 1))
+        }))
+    }
+    #[inline(always)]
+    unsafe fn isub2(a: Pv, b: Pv) -> Pv {
+        let (a, b) = (a.i32s(), b.i32s());
+        Pv::from_i32(std::array::from_fn(|j| a[j].wrapping_sub(b[j])))
+    }
 
     #[inline(always)]
     unsafe fn zero() -> Pv {
@@ -557,13 +684,6 @@ unsafe impl Qv for Portable {
         }))
     }
     #[inline(always)]
-    unsafe fn scales4x2(p: *const i8) -> Pv {
-        Pv::from_i16(std::array::from_fn(|l| {
-            let (q, t) = (l / 8, l % 8);
-            (unsafe { *p.add(q + if t < 4 { 0 } else { 4 }) }) as i16
-        }))
-    }
-    #[inline(always)]
     unsafe fn scales4(p: *const i8) -> Pv {
         Pv::from_i16(std::array::from_fn(|l| (unsafe { *p.add(l / 8) }) as i16))
     }
@@ -592,10 +712,6 @@ unsafe impl Qv for Portable {
         (Pv(lo), Pv(hi))
     }
     #[inline(always)]
-    unsafe fn reduce_q(v: &[Pv; QR]) -> [[i32; 8]; 4] {
-        std::array::from_fn(|q| std::array::from_fn(|r| lane_sum(&v[r], 4 * q..4 * q + 4)))
-    }
-    #[inline(always)]
     unsafe fn mins_dot8(mins: &[u64; QR], s: *const i16) -> [i32; 8] {
         std::array::from_fn(|r| {
             let m = mins[r].to_le_bytes();
@@ -613,6 +729,10 @@ unsafe impl Qv for Portable {
         })
     }
     #[inline(always)]
+    unsafe fn ishl5(a: [i32; 8]) -> [i32; 8] {
+        a.map(|x| x.wrapping_shl(5))
+    }
+    #[inline(always)]
     unsafe fn isplat(v: i32) -> [i32; 8] {
         [v; 8]
     }
@@ -623,10 +743,6 @@ unsafe impl Qv for Portable {
     #[inline(always)]
     unsafe fn isub(a: [i32; 8], b: [i32; 8]) -> [i32; 8] {
         std::array::from_fn(|i| a[i].wrapping_sub(b[i]))
-    }
-    #[inline(always)]
-    unsafe fn ishl5(a: [i32; 8]) -> [i32; 8] {
-        a.map(|x| x.wrapping_shl(5))
     }
     #[inline(always)]
     unsafe fn cvt(a: [i32; 8]) -> [f32; 8] {
@@ -762,6 +878,10 @@ mod x86 {
                 unsafe { scales_dot8_x86(sc, s) }
             }
             #[inline(always)]
+            unsafe fn ishl5(a: __m256i) -> __m256i {
+                unsafe { _mm256_slli_epi32::<5>(a) }
+            }
+            #[inline(always)]
             unsafe fn isplat(v: i32) -> __m256i {
                 unsafe { _mm256_set1_epi32(v) }
             }
@@ -772,10 +892,6 @@ mod x86 {
             #[inline(always)]
             unsafe fn isub(a: __m256i, b: __m256i) -> __m256i {
                 unsafe { _mm256_sub_epi32(a, b) }
-            }
-            #[inline(always)]
-            unsafe fn ishl5(a: __m256i) -> __m256i {
-                unsafe { _mm256_slli_epi32::<5>(a) }
             }
             #[inline(always)]
             unsafe fn cvt(a: __m256i) -> __m256 {
@@ -816,10 +932,115 @@ mod x86 {
         };
     }
 
+    /// 16 f32 lanes as two halves.
+    #[derive(Clone, Copy)]
+    pub(crate) struct F2y(__m256, __m256);
+
     unsafe impl Qv for Avx2 {
         type V = Y2;
         type I = __m256i;
         type F = __m256;
+        type F2 = F2y;
+
+        #[inline(always)]
+        unsafe fn ffma(a: __m256, b: __m256, c: __m256) -> __m256 {
+            unsafe { _mm256_fmadd_ps(a, b, c) }
+        }
+        #[inline(always)]
+        unsafe fn q41_lanes(a: Y2, b: Y2, c: Y2, d: Y2) -> [Y2; 4] {
+            unsafe {
+                let lo = |x: __m256i, y: __m256i| _mm256_permute2x128_si256::<0x20>(x, y);
+                let hi = |x: __m256i, y: __m256i| _mm256_permute2x128_si256::<0x31>(x, y);
+                [
+                    Y2(lo(a.0, b.0), lo(c.0, d.0)),
+                    Y2(hi(a.0, b.0), hi(c.0, d.0)),
+                    Y2(lo(a.1, b.1), lo(c.1, d.1)),
+                    Y2(hi(a.1, b.1), hi(c.1, d.1)),
+                ]
+            }
+        }
+        #[inline(always)]
+        unsafe fn cvt2(v: Y2) -> F2y {
+            unsafe { F2y(_mm256_cvtepi32_ps(v.0), _mm256_cvtepi32_ps(v.1)) }
+        }
+        #[inline(always)]
+        unsafe fn f2zero() -> F2y {
+            unsafe { F2y(_mm256_setzero_ps(), _mm256_setzero_ps()) }
+        }
+        #[inline(always)]
+        unsafe fn f2splat(v: f32) -> F2y {
+            unsafe { F2y(_mm256_set1_ps(v), _mm256_set1_ps(v)) }
+        }
+        #[inline(always)]
+        unsafe fn fmul2(a: F2y, b: F2y) -> F2y {
+            unsafe { F2y(_mm256_mul_ps(a.0, b.0), _mm256_mul_ps(a.1, b.1)) }
+        }
+        #[inline(always)]
+        unsafe fn ffma2(a: F2y, b: F2y, c: F2y) -> F2y {
+            unsafe {
+                F2y(
+                    _mm256_fmadd_ps(a.0, b.0, c.0),
+                    _mm256_fmadd_ps(a.1, b.1, c.1),
+                )
+            }
+        }
+        #[inline(always)]
+        unsafe fn pair_splat(f: __m256, p: usize) -> F2y {
+            unsafe {
+                F2y(
+                    _mm256_permutevar8x32_ps(f, _mm256_set1_epi32(2 * p as i32)),
+                    _mm256_permutevar8x32_ps(f, _mm256_set1_epi32(2 * p as i32 + 1)),
+                )
+            }
+        }
+        #[inline(always)]
+        unsafe fn f2store(p: *mut f32, a: F2y) {
+            unsafe {
+                _mm256_storeu_ps(p, a.0);
+                _mm256_storeu_ps(p.add(8), a.1);
+            }
+        }
+        #[inline(always)]
+        unsafe fn pair16(a: Y2, b: Y2) -> Y2 {
+            unsafe {
+                let m = _mm256_set1_epi32(0xFFFF);
+                let f = |x: __m256i, y: __m256i| {
+                    _mm256_or_si256(_mm256_and_si256(x, m), _mm256_slli_epi32::<16>(y))
+                };
+                Y2(f(a.0, b.0), f(a.1, b.1))
+            }
+        }
+        #[inline(always)]
+        unsafe fn scales_q6(p: *const i8) -> Y2 {
+            unsafe {
+                // Dwords (p0,p4), (p1,p5), (p2,p6), (p3,p7), each spread over four lanes.
+                let s = _mm_cvtepi8_epi16(_mm_loadl_epi64(p.cast()));
+                let d = _mm256_castsi128_si256(_mm_unpacklo_epi16(s, _mm_srli_si128::<8>(s)));
+                Y2(
+                    _mm256_permutevar8x32_epi32(d, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)),
+                    _mm256_permutevar8x32_epi32(d, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3)),
+                )
+            }
+        }
+        #[inline(always)]
+        unsafe fn q6_fold(a: Y2, b: Y2) -> Y2 {
+            unsafe { Y2(_mm256_add_epi32(a.0, a.1), _mm256_add_epi32(b.0, b.1)) }
+        }
+        #[inline(always)]
+        unsafe fn q6_mins(sa: *const i8, sb: *const i8, bs: *const i16) -> Y2 {
+            unsafe {
+                let b = loadu256(bs.cast());
+                let m = |sc: *const i8| {
+                    let s = _mm256_cvtepi8_epi16(loadu128(sc.cast()));
+                    _mm256_slli_epi32::<5>(_mm256_madd_epi16(b, s))
+                };
+                Y2(m(sa), m(sb))
+            }
+        }
+        #[inline(always)]
+        unsafe fn isub2(a: Y2, b: Y2) -> Y2 {
+            unsafe { Y2(_mm256_sub_epi32(a.0, b.0), _mm256_sub_epi32(a.1, b.1)) }
+        }
 
         #[inline(always)]
         unsafe fn zero() -> Y2 {
@@ -956,16 +1177,6 @@ mod x86 {
             }
         }
         #[inline(always)]
-        unsafe fn scales4x2(p: *const i8) -> Y2 {
-            unsafe {
-                let s = |q: usize| {
-                    let (a, b) = (*p.add(q) as i16, *p.add(4 + q) as i16);
-                    _mm_setr_epi16(a, a, a, a, b, b, b, b)
-                };
-                Y2(_mm256_set_m128i(s(1), s(0)), _mm256_set_m128i(s(3), s(2)))
-            }
-        }
-        #[inline(always)]
         unsafe fn scales4(p: *const i8) -> Y2 {
             unsafe {
                 let s = |q: usize| _mm_set1_epi16(*p.add(q) as i16);
@@ -993,14 +1204,6 @@ mod x86 {
         unsafe fn regroup(a: Y2, b: Y2) -> (Y2, Y2) {
             (Y2(a.0, b.0), Y2(a.1, b.1))
         }
-        #[inline(always)]
-        unsafe fn reduce_q(v: &[Y2; QR]) -> [__m256i; 4] {
-            unsafe {
-                let (q0, q1) = reduce8_halves(std::array::from_fn(|r| v[r].0));
-                let (q2, q3) = reduce8_halves(std::array::from_fn(|r| v[r].1));
-                [q0, q1, q2, q3]
-            }
-        }
         float_side!();
     }
 
@@ -1013,7 +1216,106 @@ mod x86 {
         type V = __m512i;
         type I = __m256i;
         type F = __m256;
+        type F2 = __m512;
         const FAST_DPBUSD: bool = VNNI;
+
+        #[inline(always)]
+        unsafe fn ffma(a: __m256, b: __m256, c: __m256) -> __m256 {
+            unsafe { _mm256_fmadd_ps(a, b, c) }
+        }
+        #[inline(always)]
+        unsafe fn q41_lanes(a: __m512i, b: __m512i, c: __m512i, d: __m512i) -> [__m512i; 4] {
+            unsafe {
+                // [a0 a1 b0 b1], [a2 a3 b2 b3], [c0 c1 d0 d1], [c2 c3 d2 d3], then pick.
+                let t0 = _mm512_shuffle_i64x2::<0b01_00_01_00>(a, b);
+                let t1 = _mm512_shuffle_i64x2::<0b11_10_11_10>(a, b);
+                let t2 = _mm512_shuffle_i64x2::<0b01_00_01_00>(c, d);
+                let t3 = _mm512_shuffle_i64x2::<0b11_10_11_10>(c, d);
+                [
+                    _mm512_shuffle_i64x2::<0b10_00_10_00>(t0, t2),
+                    _mm512_shuffle_i64x2::<0b11_01_11_01>(t0, t2),
+                    _mm512_shuffle_i64x2::<0b10_00_10_00>(t1, t3),
+                    _mm512_shuffle_i64x2::<0b11_01_11_01>(t1, t3),
+                ]
+            }
+        }
+        #[inline(always)]
+        unsafe fn cvt2(v: __m512i) -> __m512 {
+            unsafe { _mm512_cvtepi32_ps(v) }
+        }
+        #[inline(always)]
+        unsafe fn f2zero() -> __m512 {
+            unsafe { _mm512_setzero_ps() }
+        }
+        #[inline(always)]
+        unsafe fn f2splat(v: f32) -> __m512 {
+            unsafe { _mm512_set1_ps(v) }
+        }
+        #[inline(always)]
+        unsafe fn fmul2(a: __m512, b: __m512) -> __m512 {
+            unsafe { _mm512_mul_ps(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn ffma2(a: __m512, b: __m512, c: __m512) -> __m512 {
+            unsafe { _mm512_fmadd_ps(a, b, c) }
+        }
+        #[inline(always)]
+        unsafe fn pair_splat(f: __m256, p: usize) -> __m512 {
+            unsafe {
+                let idx = _mm512_inserti64x4::<1>(
+                    _mm512_set1_epi32(2 * p as i32),
+                    _mm256_set1_epi32(2 * p as i32 + 1),
+                );
+                _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(f))
+            }
+        }
+        #[inline(always)]
+        unsafe fn f2store(p: *mut f32, a: __m512) {
+            unsafe { _mm512_storeu_ps(p, a) }
+        }
+        #[inline(always)]
+        unsafe fn pair16(a: __m512i, b: __m512i) -> __m512i {
+            unsafe {
+                _mm512_or_si512(
+                    _mm512_and_si512(a, _mm512_set1_epi32(0xFFFF)),
+                    _mm512_slli_epi32::<16>(b),
+                )
+            }
+        }
+        #[inline(always)]
+        unsafe fn scales_q6(p: *const i8) -> __m512i {
+            unsafe {
+                // Dwords (p0,p4), (p1,p5), (p2,p6), (p3,p7), each spread over four lanes.
+                let s = _mm_cvtepi8_epi16(_mm_loadl_epi64(p.cast()));
+                let d = _mm512_castsi128_si512(_mm_unpacklo_epi16(s, _mm_srli_si128::<8>(s)));
+                let idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+                _mm512_permutexvar_epi32(idx, d)
+            }
+        }
+        #[inline(always)]
+        unsafe fn q6_fold(a: __m512i, b: __m512i) -> __m512i {
+            unsafe {
+                _mm512_add_epi32(
+                    _mm512_shuffle_i64x2::<0b01_00_01_00>(a, b),
+                    _mm512_shuffle_i64x2::<0b11_10_11_10>(a, b),
+                )
+            }
+        }
+        #[inline(always)]
+        unsafe fn q6_mins(sa: *const i8, sb: *const i8, bs: *const i16) -> __m512i {
+            unsafe {
+                let s = _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(_mm256_cvtepi8_epi16(loadu128(sa.cast()))),
+                    _mm256_cvtepi8_epi16(loadu128(sb.cast())),
+                );
+                let b = _mm512_broadcast_i64x4(loadu256(bs.cast()));
+                _mm512_slli_epi32::<5>(_mm512_madd_epi16(b, s))
+            }
+        }
+        #[inline(always)]
+        unsafe fn isub2(a: __m512i, b: __m512i) -> __m512i {
+            unsafe { _mm512_sub_epi32(a, b) }
+        }
 
         #[inline(always)]
         unsafe fn zero() -> __m512i {
@@ -1143,15 +1445,6 @@ mod x86 {
             }
         }
         #[inline(always)]
-        unsafe fn scales4x2(p: *const i8) -> __m512i {
-            unsafe {
-                let s = _mm_cvtepi8_epi16(_mm_loadl_epi64(p.cast()));
-                let q = |a: i64| a * 0x0001_0001_0001_0001;
-                let idx = _mm512_setr_epi64(q(0), q(4), q(1), q(5), q(2), q(6), q(3), q(7));
-                _mm512_permutexvar_epi16(idx, _mm512_castsi128_si512(s))
-            }
-        }
-        #[inline(always)]
         unsafe fn scales4(p: *const i8) -> __m512i {
             unsafe {
                 let s = _mm_cvtepi8_epi16(_mm_cvtsi32_si128(p.cast::<i32>().read_unaligned()));
@@ -1217,6 +1510,39 @@ mod x86 {
             }
         }
         #[inline(always)]
+        unsafe fn mins_dot_pairs(mins: &[u64; QR], s: *const i16) -> [__m256i; 4] {
+            unsafe {
+                // Quarter r of `a` holds row r's four pair sums, of `c` row r + 4's.
+                let m = _mm512_loadu_si512(mins.as_ptr().cast());
+                let b = _mm512_broadcast_i32x4(_mm_loadu_si128(s.cast()));
+                let a = _mm512_madd_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(m)), b);
+                let c =
+                    _mm512_madd_epi16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64::<1>(m)), b);
+                let pick = |q: i32| {
+                    let idx = _mm512_setr_epi32(
+                        q,
+                        4 + q,
+                        8 + q,
+                        12 + q,
+                        16 + q,
+                        20 + q,
+                        24 + q,
+                        28 + q,
+                        0,
+                        0,
+                        0,
+                        0,
+                        0,
+                        0,
+                        0,
+                        0,
+                    );
+                    _mm512_castsi512_si256(_mm512_permutex2var_epi32(a, idx, c))
+                };
+                [pick(0), pick(1), pick(2), pick(3)]
+            }
+        }
+        #[inline(always)]
         unsafe fn regroup(a: __m512i, b: __m512i) -> (__m512i, __m512i) {
             unsafe {
                 (
@@ -1239,33 +1565,6 @@ mod x86 {
                     _mm512_and_si512(q, m),
                     _mm512_and_si512(_mm512_srli_epi16::<4>(q), m),
                 )
-            }
-        }
-        #[inline(always)]
-        unsafe fn reduce_q(v: &[__m512i; QR]) -> [__m256i; 4] {
-            unsafe {
-                // As `reduce`: per 128-bit lane `q`, the four rows' sums of quarter `q`.
-                let pair = |a: __m512i, b: __m512i| {
-                    _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b))
-                };
-                let quad = |ab: __m512i, cd: __m512i| {
-                    _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd))
-                };
-                let u0 = quad(pair(v[0], v[1]), pair(v[2], v[3]));
-                let u1 = quad(pair(v[4], v[5]), pair(v[6], v[7]));
-                let z01 =
-                    _mm512_permutex2var_epi64(u0, _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), u1);
-                let z23 = _mm512_permutex2var_epi64(
-                    u0,
-                    _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15),
-                    u1,
-                );
-                [
-                    _mm512_castsi512_si256(z01),
-                    _mm512_extracti64x4_epi64::<1>(z01),
-                    _mm512_castsi512_si256(z23),
-                    _mm512_extracti64x4_epi64::<1>(z23),
-                ]
             }
         }
         #[inline(always)]
@@ -1376,6 +1675,13 @@ fn put16(h: &mut [u64; 2], r: usize, bits: u16) {
     h[r / 4] |= (bits as u64) << (16 * (r % 4));
 }
 
+/// llama.cpp's `hsum_float_8`: lanes `(l, l+4)`, then `(l, l+2)`, then `(l, l+1)`.
+#[inline(always)]
+fn hsum_float_8(v: &[f32]) -> f32 {
+    let (r0, r1, r2, r3) = (v[4] + v[0], v[5] + v[1], v[6] + v[2], v[7] + v[3]);
+    (r0 + r2) + (r1 + r3)
+}
+
 #[inline(always)]
 unsafe fn rdf32(p: *const u8, i: usize) -> f32 {
     unsafe { p.cast::<f32>().add(i).read() }
@@ -1392,7 +1698,7 @@ pub(crate) trait Kernel {
     );
 }
 
-/// Q8_0, Q4_0, Q4_1: 32-element blocks, taken two at a time.
+/// Q8_0, Q4_0: 32-element blocks, taken two at a time.
 #[inline(always)]
 unsafe fn tile_q32<Q: Qv, const M: usize, const T: u8>(
     w: [*const u8; QR],
@@ -1404,54 +1710,18 @@ unsafe fn tile_q32<Q: Qv, const M: usize, const T: u8>(
     const Q4_0: u8 = 1;
     let (bb, qoff) = match T {
         Q8_0 => (34, 2),
-        Q4_0 => (18, 2),
-        _ => (20, 4),
+        _ => (18, 2),
     };
-    let has_m = T != Q8_0 && T != Q4_0;
     let nb = lay.k / 32;
     unsafe {
         let mut acc = [Q::fzero(); M];
         let mut b0 = 0;
-        if T != Q8_0 && T != Q4_0 {
-            // Q4_1: four blocks at a time ([`ActKind::Q8I4`]), then pairs.
-            while b0 + 4 <= nb {
-                let p: [*const u8; QR] = std::array::from_fn(|r| w[r].add(b0 * bb));
-                let mut ints = [[Q::zero(); QR]; M];
-                for r in 0..QR {
-                    if M == 1 {
-                        Q::prefetch(p[r].add(PREFETCH_BYTES));
-                        Q::prefetch(p[r].add(PREFETCH_BYTES + 64));
-                    }
-                    let (lo, hi) = Q::nib_quad_q41(p[r]);
-                    for i in 0..M {
-                        let x = a[i].add(32 * b0);
-                        ints[i][r] =
-                            Q::dpbusd(Q::dpbusd(Q::zero(), lo, Q::load(x)), hi, Q::load(x.add(64)));
-                    }
-                }
-                let meta = Q::meta_q41(&p);
-                for i in 0..M {
-                    let s = Q::reduce_q(&ints[i]);
-                    let row = a[i];
-                    for q in 0..4 {
-                        let (fd, fm) = meta[q];
-                        let dx = Q::fsplat(rdf32(row.add(lay.d), b0 + q));
-                        let mut t = Q::fmul(Q::fmul(fd, dx), Q::cvt(s[q]));
-                        t = Q::fadd(t, Q::fmul(fm, Q::fsplat(rdf32(row.add(lay.b), b0 + q))));
-                        acc[i] = Q::fadd(acc[i], t);
-                    }
-                }
-                b0 += 4;
-            }
-        }
         while b0 < nb {
             let has1 = b0 + 1 < nb;
             let b1 = if has1 { b0 + 1 } else { b0 };
             let xs: [Q::V; M] = std::array::from_fn(|i| Q::load(a[i].add(32 * b0)));
             let mut d0 = [0u64; 2];
             let mut d1 = [0u64; 2];
-            let mut m0 = [0u64; 2];
-            let mut m1 = [0u64; 2];
             let mut ints = [[Q::zero(); QR]; M];
             for r in 0..QR {
                 let p0 = w[r].add(b0 * bb);
@@ -1461,10 +1731,6 @@ unsafe fn tile_q32<Q: Qv, const M: usize, const T: u8>(
                 }
                 put16(&mut d0, r, rd16(p0));
                 put16(&mut d1, r, rd16(p1));
-                if has_m {
-                    put16(&mut m0, r, rd16(p0.add(2)));
-                    put16(&mut m1, r, rd16(p1.add(2)));
-                }
                 if T == Q8_0 {
                     let wv = Q::load2(p0.add(qoff), p1.add(qoff));
                     let wa = Q::abs8(wv);
@@ -1480,11 +1746,6 @@ unsafe fn tile_q32<Q: Qv, const M: usize, const T: u8>(
             }
             let fd0 = Q::f16x8(d0);
             let fd1 = Q::f16x8(d1);
-            let (fm0, fm1) = if has_m {
-                (Q::f16x8(m0), Q::f16x8(m1))
-            } else {
-                (Q::fzero(), Q::fzero())
-            };
             for i in 0..M {
                 let (s0, s1) = if T == Q8_0 {
                     Q::reduce(&ints[i])
@@ -1492,7 +1753,7 @@ unsafe fn tile_q32<Q: Qv, const M: usize, const T: u8>(
                     Q::reduce_x(&ints[i])
                 };
                 let row = a[i];
-                for (half, b, s, fd, fm) in [(0, b0, s0, fd0, fm0), (1, b1, s1, fd1, fm1)] {
+                for (half, b, s, fd) in [(0, b0, s0, fd0), (1, b1, s1, fd1)] {
                     if half == 1 && !has1 {
                         break;
                     }
@@ -1503,17 +1764,139 @@ unsafe fn tile_q32<Q: Qv, const M: usize, const T: u8>(
                         s
                     };
                     let dx = Q::fsplat(rdf32(row.add(lay.d), b));
-                    let mut t = Q::fmul(Q::fmul(fd, dx), Q::cvt(s));
-                    if has_m {
-                        t = Q::fadd(t, Q::fmul(fm, Q::fsplat(rdf32(row.add(lay.b), b))));
-                    }
-                    acc[i] = Q::fadd(acc[i], t);
+                    acc[i] = Q::fadd(acc[i], Q::fmul(Q::fmul(fd, dx), Q::cvt(s)));
                 }
             }
             b0 += 2;
         }
         for i in 0..M {
             Q::fstore(out[i].as_mut_ptr(), acc[i]);
+        }
+    }
+}
+
+/// Q4_1 against Q8_1, as llama.cpp's `ggml_vec_dot_q4_1_q8_1` (AVX2 form, which AVX-512
+/// builds use) computes each output, to the bit: eight f32 lanes per output, lane `l` of block
+/// `b` the exact integer sum of products `4l..4l+4` of `bytes_from_nibbles_32` (the low
+/// nibbles' 16 values, then the high nibbles'), accumulated over blocks in order as
+/// `acc = fma(d_w·d_x, lane, acc)`; `summs = fma(m_w, s_x, summs)` beside it (GCC contracts
+/// `summs += m·s`); the result `hsum_float_8(acc) + summs`. Why it matters: the next layer
+/// quantizes these outputs to 8 bits, and a last-bit difference flips some of those roundings,
+/// which is enough to move SmolLM2's logits by tenths.
+// Indices name rows, row pairs and blocks across several arrays at once.
+#[allow(clippy::needless_range_loop)]
+#[inline(always)]
+unsafe fn tile_q41<Q: Qv, const M: usize>(
+    w: [*const u8; QR],
+    a: [*const u8; M],
+    lay: &ActLayout,
+    out: &mut [[f32; QR]; M],
+) {
+    const BB: usize = 20;
+    let nb = lay.k / 32;
+    unsafe {
+        let mut acc = [[Q::f2zero(); QR / 2]; M];
+        let mut summs = [Q::fzero(); M];
+        let mut b0 = 0;
+        // Four blocks at a time ([`ActKind::Q8I4`]).
+        while b0 + 4 <= nb {
+            let p: [*const u8; QR] = std::array::from_fn(|r| w[r].add(b0 * BB));
+            let meta = Q::meta_q41(&p);
+            for pair in 0..QR / 2 {
+                // Each row's d_w over its eight lanes; times d_x (lane-wise, so the same
+                // rounding as ggml's d0·d1) per activation row.
+                let mut dw = [Q::f2zero(); 4];
+                for q in 0..4 {
+                    dw[q] = Q::pair_splat(meta[q].0, pair);
+                }
+                let mut sums = [[Q::zero(); 4]; M];
+                for (h, r) in [2 * pair, 2 * pair + 1].into_iter().enumerate() {
+                    if M == 1 {
+                        Q::prefetch(p[r].add(PREFETCH_BYTES));
+                        Q::prefetch(p[r].add(PREFETCH_BYTES + 64));
+                    }
+                    let (lo, hi) = Q::nib_quad_q41(p[r]);
+                    for i in 0..M {
+                        let x = a[i].add(32 * b0);
+                        sums[i][2 * h] = Q::dpbusd(Q::zero(), lo, Q::load(x));
+                        sums[i][2 * h + 1] = Q::dpbusd(Q::zero(), hi, Q::load(x.add(64)));
+                    }
+                }
+                for i in 0..M {
+                    let [s0, s1, s2, s3] = sums[i];
+                    let lanes = Q::q41_lanes(s0, s1, s2, s3);
+                    for q in 0..4 {
+                        let dx = Q::f2splat(rdf32(a[i].add(lay.d), b0 + q));
+                        let scale = Q::fmul2(dw[q], dx);
+                        acc[i][pair] = Q::ffma2(scale, Q::cvt2(lanes[q]), acc[i][pair]);
+                    }
+                }
+            }
+            for i in 0..M {
+                for q in 0..4 {
+                    let sx = Q::fsplat(rdf32(a[i].add(lay.b), b0 + q));
+                    summs[i] = Q::ffma(meta[q].1, sx, summs[i]);
+                }
+            }
+            b0 += 4;
+        }
+        // The rest two at a time ([`ActKind::Q8I`] pairs), a last odd block alone.
+        while b0 < nb {
+            let has1 = b0 + 1 < nb;
+            let b1 = if has1 { b0 + 1 } else { b0 };
+            let xs: [Q::V; M] = std::array::from_fn(|i| Q::load(a[i].add(32 * b0)));
+            let mut meta = [[0u64; 2]; 4];
+            for r in 0..QR {
+                let (p0, p1) = (w[r].add(b0 * BB), w[r].add(b1 * BB));
+                put16(&mut meta[0], r, rd16(p0));
+                put16(&mut meta[1], r, rd16(p1));
+                put16(&mut meta[2], r, rd16(p0.add(2)));
+                put16(&mut meta[3], r, rd16(p1.add(2)));
+            }
+            let (fd0, fd1) = (Q::f16x8(meta[0]), Q::f16x8(meta[1]));
+            let (fm0, fm1) = (Q::f16x8(meta[2]), Q::f16x8(meta[3]));
+            for pair in 0..QR / 2 {
+                // Per row: [b0 low, b1 low, b0 high, b1 high] nibble sums; and its high half.
+                let mut sums = [[Q::zero(); 4]; M];
+                for (h, r) in [2 * pair, 2 * pair + 1].into_iter().enumerate() {
+                    let wv = Q::nib_pair(w[r].add(b0 * BB + 4), w[r].add(b1 * BB + 4));
+                    for i in 0..M {
+                        let v = Q::dpbusd(Q::zero(), wv, xs[i]);
+                        sums[i][2 * h] = v;
+                        sums[i][2 * h + 1] = Q::regroup(v, v).1;
+                    }
+                }
+                for i in 0..M {
+                    let [s0, s1, s2, s3] = sums[i];
+                    let lanes = Q::q41_lanes(s0, s1, s2, s3);
+                    for (q, (b, fd)) in [(b0, fd0), (b1, fd1)].into_iter().enumerate() {
+                        if q == 1 && !has1 {
+                            break;
+                        }
+                        let dd = Q::fmul(fd, Q::fsplat(rdf32(a[i].add(lay.d), b)));
+                        let scale = Q::pair_splat(dd, pair);
+                        acc[i][pair] = Q::ffma2(scale, Q::cvt2(lanes[q]), acc[i][pair]);
+                    }
+                }
+            }
+            for i in 0..M {
+                summs[i] = Q::ffma(fm0, Q::fsplat(rdf32(a[i].add(lay.b), b0)), summs[i]);
+                if has1 {
+                    summs[i] = Q::ffma(fm1, Q::fsplat(rdf32(a[i].add(lay.b), b1)), summs[i]);
+                }
+            }
+            b0 += 2;
+        }
+        for i in 0..M {
+            let mut m = [0f32; 8];
+            Q::fstore(m.as_mut_ptr(), summs[i]);
+            for pair in 0..QR / 2 {
+                let mut l = [0f32; 16];
+                Q::f2store(l.as_mut_ptr(), acc[i][pair]);
+                for h in 0..2 {
+                    out[i][2 * pair + h] = hsum_float_8(&l[8 * h..8 * h + 8]) + m[2 * pair + h];
+                }
+            }
         }
     }
 }
@@ -1533,12 +1916,15 @@ unsafe fn tile_q45k<Q: Qv, const M: usize, const Q5: bool>(
     let nsb = lay.k / 256;
     unsafe {
         let mut acc = [Q::fzero(); M];
+        let mut acc_min = [Q::fzero(); M];
         for sb in 0..nsb {
             let blks: [*const u8; QR] = std::array::from_fn(|r| w[r].add(sb * bb));
             let mut sc = [0u64; QR];
             let mut mins = [0u64; QR];
             let (fdw, fdm) = Q::k4_meta(&blks, &mut sc, &mut mins);
-            let mut ints = [[Q::zero(); QR]; M];
+            // Batched Q4_K keeps each 64 values' sums apart (see below).
+            let split = !Q5 && M > 1;
+            let mut ints = [[[Q::zero(); QR]; M]; 2];
             for r in 0..QR {
                 let blk = blks[r];
                 if M == 1 {
@@ -1553,8 +1939,9 @@ unsafe fn tile_q45k<Q: Qv, const M: usize, const Q5: bool>(
                     Q::zero()
                 };
                 let low = Q::splat8(0x0F);
-                let mut ai = [Q::zero(); M];
+                let mut ai = [[Q::zero(); M]; 2];
                 for c in 0..2 {
+                    let ai = &mut ai[if split { c } else { 0 }];
                     let q = Q::load(blk.add(qs_off + 64 * c));
                     let mut lo = Q::and(q, low);
                     let mut hi = Q::and(Q::shr4(q), low);
@@ -1583,30 +1970,61 @@ unsafe fn tile_q45k<Q: Qv, const M: usize, const Q5: bool>(
                         }
                     }
                 }
-                for i in 0..M {
-                    ints[i][r] = ai[i];
+                for (c, ai) in ai.iter().enumerate().take(if split { 2 } else { 1 }) {
+                    for i in 0..M {
+                        ints[c][i][r] = ai[i];
+                    }
                 }
             }
             for i in 0..M {
-                let (g0, g1) = Q::reduce(&ints[i]);
-                let s1 = Q::iadd(g0, g1);
-                let s2 = Q::mins_dot8(&mins, a[i].add(lay.b).cast::<i16>().add(8 * sb));
+                let bs32 = a[i].add(lay.b).cast::<i16>().add(8 * sb);
                 let dx = Q::fsplat(rdf32(a[i].add(lay.d), sb));
-                let t = Q::fsub(
-                    Q::fmul(Q::fmul(fdw, dx), Q::cvt(s1)),
-                    Q::fmul(Q::fmul(fdm, dx), Q::cvt(s2)),
-                );
-                acc[i] = Q::fadd(acc[i], t);
+                if split {
+                    // Q4_K rows of a batch, as llama.cpp's `ggml_gemm_q4_K_8x8_q8_K`: one
+                    // fused step per 64 values (two sub-blocks), for the sums and the mins.
+                    let (dd, dm) = (Q::fmul(fdw, dx), Q::fmul(fdm, dx));
+                    let m = Q::mins_dot_pairs(&mins, bs32);
+                    for (c, ints) in ints.iter().enumerate() {
+                        let (g0, g1) = Q::reduce(&ints[i]);
+                        for (h, s) in [g0, g1].into_iter().enumerate() {
+                            acc[i] = Q::ffma(Q::cvt(s), dd, acc[i]);
+                            acc_min[i] = Q::ffma(Q::cvt(m[2 * c + h]), dm, acc_min[i]);
+                        }
+                    }
+                    continue;
+                }
+                let (g0, g1) = Q::reduce(&ints[0][i]);
+                let s1 = Q::iadd(g0, g1);
+                let s2 = Q::mins_dot8(&mins, bs32);
+                if Q5 {
+                    let t = Q::fsub(
+                        Q::fmul(Q::fmul(fdw, dx), Q::cvt(s1)),
+                        Q::fmul(Q::fmul(fdm, dx), Q::cvt(s2)),
+                    );
+                    acc[i] = Q::fadd(acc[i], t);
+                } else {
+                    // Q4_K as llama.cpp's repacked x86 kernel for one row computes it
+                    // (`ggml_gemv_q4_K_8x8_q8_K`): per super-block, the scaled sums and the
+                    // mins' terms into two fused accumulators, subtracted at the end.
+                    acc[i] = Q::ffma(Q::cvt(s1), Q::fmul(fdw, dx), acc[i]);
+                    acc_min[i] = Q::ffma(Q::cvt(s2), Q::fmul(fdm, dx), acc_min[i]);
+                }
             }
         }
         for i in 0..M {
-            Q::fstore(out[i].as_mut_ptr(), acc[i]);
+            Q::fstore(out[i].as_mut_ptr(), Q::fsub(acc[i], acc_min[i]));
         }
     }
 }
 
 /// Q6_K: 256-element super-blocks of sixteen 16-element sub-blocks with i8 scales. The
-/// values are stored `+32`; `32·Σ sc·bsum` comes off the integer sum.
+/// values are stored `+32`; `32·Σ sc·bsum` comes off the integer sums. As llama.cpp's
+/// `ggml_vec_dot_q6_K_q8_K` (AVX2 form) computes it, to the bit: eight i32 lanes per output,
+/// lane `l` holding positions `4l..4l+4` of every 32-value chunk, scaled, less
+/// `32·(bsum[2l]·sc[2l] + bsum[2l+1]·sc[2l+1])`; per super-block
+/// `acc = fma(d_x·d_w, lane, acc)`; the result `hsum_float_8(acc)`.
+// Indices name rows, row pairs and blocks across several arrays at once.
+#[allow(clippy::needless_range_loop)]
 #[inline(always)]
 unsafe fn tile_q6k<Q: Qv, const M: usize>(
     w: [*const u8; QR],
@@ -1617,7 +2035,8 @@ unsafe fn tile_q6k<Q: Qv, const M: usize>(
     const BB: usize = 210;
     let nsb = lay.k / 256;
     unsafe {
-        let mut acc = [Q::fzero(); M];
+        let mut acc = [[Q::f2zero(); QR / 2]; M];
+        let mut tiled = [Q::fzero(); M];
         for sb in 0..nsb {
             let mut dw = [0u64; 2];
             let mut ints = [[Q::zero(); QR]; M];
@@ -1640,12 +2059,14 @@ unsafe fn tile_q6k<Q: Qv, const M: usize>(
                         // Sums of four products (< 4·63·128) fit in i16: pack and scale once.
                         let w0 = Q::or(Q::and(ql, low), Q::and(Q::shl4(hv), top));
                         let w1 = Q::or(Q::and(Q::shr4(ql), low), Q::and(hv, top));
-                        let scv = Q::scales4x2(sc.add(8 * h));
+                        // Lane j pairs the sums of the same four positions of two 32-value
+                        // chunks, so lane j keeps llama.cpp's lane j % 8 (see below).
+                        let scv = Q::scales_q6(sc.add(8 * h));
                         for i in 0..M {
                             let x = a[i].add(256 * sb + 128 * h);
                             let s0 = Q::dpbusd(Q::zero(), w0, Q::load(x));
                             let s1 = Q::dpbusd(Q::zero(), w1, Q::load(x.add(64)));
-                            ai[i] = Q::dpwssd(ai[i], Q::packs32(s0, s1), scv);
+                            ai[i] = Q::dpwssd(ai[i], Q::pair16(s0, s1), scv);
                         }
                         continue;
                     }
@@ -1668,18 +2089,48 @@ unsafe fn tile_q6k<Q: Qv, const M: usize>(
                 }
             }
             let fdw = Q::f16x8(dw);
-            let scales: [*const i8; QR] =
-                std::array::from_fn(|r| w[r].add(sb * BB + 192).cast::<i8>());
+            if lay.batch >= 8 {
+                // Eight rows or more: llama.cpp's tiled K-quant kernel (`ggml-cpu/tiled`,
+                // `tiled_run_micro_vnni_8x16`): the super-block's whole integer sum times
+                // d_w, then `fma(·, d_x, acc)` (GCC contracts its `add(acc, mul(·, d_x))`).
+                let scales: [*const i8; QR] =
+                    std::array::from_fn(|r| w[r].add(sb * BB + 192).cast::<i8>());
+                for i in 0..M {
+                    let (g0, g1) = Q::reduce(&ints[i]);
+                    let bs16 = a[i].add(lay.a).cast::<i16>().add(16 * sb);
+                    let s = Q::isub(Q::iadd(g0, g1), Q::ishl5(Q::scales_dot8(scales, bs16)));
+                    let dx = Q::fsplat(rdf32(a[i].add(lay.d), sb));
+                    tiled[i] = Q::ffma(Q::fmul(Q::cvt(s), fdw), dx, tiled[i]);
+                }
+                continue;
+            }
             for i in 0..M {
-                let (g0, g1) = Q::reduce(&ints[i]);
                 let bs16 = a[i].add(lay.a).cast::<i16>().add(16 * sb);
-                let s = Q::isub(Q::iadd(g0, g1), Q::ishl5(Q::scales_dot8(scales, bs16)));
-                let dx = Q::fsplat(rdf32(a[i].add(lay.d), sb));
-                acc[i] = Q::fadd(acc[i], Q::fmul(Q::fmul(fdw, dx), Q::cvt(s)));
+                let d = Q::fmul(Q::fsplat(rdf32(a[i].add(lay.d), sb)), fdw);
+                for pair in 0..QR / 2 {
+                    let (r0, r1) = (2 * pair, 2 * pair + 1);
+                    let sc = |r: usize| w[r].add(sb * BB + 192).cast::<i8>();
+                    let lanes = Q::isub2(
+                        Q::q6_fold(ints[i][r0], ints[i][r1]),
+                        Q::q6_mins(sc(r0), sc(r1), bs16),
+                    );
+                    let scale = Q::pair_splat(d, pair);
+                    acc[i][pair] = Q::ffma2(scale, Q::cvt2(lanes), acc[i][pair]);
+                }
             }
         }
         for i in 0..M {
-            Q::fstore(out[i].as_mut_ptr(), acc[i]);
+            if lay.batch >= 8 {
+                Q::fstore(out[i].as_mut_ptr(), tiled[i]);
+                continue;
+            }
+            for pair in 0..QR / 2 {
+                let mut l = [0f32; 16];
+                Q::f2store(l.as_mut_ptr(), acc[i][pair]);
+                for h in 0..2 {
+                    out[i][2 * pair + h] = hsum_float_8(&l[8 * h..8 * h + 8]);
+                }
+            }
         }
     }
 }
@@ -1703,7 +2154,7 @@ macro_rules! kernel {
 
 kernel!(KQ8_0, tile_q32, 0);
 kernel!(KQ4_0, tile_q32, 1);
-kernel!(KQ4_1, tile_q32, 2);
+kernel!(KQ4_1, tile_q41);
 kernel!(KQ4K, tile_q45k, false);
 kernel!(KQ5K, tile_q45k, true);
 kernel!(KQ6K, tile_q6k);
@@ -1828,6 +2279,7 @@ unsafe fn rows<Q: Qv, K: Kernel>(job: QJob) {
     if start >= end || m == 0 {
         return;
     }
+    let layout = ActLayout { batch: m, ..layout };
     // A tile past the last row repeats it and its result is dropped: no extra code for edges.
     let w_rows = |j: usize| -> [*const u8; QR] {
         std::array::from_fn(|r| unsafe { w.add((j + r).min(end - 1) * row_bytes) })
@@ -1863,11 +2315,19 @@ unsafe fn rows<Q: Qv, K: Kernel>(job: QJob) {
             while j < end {
                 let ws = w_rows(j);
                 let mut i = i0;
-                while i < i_end {
+                while i + QM <= i_end {
                     let mut out = [[0f32; QR]; QM];
                     K::tile::<Q, QM>(ws, std::array::from_fn(|c| act(i + c)), &layout, &mut out);
                     store(&out, i, i_end, j);
                     i += QM;
+                }
+                // The last rows of a batch alone, as llama.cpp takes them (Q4_K computes
+                // those as a lone row; every other kernel gives the same bits either way).
+                while i < i_end {
+                    let mut out = [[0f32; QR]; 1];
+                    K::tile::<Q, 1>(ws, [act(i)], &layout, &mut out);
+                    store(&out, i, i_end, j);
+                    i += 1;
                 }
                 j += QR;
             }

@@ -43,30 +43,35 @@ pub(crate) unsafe trait Simd: Copy {
         let _ = p;
     }
 
-    /// `e^x`, within 2 ulp over the range where the result is a normal f32 (Cephes' expf:
-    /// reduce by ln 2, a degree-5 polynomial, scale by a power of two).
+    /// `e^x` exactly as llama.cpp's `ggml_v_expf` computes it with AVX-512 (ggml-cpu
+    /// `vec.h`; within 2 ulp): `n = round(x·log2 e)` by the 1.5·2²³ trick, `b = x − n·ln 2` in
+    /// two parts, a degree-5 polynomial in `b`, then `j·2ⁿ` (`_mm512_scalef_ps`), 0 below
+    /// and ∞ above the range. Softmax and SiLU use it, so their results are llama.cpp's to the
+    /// bit, and every instruction set computes the same bits.
     #[inline(always)]
     unsafe fn exp(x: Self::V) -> Self::V {
         unsafe {
-            let x = Self::min(
-                Self::max(x, Self::splat(-87.336_54)),
-                Self::splat(88.722_83),
+            // Beyond ±1000 the result is 0 or ∞ either way; clamping keeps ±∞ from making NaN.
+            let x = Self::min(Self::max(x, Self::splat(-1000.0)), Self::splat(1000.0));
+            let r = Self::splat(f32::from_bits(0x4b40_0000)); // 0x1.8p23
+            let z = Self::fma(x, Self::splat(f32::from_bits(0x3fb8_aa3b)), r); // log2 e
+            let n = Self::add(z, Self::splat(-f32::from_bits(0x4b40_0000)));
+            // b = x − n·0x1.62e4p-1 − n·0x1.7f7d1cp-20 (two fnmadds)
+            let b = Self::fma(n, Self::splat(-f32::from_bits(0x3f31_7200)), x);
+            let b = Self::fma(n, Self::splat(-f32::from_bits(0x35bf_be8e)), b);
+            let u = Self::mul(b, b);
+            let c = |bits: u32| Self::splat(f32::from_bits(bits));
+            let hi = Self::fma(
+                Self::fma(c(0x3c07_2010), b, c(0x3d2b_9f17)), // 0x1.0e4020p-7, 0x1.573e2ep-5
+                u,
+                Self::fma(c(0x3e2a_af33), b, c(0x3eff_fedb)), // 0x1.555e66p-3, 0x1.fffdb6p-2
             );
-            let n = Self::round(Self::mul(x, Self::splat(std::f32::consts::LOG2_E)));
-            let r = Self::fma(n, Self::splat(-0.693_359_4), x);
-            let r = Self::fma(n, Self::splat(2.121_944_4e-4), r);
-            let mut p = Self::splat(1.987_569_1e-4);
-            for c in [
-                1.398_199_9e-3,
-                8.333_452e-3,
-                4.166_579_6e-2,
-                0.166_666_65,
-                0.5,
-            ] {
-                p = Self::fma(p, r, Self::splat(c));
-            }
-            let y = Self::fma(p, Self::mul(r, r), Self::add(r, Self::splat(1.0)));
-            Self::mul(y, Self::pow2i(n))
+            let j = Self::fma(hi, u, Self::fma(c(0x3f7f_fff6), b, Self::splat(1.0))); // 0x1.ffffecp-1
+            // scalef(j, n) = j·2ⁿ rounded once: two exact power-of-two steps, the first exact.
+            let n = Self::min(Self::max(n, Self::splat(-250.0)), Self::splat(250.0));
+            let n1 = Self::round(Self::mul(n, Self::splat(0.5)));
+            let n2 = Self::add(n, Self::mul(n1, Self::splat(-1.0)));
+            Self::mul(Self::mul(j, Self::pow2i(n1)), Self::pow2i(n2))
         }
     }
 }
@@ -211,7 +216,8 @@ unsafe impl Simd for Portable {
     }
     #[inline(always)]
     unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V {
-        std::array::from_fn(|i| a[i] * b[i] + c[i])
+        // Fused, as the vector sets' FMA instructions: one rounding.
+        std::array::from_fn(|i| a[i].mul_add(b[i], c[i]))
     }
     #[inline(always)]
     unsafe fn add(a: Self::V, b: Self::V) -> Self::V {

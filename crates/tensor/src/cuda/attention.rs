@@ -47,6 +47,21 @@ fn check_shape(op: &'static str, shape: AttentionShape) -> Result<u8, CudaError>
     })
 }
 
+/// Whether the tiles can load 16 bytes at a time: every head starts on 16 bytes (as 1 when
+/// it can, for the kernel's `vec`).
+fn vectorised<T: FloatElem>(
+    keys: DevSlice<'_, T>,
+    values: DevSlice<'_, T>,
+    head_dim: usize,
+) -> i32 {
+    let per_chunk = 16 / T::FLOAT.size_in_bytes();
+    i32::from(
+        head_dim.is_multiple_of(per_chunk)
+            && keys.device_ptr().is_multiple_of(16)
+            && values.device_ptr().is_multiple_of(16),
+    )
+}
+
 fn check_cache<T: FloatElem>(
     op: &'static str,
     keys: DevSlice<'_, T>,
@@ -107,10 +122,10 @@ pub fn attention_decode<T: FloatElem>(
         attention_decode_scratch_len(shape)
     );
 
-    // Enough chunks for about two blocks per multiprocessor, each a whole number of tiles.
+    // Enough chunks for about four blocks per multiprocessor, each a whole number of tiles.
     let row_chunks = (n_heads / n_kv_heads).div_ceil(ROWS);
     let blocks_per_split = n_kv_heads * row_chunks;
-    let target_splits = (2 * device.info().multiprocessors).div_ceil(blocks_per_split);
+    let target_splits = (4 * device.info().multiprocessors).div_ceil(blocks_per_split);
     let keys_per_split = context
         .div_ceil(target_splits)
         .max(MIN_KEYS_PER_SPLIT)
@@ -132,6 +147,7 @@ pub fn attention_decode<T: FloatElem>(
         int(OP, "head_dim", head_dim)?,
     );
     let (kps, n_splits) = (keys_per_split as i32, splits as i32);
+    let vec = vectorised(keys, values, head_dim);
     let kernel = Kernel::AttentionDecode {
         kv: T::FLOAT,
         width,
@@ -139,7 +155,7 @@ pub fn attention_decode<T: FloatElem>(
     let smem = kernel.dynamic_smem_bytes().unwrap_or(0);
     let grid = (splits as u32, int(OP, "blocks", blocks_per_split)? as u32);
     launch!(device, kernel, config(grid, THREADS, smem);
-        qp, kp, vp, mlp, accp, ctx, heads, kv_heads, d, scale, kps)?;
+        qp, kp, vp, mlp, accp, ctx, heads, kv_heads, d, scale, kps, vec)?;
     launch!(device, Kernel::AttentionCombine, config((n_heads as u32, 1), THREADS, 0);
         mlp, accp, outp, n_splits, heads, d)
 }
@@ -191,6 +207,7 @@ pub fn attention_prefill<T: FloatElem>(
         int(OP, "n_kv_heads", n_kv_heads)?,
         int(OP, "head_dim", head_dim)?,
     );
+    let vec = vectorised(keys, values, head_dim);
     let kernel = Kernel::AttentionPrefill {
         kv: T::FLOAT,
         width,
@@ -198,5 +215,5 @@ pub fn attention_prefill<T: FloatElem>(
     let smem = kernel.dynamic_smem_bytes().unwrap_or(0);
     let grid = (n.div_ceil(ROWS) as u32, n_heads as u32);
     launch!(device, kernel, config(grid, THREADS, smem);
-        qp, kp, vp, op, tokens, p0, heads, kv_heads, d, scale)
+        qp, kp, vp, op, tokens, p0, heads, kv_heads, d, scale, vec)
 }

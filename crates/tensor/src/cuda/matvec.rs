@@ -43,22 +43,38 @@ pub fn matvec(
         return Ok(());
     }
     let per_chunk = 16 / w.dtype.size_in_bytes();
-    let vec = i32::from(
-        w.cols.is_multiple_of(per_chunk)
-            && w.data.device_ptr().is_multiple_of(16)
-            && x.device_ptr().is_multiple_of(16),
-    );
-    // Rows per block, as the MATVEC_ALL_BATCHES table in matvec.cu sets them.
-    let rows_per_block = if batch <= 2 { 2 } else { 4 };
+    let vectorised = w.cols.is_multiple_of(per_chunk)
+        && w.data.device_ptr().is_multiple_of(16)
+        && x.device_ptr().is_multiple_of(16);
+    // Warps sharing a group of rows: enough that each lane takes about 4 steps of a row (more
+    // would leave lanes idle on short rows, fewer too few loads in flight on long ones).
+    let steps = if vectorised {
+        w.cols / per_chunk
+    } else {
+        w.cols
+    };
+    let warps_per_rows = match steps / 128 {
+        0..=1 => 1,
+        2..=3 => 2,
+        4..=7 => 4,
+        _ => 8,
+    };
+    // Rows per group, as the MATVEC_ALL_BATCHES table in matvec.cu sets them.
+    let rows_per_group = if batch <= 2 { 2 } else { 4 };
+    let rows_per_block = (THREADS as usize / 32 / warps_per_rows) * rows_per_group;
     let blocks = int(OP, "blocks", w.rows.div_ceil(rows_per_block))? as u32;
     let (wp, xp, yp) = (w.data.device_ptr(), x.device_ptr(), y.device_ptr());
     let (rows, cols) = (int(OP, "rows", w.rows)?, int(OP, "cols", w.cols)?);
-    let accumulate = i32::from(accumulate);
+    let (accumulate, vec, wpr) = (
+        i32::from(accumulate),
+        i32::from(vectorised),
+        warps_per_rows as i32,
+    );
     let kernel = Kernel::Matvec {
         weights: w.dtype,
         batch: batch as u8,
     };
-    launch!(device, kernel, config((blocks, 1), THREADS, 0); wp, xp, yp, rows, cols, accumulate, vec)
+    launch!(device, kernel, config((blocks, 1), THREADS, 0); wp, xp, yp, rows, cols, accumulate, vec, wpr)
 }
 
 /// Bytes one [`matvec`] must move at least: the weights once, `x` and `y` once.

@@ -51,12 +51,36 @@ template <int E> struct Smem {
 };
 
 // Keys and values t0..t0+count of one kv head into the tiles; the rest of the tile and the
-// elements past d are zero, so they add nothing.
+// elements past d are zero, so they add nothing. With `vec` (d and every row start a whole
+// number of 16-byte chunks, set by the host) each thread moves 16 bytes at a time, all its
+// loads issued before the first store.
 template <typename KV, int E>
 __device__ __forceinline__ void load_tile(const Smem<E>& s, const KV* __restrict__ kc,
                                           const KV* __restrict__ vc, int t0, int count,
-                                          int kv_stride, int offset, int d) {
+                                          int kv_stride, int offset, int d, int vec) {
     const int DP = E * 32;
+    if (vec) {
+        const int N = Chunk<KV>::N, PER_ROW = DP / N;
+#pragma unroll
+        for (int idx = threadIdx.x; idx < ATT_TILE * PER_ROW; idx += ATT_THREADS) {
+            const int t = idx / PER_ROW, e0 = (idx - t * PER_ROW) * N;
+            float kf[N], vf[N];
+            if (t < count && e0 < d) {
+                const size_t o = (size_t)(t0 + t) * kv_stride + offset + e0;
+                Chunk<KV>::unpack(*(const uint4*)(kc + o), kf);
+                Chunk<KV>::unpack(*(const uint4*)(vc + o), vf);
+            } else {
+#pragma unroll
+                for (int j = 0; j < N; ++j) kf[j] = vf[j] = 0.0f;
+            }
+#pragma unroll
+            for (int j = 0; j < N; ++j) {
+                s.k[t * (DP + 1) + e0 + j] = kf[j];
+                s.v[t * DP + e0 + j] = vf[j];
+            }
+        }
+        return;
+    }
     for (int idx = threadIdx.x; idx < ATT_TILE * DP; idx += blockDim.x) {
         const int t = idx / DP, e = idx - t * DP;
         float kv = 0.0f, vv = 0.0f;
@@ -123,7 +147,7 @@ __device__ __forceinline__ void attention_decode(const float* __restrict__ q,
                                                  float* __restrict__ part_ml,
                                                  float* __restrict__ part_acc, int context,
                                                  int n_heads, int n_kv_heads, int d, float scale,
-                                                 int keys_per_split) {
+                                                 int keys_per_split, int vec) {
     extern __shared__ float smem[];
     const Smem<E> s(smem);
     const int group = n_heads / n_kv_heads;
@@ -146,7 +170,7 @@ __device__ __forceinline__ void attention_decode(const float* __restrict__ q,
     for (int t0 = t_begin; t0 < t_end; t0 += ATT_TILE) {
         const int count = min(ATT_TILE, t_end - t0);
         __syncthreads();  // the previous tile is no longer read (and the queries are staged)
-        load_tile<KV, E>(s, kc, vc, t0, count, n_kv_heads * d, kvh * d, d);
+        load_tile<KV, E>(s, kc, vc, t0, count, n_kv_heads * d, kvh * d, d, vec);
         __syncthreads();
 #pragma unroll
         for (int i = 0; i < ATT_ROWS_PER_WARP; ++i) {
@@ -203,7 +227,7 @@ __device__ __forceinline__ void attention_prefill(const float* __restrict__ q,
                                                   const KV* __restrict__ vc,
                                                   float* __restrict__ out, int n, int pos0,
                                                   int n_heads, int n_kv_heads, int d,
-                                                  float scale) {
+                                                  float scale, int vec) {
     extern __shared__ float smem[];
     const Smem<E> s(smem);
     const int h = blockIdx.y;
@@ -222,7 +246,7 @@ __device__ __forceinline__ void attention_prefill(const float* __restrict__ q,
     for (int t0 = 0; t0 < keys; t0 += ATT_TILE) {
         const int count = min(ATT_TILE, keys - t0);
         __syncthreads();
-        load_tile<KV, E>(s, kc, vc, t0, count, n_kv_heads * d, kvh * d, d);
+        load_tile<KV, E>(s, kc, vc, t0, count, n_kv_heads * d, kvh * d, d, vec);
         __syncthreads();
 #pragma unroll
         for (int j = 0; j < ATT_ROWS_PER_WARP; ++j) {
@@ -251,14 +275,15 @@ __device__ __forceinline__ void attention_prefill(const float* __restrict__ q,
 #define ATTENTION(T, KV, E)                                                                    \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_decode_##T##_e##E(      \
         const float* q, const KV* kc, const KV* vc, float* part_ml, float* part_acc,           \
-        int context, int n_heads, int n_kv_heads, int d, float scale, int keys_per_split) {    \
+        int context, int n_heads, int n_kv_heads, int d, float scale, int keys_per_split,      \
+        int vec) {                                                                             \
         attention_decode<KV, E>(q, kc, vc, part_ml, part_acc, context, n_heads, n_kv_heads, d, \
-                                scale, keys_per_split);                                        \
+                                scale, keys_per_split, vec);                                   \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_prefill_##T##_e##E(     \
         const float* q, const KV* kc, const KV* vc, float* out, int n, int pos0, int n_heads,  \
-        int n_kv_heads, int d, float scale) {                                                  \
-        attention_prefill<KV, E>(q, kc, vc, out, n, pos0, n_heads, n_kv_heads, d, scale);      \
+        int n_kv_heads, int d, float scale, int vec) {                                         \
+        attention_prefill<KV, E>(q, kc, vc, out, n, pos0, n_heads, n_kv_heads, d, scale, vec); \
     }
 #define ATTENTION_ALL_WIDTHS(T, KV) ATTENTION(T, KV, 2) ATTENTION(T, KV, 4) ATTENTION(T, KV, 8)
 

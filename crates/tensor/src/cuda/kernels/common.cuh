@@ -79,3 +79,40 @@ __device__ __forceinline__ float4 load_f4(const float* p) {
         : "l"(p));
     return v;
 }
+
+// Unpacks 16 bytes of stored values into N floats.
+template <typename W> struct Chunk;
+template <> struct Chunk<float> {
+    static const int N = 4;
+    static __device__ __forceinline__ void unpack(uint4 v, float* f) {
+        f[0] = __uint_as_float(v.x);
+        f[1] = __uint_as_float(v.y);
+        f[2] = __uint_as_float(v.z);
+        f[3] = __uint_as_float(v.w);
+    }
+};
+template <> struct Chunk<bf16_t> {
+    static const int N = 8;
+    static __device__ __forceinline__ void unpack(uint4 v, float* f) {
+        const unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            f[2 * i] = __uint_as_float(w[i] << 16);
+            f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+        }
+    }
+};
+template <> struct Chunk<f16_t> {
+    static const int N = 8;
+    static __device__ __forceinline__ void unpack(uint4 v, float* f) {
+        const unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            f16_t lo, hi;
+            lo.bits = (unsigned short)(w[i] & 0xffffu);
+            hi.bits = (unsigned short)(w[i] >> 16);
+            f[2 * i] = to_f32(lo);
+            f[2 * i + 1] = to_f32(hi);
+        }
+    }
+};
