@@ -88,6 +88,15 @@ pub enum RopeStyle {
     Pairs,
 }
 
+impl From<RopeStyle> for ember_tensor::cpu::RopeLayout {
+    fn from(style: RopeStyle) -> Self {
+        match style {
+            RopeStyle::Halves => Self::Halves,
+            RopeStyle::Pairs => Self::Pairs,
+        }
+    }
+}
+
 /// The attention of one layer, as the backend needs to know it.
 #[derive(Clone, Copy, Debug)]
 pub struct AttentionParams {

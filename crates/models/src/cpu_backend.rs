@@ -193,10 +193,7 @@ impl Backend for CpuBackend {
         pos0: usize,
         rows: usize,
     ) -> Result<()> {
-        let layout = match style {
-            RopeStyle::Halves => RopeLayout::Halves,
-            RopeStyle::Pairs => RopeLayout::Pairs,
-        };
+        let layout = RopeLayout::from(style);
         // llama.cpp's angles and fused rotation when imitating it (see `Arithmetic`).
         let ggml = self.arithmetic == Arithmetic::LlamaCpp;
         let (cos, sin) = tables.tables(ggml);

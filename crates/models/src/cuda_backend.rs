@@ -419,10 +419,7 @@ impl Backend for CudaBackend {
         pos0: usize,
         rows: usize,
     ) -> Result<()> {
-        let layout = match style {
-            RopeStyle::Halves => RopeLayout::Halves,
-            RopeStyle::Pairs => RopeLayout::Pairs,
-        };
+        let layout = RopeLayout::from(style);
         let mut x = self.slots[slot.index()].as_mut_slice::<f32>();
         let mut x = x.slice_mut(0..rows * n_heads * head_dim);
         let (cos, sin) = (tables.cos.as_slice(), tables.sin.as_slice());
