@@ -66,21 +66,44 @@ fn listening_socket_inodes(port: u16) -> Vec<u64> {
     inodes
 }
 
-/// Major page faults the process has taken (field 12 of /proc/PID/stat): each one is a page
-/// read back from disk or swap.
-pub fn major_faults(pid: u32) -> io::Result<u64> {
+/// Page faults a process has taken so far, from /proc/PID/stat.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Faults {
+    /// Served from memory (a page mapped again, zeroed, or still in the page cache).
+    pub minor: u64,
+    /// Read back from disk or swap.
+    pub major: u64,
+}
+
+impl Faults {
+    /// The faults taken between `earlier` and `self`.
+    pub fn since(self, earlier: Faults) -> Faults {
+        Faults {
+            minor: self.minor.saturating_sub(earlier.minor),
+            major: self.major.saturating_sub(earlier.major),
+        }
+    }
+}
+
+pub fn faults(pid: u32) -> io::Result<Faults> {
     let stat = fs::read_to_string(format!("/proc/{pid}/stat"))?;
     // The command name (field 2) may hold spaces and parentheses: count from its last ')'.
     let after_name = stat
         .rfind(')')
         .map(|i| &stat[i + 1..])
         .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "unexpected stat format"))?;
-    // Fields from 3 on: state(3) ppid pgrp session tty_nr tpgid flags minflt cminflt majflt(12).
-    after_name
-        .split_whitespace()
-        .nth(9)
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "no majflt in stat"))
+    // Fields from 3 on: state(3) ppid pgrp session tty_nr tpgid flags minflt(10) cminflt majflt(12).
+    let fields: Vec<&str> = after_name.split_whitespace().collect();
+    let field = |n: usize| {
+        fields
+            .get(n - 3)
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "short /proc/PID/stat"))
+    };
+    Ok(Faults {
+        minor: field(10)?,
+        major: field(12)?,
+    })
 }
 
 /// What one reclaim did.
@@ -184,8 +207,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn reads_own_major_faults() {
-        assert!(major_faults(std::process::id()).is_ok());
+    fn reads_own_faults() {
+        let before = faults(std::process::id()).unwrap();
+        // Touch fresh pages: minor faults, counted.
+        let pages = vec![1u8; 64 << 20];
+        std::hint::black_box(&pages);
+        let after = faults(std::process::id()).unwrap();
+        assert!(after.since(before).minor > 0);
     }
 
     #[test]

@@ -64,7 +64,7 @@ pub fn run(args: BenchIdleArgs) -> anyhow::Result<ExitCode> {
     let series = std::iter::once((0.0, false)).chain(args.gaps.iter().map(|&g| (g, args.evict)));
     for (gap_s, evict) in series {
         let mut first_token_s = Vec::with_capacity(args.repeats);
-        let mut faults: Option<u64> = pid.map(|_| 0);
+        let mut faults: Option<server_process::Faults> = pid.map(|_| Default::default());
         let mut paged_out = PageOut::default();
         for _ in 0..args.repeats {
             let gap_start = Instant::now();
@@ -83,10 +83,12 @@ pub fn run(args: BenchIdleArgs) -> anyhow::Result<ExitCode> {
             if let Some(left) = gap.checked_sub(gap_start.elapsed()) {
                 std::thread::sleep(left);
             }
-            let before = pid.map(server_process::major_faults).transpose()?;
+            let before = pid.map(server_process::faults).transpose()?;
             first_token_s.push(client.first_token()?);
             if let (Some(total), Some(before), Some(pid)) = (faults.as_mut(), before, pid) {
-                *total += server_process::major_faults(pid)?.saturating_sub(before);
+                let during = server_process::faults(pid)?.since(before);
+                total.major += during.major;
+                total.minor += during.minor;
             }
         }
         let median = median(&first_token_s);
@@ -98,7 +100,10 @@ pub fn run(args: BenchIdleArgs) -> anyhow::Result<ExitCode> {
             "median_s": round(median),
             "max_s": round(first_token_s.iter().copied().fold(0.0, f64::max)),
             "vs_back_to_back": (median / base_median * 1000.0).round() / 1000.0,
-            "server_major_faults": faults,
+            "server_major_faults": faults.map(|f| f.major),
+            // Pages the requests touched that were not mapped: memory outside a held set that
+            // the OS (or --evict) took back without a disk read.
+            "server_minor_faults": faults.map(|f| f.minor),
         });
         if evict {
             line["paged_out_mappings"] = json!(paged_out.mappings);
