@@ -118,18 +118,45 @@ pub trait WeightMatrix {
     fn slice_rows(&self, start: usize, end: usize) -> Self;
 }
 
-/// A sequence's cached keys and values.
+/// How many positions of a KV cache are filled, out of how many.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvFill {
+    len: usize,
+    capacity: usize,
+}
+
+impl KvFill {
+    pub fn empty(capacity: usize) -> Self {
+        KvFill { len: 0, capacity }
+    }
+}
+
+/// A sequence's cached keys and values; the storage is the backend's, the bookkeeping shared.
 pub trait KvStore {
+    fn fill(&self) -> &KvFill;
+    fn fill_mut(&mut self) -> &mut KvFill;
+
     /// Positions filled.
-    fn len(&self) -> usize;
+    fn len(&self) -> usize {
+        self.fill().len
+    }
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    fn capacity(&self) -> usize;
-    /// Forgets positions from `len` on.
-    fn truncate(&mut self, len: usize);
+    fn capacity(&self) -> usize {
+        self.fill().capacity
+    }
+    /// Forgets positions from `len` on (a new prompt reuses the cache from the start).
+    fn truncate(&mut self, len: usize) {
+        let fill = self.fill_mut();
+        fill.len = fill.len.min(len);
+    }
     /// Marks `n` more positions filled (after a forward pass wrote them).
-    fn advance(&mut self, n: usize);
+    fn advance(&mut self, n: usize) {
+        let fill = self.fill_mut();
+        debug_assert!(fill.len + n <= fill.capacity);
+        fill.len += n;
+    }
 }
 
 /// Every operation enqueues its work and may fail (a device error, a launch refused); the CPU's

@@ -16,7 +16,7 @@ use ember_tensor::quant::dequantize_row;
 use ember_tensor::{BufferKind, BufferOwner, DType};
 use half::{bf16, f16};
 
-use crate::backend::{AttentionParams, Backend, KvStore, RopeStyle, Slot, WeightMatrix};
+use crate::backend::{AttentionParams, Backend, KvFill, KvStore, RopeStyle, Slot, WeightMatrix};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::kv_cache::KvDtype;
@@ -89,8 +89,7 @@ pub struct CudaKv {
     values: DeviceBuffer,
     dtype: KvDtype,
     kv_dim: usize,
-    capacity: usize,
-    len: usize,
+    fill: KvFill,
 }
 
 impl CudaKv {
@@ -109,8 +108,7 @@ impl CudaKv {
             values: alloc("kv cache values")?,
             dtype,
             kv_dim,
-            capacity,
-            len: 0,
+            fill: KvFill::empty(capacity),
         })
     }
 
@@ -120,21 +118,12 @@ impl CudaKv {
 }
 
 impl KvStore for CudaKv {
-    fn len(&self) -> usize {
-        self.len
+    fn fill(&self) -> &KvFill {
+        &self.fill
     }
 
-    fn capacity(&self) -> usize {
-        self.capacity
-    }
-
-    fn truncate(&mut self, len: usize) {
-        self.len = self.len.min(len);
-    }
-
-    fn advance(&mut self, n: usize) {
-        debug_assert!(self.len + n <= self.capacity);
-        self.len += n;
+    fn fill_mut(&mut self) -> &mut KvFill {
+        &mut self.fill
     }
 }
 
@@ -439,7 +428,7 @@ impl Backend for CudaBackend {
 
     fn attention(&mut self, kv: &mut CudaKv, p: AttentionParams, rows: usize) -> Result<()> {
         let kv_dim = kv.kv_dim;
-        let layer_elems = kv.capacity * kv_dim;
+        let layer_elems = kv.capacity() * kv_dim;
         let layer = p.layer * layer_elems..(p.layer + 1) * layer_elems;
         let new = layer.start + p.pos0 * kv_dim..layer.start + (p.pos0 + rows) * kv_dim;
         let shape = AttentionShape {

@@ -3,7 +3,7 @@
 use ember_tensor::cpu::KvSlice;
 use ember_tensor::{Buffer, BufferKind, BufferOwner};
 
-use crate::backend::KvStore;
+use crate::backend::{KvFill, KvStore};
 use crate::config::ModelConfig;
 use crate::error::Result;
 
@@ -32,8 +32,7 @@ pub struct KvCache {
     dtype: KvDtype,
     layers: usize,
     kv_dim: usize,
-    capacity: usize,
-    len: usize,
+    fill: KvFill,
 }
 
 impl KvCache {
@@ -51,8 +50,7 @@ impl KvCache {
             dtype,
             layers: config.num_hidden_layers,
             kv_dim,
-            capacity,
-            len: 0,
+            fill: KvFill::empty(capacity),
         })
     }
 
@@ -67,7 +65,7 @@ impl KvCache {
 
     fn layer_range(&self, layer: usize) -> std::ops::Range<usize> {
         debug_assert!(layer < self.layers);
-        let per_layer = self.capacity * self.kv_dim;
+        let per_layer = self.capacity() * self.kv_dim;
         layer * per_layer..(layer + 1) * per_layer
     }
 
@@ -109,21 +107,11 @@ impl KvCache {
 }
 
 impl KvStore for KvCache {
-    fn len(&self) -> usize {
-        self.len
+    fn fill(&self) -> &KvFill {
+        &self.fill
     }
 
-    fn capacity(&self) -> usize {
-        self.capacity
-    }
-
-    /// Forgets positions from `len` on (a new prompt reuses the cache from the start).
-    fn truncate(&mut self, len: usize) {
-        self.len = self.len.min(len);
-    }
-
-    fn advance(&mut self, n: usize) {
-        debug_assert!(self.len + n <= self.capacity);
-        self.len += n;
+    fn fill_mut(&mut self) -> &mut KvFill {
+        &mut self.fill
     }
 }
