@@ -1,9 +1,11 @@
 //! Kernel micro-benchmarks: `cargo run --release -p ember-tensor --example kernels [threads]
-//! [quant | hot [type]]`. Prints the read bandwidth of the probe beside matrix-vector and
-//! matrix-matrix rates; with `quant`, only the quantized ones. The "hot" lines run one thread
-//! on a matrix that fits in L2: what one core's kernel can consume, which must exceed its
-//! share of the probe for decode to be bound by memory. `hot` runs only those (for `perf
-//! stat`), optionally only for one type (`hot q4_k`).
+//! [quant | hot [type] | matvec | gemm [type]]`. Prints the read bandwidth of the probe beside
+//! matrix-vector and matrix-matrix rates; with `quant`, only the quantized ones. The "hot"
+//! lines run one thread on a matrix that fits in L2: what one core's kernel can consume, which
+//! must exceed its share of the probe for decode to be bound by memory. `hot` runs only those
+//! (for `perf stat`), optionally only for one type (`hot q4_k`). `matvec` runs decode's
+//! products at a 1.5B model's shapes from memory, each against a probe read just before it;
+//! `gemm` one thread's prefill products (512 activation rows) at those shapes, in GMAC/s.
 
 use std::time::Instant;
 
@@ -26,6 +28,15 @@ fn main() {
     if mode == "hot" {
         let only = std::env::args().nth(3);
         hot_kernels(&owner, only.as_deref());
+        return;
+    }
+    if mode == "matvec" {
+        model_matvecs(&pool, &owner, threads);
+        return;
+    }
+    if mode == "gemm" {
+        let only = std::env::args().nth(3);
+        gemm_kernels(&owner, only.as_deref());
         return;
     }
     let probe = owner.alloc(BufferKind::Scratch, "probe", 1 << 30).unwrap();
@@ -153,6 +164,78 @@ fn hot_kernels(owner: &BufferOwner, only: Option<&str>) {
             dtype.name().to_lowercase(),
             median(rates)
         );
+    }
+}
+
+/// Decode's products at a 1.5B model's shapes, each matrix far past the last-level cache.
+fn model_matvecs(pool: &ThreadPool, owner: &BufferOwner, threads: usize) {
+    // The machine's bandwidth drifts: each run is set against a probe read just before it.
+    let probe = owner
+        .alloc(BufferKind::Scratch, "probe", 256 << 20)
+        .unwrap();
+    let probe_rate = || {
+        let t = Instant::now();
+        std::hint::black_box(read_sum(pool, probe.as_slice()));
+        (256u64 << 20) as f64 / t.elapsed().as_secs_f64() / 1e9
+    };
+    for (dtype, n, k) in [
+        (DType::Q4_K, 120_000usize, 1536usize),
+        (DType::Q4_K, 20_000, 8960),
+        (DType::Q6_K, 151_936, 1536),
+        (DType::Q6_K, 20_000, 8960),
+    ] {
+        let x: Vec<f32> = (0..k).map(|i| (i % 13) as f32 * 0.01 - 0.06).collect();
+        let mut y = vec![0f32; n];
+        let mut scratch = vec![0f32; matmul_scratch_len(threads, 1, k)];
+        let w = quantized(owner, dtype, n, k);
+        let mat = MatRef::new(dtype, w.bytes(), n, k);
+        let bytes = w.bytes().len();
+        let (rates, ratios): (Vec<f64>, Vec<f64>) = (0..9)
+            .map(|_| {
+                let probe = probe_rate();
+                let t = Instant::now();
+                matmul(pool, &x, 1, &mat, &mut y, &mut scratch);
+                let rate = bytes as f64 / t.elapsed().as_secs_f64() / 1e9;
+                (rate, rate / probe)
+            })
+            .unzip();
+        println!(
+            "{:<4} matvec {n}x{k} {:6.1} GB/s of weights, {:5.2} of the probe",
+            dtype.name().to_lowercase(),
+            median(rates),
+            median(ratios)
+        );
+    }
+}
+
+/// One core, 512 activation rows: the prefill kernels' rate at a 1.5B model's shapes (the
+/// attention and MLP inputs, 1536 wide, and the MLP output, 8960 wide).
+fn gemm_kernels(owner: &BufferOwner, only: Option<&str>) {
+    let one = ThreadPool::new(1);
+    let m = 512;
+    for dtype in [DType::Q4_K, DType::Q6_K, DType::Q4_1] {
+        if only.is_some_and(|o| o != dtype.name().to_lowercase()) {
+            continue;
+        }
+        for (n, k) in [(2048usize, 1536usize), (512, 8960)] {
+            let x: Vec<f32> = (0..m * k).map(|i| (i % 13) as f32 * 0.01 - 0.06).collect();
+            let mut y = vec![0f32; m * n];
+            let mut scratch = vec![0f32; matmul_scratch_len(1, m, k)];
+            let w = quantized(owner, dtype, n, k);
+            let mat = MatRef::new(dtype, w.bytes(), n, k);
+            let rates: Vec<f64> = (0..5)
+                .map(|_| {
+                    let t = Instant::now();
+                    matmul(&one, &x, m, &mat, &mut y, &mut scratch);
+                    (m * n * k) as f64 / t.elapsed().as_secs_f64() / 1e9
+                })
+                .collect();
+            println!(
+                "{:<4} gemm 1 thread {m}x{n}x{k} {:6.1} GMAC/s",
+                dtype.name().to_lowercase(),
+                median(rates)
+            );
+        }
     }
 }
 

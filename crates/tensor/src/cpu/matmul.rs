@@ -4,7 +4,8 @@
 //! Quantized weights take another road (see [`super::quant_dot`]): the `m` activation rows are
 //! quantized once into scratch as llama.cpp quantizes them, then integer kernels take the dot
 //! products block by block. Decode streams the weights once; prefill keeps a block of
-//! quantized activation rows in cache and runs each group of weight rows past all of it. Their
+//! quantized activation rows in cache (for Q4_K and Q6_K with VNNI, interleaved into the wide
+//! road's tiles) and runs each group of weight rows past all of it. Their
 //! float steps are llama.cpp's, so GGUF models give llama.cpp's results to the bit; where
 //! llama.cpp takes another kernel for a batch (Q4_K rows in whole groups of four, Q6_K
 //! products of eight rows or more), so do these, and such a row differs in its last bits from
@@ -85,12 +86,35 @@ impl<'a> MatRef<'a> {
 
 /// f32 elements of scratch [`matmul`] needs for up to `max_m` activation rows of `k` columns
 /// on `n_threads` threads, whatever the weights' type: float panels for prefill, or the
-/// quantized activation rows.
+/// quantized activation rows (with the wide road's tiles and unpacked weight rows).
 pub fn matmul_scratch_len(n_threads: usize, max_m: usize, k: usize) -> usize {
     let float_panels = n_threads * NR * k;
-    // 64 bytes of slack to align the rows.
-    let quantized = (max_m.max(1) * ActLayout::max_stride(k) + 64).div_ceil(4);
-    float_panels.max(quantized)
+    let quantized = QuantScratch::new(n_threads, max_m.max(1), ActLayout::max_stride(k), k).end;
+    float_panels.max(quantized.div_ceil(4))
+}
+
+/// Where the quantized road's parts lie in scratch, in bytes from a 64-byte boundary: the
+/// activation rows, the wide tiles, then each thread's panel.
+struct QuantScratch {
+    tiles: usize,
+    panels: usize,
+    panel_bytes: usize,
+    /// Bytes needed from the scratch's start, 64 of them slack to align it.
+    end: usize,
+}
+
+impl QuantScratch {
+    fn new(n_threads: usize, m: usize, stride: usize, k: usize) -> QuantScratch {
+        let tiles = m * stride;
+        let panels = tiles + quant_dot::tiles_bytes(m, k);
+        let panel_bytes = quant_dot::panel_bytes(k);
+        QuantScratch {
+            tiles,
+            panels,
+            panel_bytes,
+            end: 64 + panels + n_threads * panel_bytes,
+        }
+    }
 }
 
 /// `y[i, j] = Σ_p x[i, p] · w[j, p]` for `i < m`, `j < w.rows`, `p < w.cols`.
@@ -176,15 +200,27 @@ fn matmul_quantized(
 ) {
     let (n, k) = (w.rows, w.cols);
     let layout = ActLayout::new(ActKind::for_weights(w.dtype), k);
+    let isa = Isa::detect();
+    let qisa = QIsa::from_isa(isa);
+    let wide = quant_dot::wide_rows(qisa, w.dtype, m);
+    let places = if wide > 0 {
+        QuantScratch::new(pool.n_threads(), m, layout.stride, k)
+    } else {
+        // Only the activation rows.
+        QuantScratch::new(0, m, layout.stride, 0)
+    };
     let scratch_bytes: &mut [u8] = bytemuck::cast_slice_mut(scratch);
     let offset = scratch_bytes.as_ptr().align_offset(64);
     assert!(
-        scratch_bytes.len() >= offset + m * layout.stride,
+        scratch_bytes.len() >= offset + places.end - 64,
         "matmul: scratch too small for {m} quantized rows of {k}: give it matmul_scratch_len"
     );
     let acts = SharedPtr(scratch_bytes[offset..].as_mut_ptr());
-    let isa = Isa::detect();
+    let at = |bytes: usize| SharedPtr(unsafe { acts.get().add(bytes) });
+    let (tiles, panels) = (at(places.tiles), at(places.panels));
     let x_ptr = SharedPtr(x.as_ptr() as *mut f32);
+    // Rows `rows` quantized, then the wide tiles among them: threads split the rows in whole
+    // tiles, so each tile's rows are its own thread's.
     let quantize = |rows: (usize, usize)| {
         quant_dot::quantize_activations(
             isa,
@@ -194,27 +230,37 @@ fn matmul_quantized(
                 layout,
                 out: acts.get(),
             },
-        )
+        );
+        if wide > 0 {
+            let tile_range = rows.0 / quant_dot::TM..rows.1.min(wide).div_ceil(quant_dot::TM);
+            unsafe { quant_dot::build_tiles(&layout, acts.get(), wide, tile_range, tiles.get()) };
+        }
     };
     if m * k <= QUANTIZE_ALONE || pool.n_threads() == 1 {
         quantize((0, m));
     } else {
-        let parts = pool.n_threads().min(m);
+        let units = m.div_ceil(quant_dot::TM);
+        let parts = pool.n_threads().min(units);
         pool.broadcast(&|thread| {
             if thread < parts {
-                let rows = split_range(m, parts, thread);
-                quantize((rows.start, rows.end));
+                let units = split_range(units, parts, thread);
+                let rows = (
+                    units.start * quant_dot::TM,
+                    (units.end * quant_dot::TM).min(m),
+                );
+                quantize(rows);
             }
         });
     }
 
-    let qisa = QIsa::from_isa(isa);
     let y_ptr = SharedPtr(y.as_mut_ptr());
     let groups = n.div_ceil(quant_dot::QR);
     let parts = pool.n_threads().min(groups);
     let block_rows = (QUANT_ACTIVATION_BLOCK_BYTES / layout.stride).max(quant_dot::QM)
         / quant_dot::QM
         * quant_dot::QM;
+    let block_tiles =
+        (QUANT_ACTIVATION_BLOCK_BYTES / quant_dot::tiles_bytes(quant_dot::TM, k)).max(1);
     let dtype = w.dtype;
     let w_ptr = w.data.as_ptr() as usize;
     let row_bytes = dtype.row_bytes(k);
@@ -240,6 +286,10 @@ fn matmul_quantized(
                 m,
                 block_rows,
                 y: y_ptr.get(),
+                wide,
+                tiles: tiles.get(),
+                panel: unsafe { panels.get().add(thread * places.panel_bytes) },
+                block_tiles,
             },
         );
     });

@@ -21,6 +21,10 @@
 //! groups of four ([`tile_q45k`]); Q6_K keeps eight lanes below eight rows and one sum per
 //! super-block from eight rows on ([`tile_q6k`]). Q8_0, Q4_0 and Q5_K keep ember's own order.
 //!
+//! Prefill of those batched Q4_K and Q6_K rows takes the wide road with VNNI ([`wide_rows`]):
+//! the same float steps, lane for lane, with one lane per activation row instead of per
+//! weight row, so that no integer sum needs reducing across lanes.
+//!
 //! Integer sums are exact and every float operation is a lane-wise IEEE multiply, add,
 //! subtract or fused multiply-add in a fixed order, so an output is bit-identical whatever
 //! the instruction set, tile shape or thread count (and, but for the cases above, batch size).
@@ -34,7 +38,14 @@ pub(crate) const QR: usize = 8;
 /// Activation rows computed together in prefill.
 pub(crate) const QM: usize = 4;
 /// How far ahead of its reads decode prefetches each weight row.
-const PREFETCH_BYTES: usize = 512;
+/// How far ahead decode prefetches each weight row: to the same place in the next tile's
+/// rows, which lie right after this tile's (a thread's rows are one contiguous stretch). That
+/// is one tile's compute ahead, which covers the memory latency whatever the row length; a
+/// fixed distance of a few hundred bytes halved the streaming rate on short (1536-wide) rows.
+#[inline(always)]
+fn prefetch_ahead(row_bytes: usize) -> usize {
+    QR * row_bytes
+}
 
 // ---------------------------------------------------------------------------------------------
 // Activations
@@ -420,6 +431,15 @@ pub(crate) unsafe trait Qv: Copy {
     /// `sb` (Q6_K's offset term, as `ggml_vec_dot_q6_K_q8_K` forms it).
     unsafe fn q6_mins(sa: *const i8, sb: *const i8, bs: *const i16) -> Self::V;
     unsafe fn isub2(a: Self::V, b: Self::V) -> Self::V;
+    unsafe fn iadd2(a: Self::V, b: Self::V) -> Self::V;
+    /// i32 lanes `a·b` (the low 32 bits).
+    unsafe fn mullo(a: Self::V, b: Self::V) -> Self::V;
+    /// The i32 at `p` in every lane.
+    unsafe fn bcast32(p: *const u8) -> Self::V;
+    unsafe fn store(p: *mut u8, v: Self::V);
+    /// 16 f32 from `p`.
+    unsafe fn f2load(p: *const u8) -> Self::F2;
+    unsafe fn fsub2(a: Self::F2, b: Self::F2) -> Self::F2;
     #[inline(always)]
     unsafe fn prefetch(p: *const u8) {
         let _ = p;
@@ -549,6 +569,32 @@ unsafe impl Qv for Portable {
     unsafe fn isub2(a: Pv, b: Pv) -> Pv {
         let (a, b) = (a.i32s(), b.i32s());
         Pv::from_i32(std::array::from_fn(|j| a[j].wrapping_sub(b[j])))
+    }
+    #[inline(always)]
+    unsafe fn iadd2(a: Pv, b: Pv) -> Pv {
+        let (a, b) = (a.i32s(), b.i32s());
+        Pv::from_i32(std::array::from_fn(|j| a[j].wrapping_add(b[j])))
+    }
+    #[inline(always)]
+    unsafe fn mullo(a: Pv, b: Pv) -> Pv {
+        let (a, b) = (a.i32s(), b.i32s());
+        Pv::from_i32(std::array::from_fn(|j| a[j].wrapping_mul(b[j])))
+    }
+    #[inline(always)]
+    unsafe fn bcast32(p: *const u8) -> Pv {
+        Pv::from_i32([unsafe { p.cast::<i32>().read_unaligned() }; 16])
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut u8, v: Pv) {
+        unsafe { p.cast::<[u8; 64]>().write_unaligned(v.0) }
+    }
+    #[inline(always)]
+    unsafe fn f2load(p: *const u8) -> [f32; 16] {
+        unsafe { p.cast::<[f32; 16]>().read_unaligned() }
+    }
+    #[inline(always)]
+    unsafe fn fsub2(a: [f32; 16], b: [f32; 16]) -> [f32; 16] {
+        std::array::from_fn(|i| a[i] - b[i])
     }
 
     #[inline(always)]
@@ -1041,6 +1087,36 @@ mod x86 {
         unsafe fn isub2(a: Y2, b: Y2) -> Y2 {
             unsafe { Y2(_mm256_sub_epi32(a.0, b.0), _mm256_sub_epi32(a.1, b.1)) }
         }
+        #[inline(always)]
+        unsafe fn iadd2(a: Y2, b: Y2) -> Y2 {
+            unsafe { Y2(_mm256_add_epi32(a.0, b.0), _mm256_add_epi32(a.1, b.1)) }
+        }
+        #[inline(always)]
+        unsafe fn mullo(a: Y2, b: Y2) -> Y2 {
+            unsafe { Y2(_mm256_mullo_epi32(a.0, b.0), _mm256_mullo_epi32(a.1, b.1)) }
+        }
+        #[inline(always)]
+        unsafe fn bcast32(p: *const u8) -> Y2 {
+            unsafe {
+                let v = _mm256_set1_epi32(p.cast::<i32>().read_unaligned());
+                Y2(v, v)
+            }
+        }
+        #[inline(always)]
+        unsafe fn store(p: *mut u8, v: Y2) {
+            unsafe {
+                _mm256_storeu_si256(p.cast(), v.0);
+                _mm256_storeu_si256(p.add(32).cast(), v.1);
+            }
+        }
+        #[inline(always)]
+        unsafe fn f2load(p: *const u8) -> F2y {
+            unsafe { F2y(_mm256_loadu_ps(p.cast()), _mm256_loadu_ps(p.add(32).cast())) }
+        }
+        #[inline(always)]
+        unsafe fn fsub2(a: F2y, b: F2y) -> F2y {
+            unsafe { F2y(_mm256_sub_ps(a.0, b.0), _mm256_sub_ps(a.1, b.1)) }
+        }
 
         #[inline(always)]
         unsafe fn zero() -> Y2 {
@@ -1315,6 +1391,30 @@ mod x86 {
         #[inline(always)]
         unsafe fn isub2(a: __m512i, b: __m512i) -> __m512i {
             unsafe { _mm512_sub_epi32(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn iadd2(a: __m512i, b: __m512i) -> __m512i {
+            unsafe { _mm512_add_epi32(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn mullo(a: __m512i, b: __m512i) -> __m512i {
+            unsafe { _mm512_mullo_epi32(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn bcast32(p: *const u8) -> __m512i {
+            unsafe { _mm512_set1_epi32(p.cast::<i32>().read_unaligned()) }
+        }
+        #[inline(always)]
+        unsafe fn store(p: *mut u8, v: __m512i) {
+            unsafe { _mm512_storeu_si512(p.cast(), v) }
+        }
+        #[inline(always)]
+        unsafe fn f2load(p: *const u8) -> __m512 {
+            unsafe { _mm512_loadu_ps(p.cast()) }
+        }
+        #[inline(always)]
+        unsafe fn fsub2(a: __m512, b: __m512) -> __m512 {
+            unsafe { _mm512_sub_ps(a, b) }
         }
 
         #[inline(always)]
@@ -1696,6 +1796,18 @@ pub(crate) trait Kernel {
         lay: &ActLayout,
         out: &mut [[f32; QR]; M],
     );
+    /// The wide road ([`wide_rows`]): unpacks `QR` weight rows of `nsb` super-blocks to a
+    /// panel.
+    unsafe fn unpack<Q: Qv>(w: [*const u8; QR], nsb: usize, panel: *mut u8) {
+        let _ = (w, nsb, panel);
+        unreachable!("no wide road for this type")
+    }
+    /// The wide road: a panel's rows against a tile's [`TM`] activation rows, lane `l` of
+    /// result `r` the dot of weight row `r` with activation row `l`.
+    unsafe fn wide<Q: Qv>(panel: *const u8, tile: *const u8, nsb: usize) -> [Q::F2; QR] {
+        let _ = (panel, tile, nsb);
+        unreachable!("no wide road for this type")
+    }
 }
 
 /// Q8_0, Q4_0: 32-element blocks, taken two at a time.
@@ -1727,7 +1839,7 @@ unsafe fn tile_q32<Q: Qv, const M: usize, const T: u8>(
                 let p0 = w[r].add(b0 * bb);
                 let p1 = w[r].add(b1 * bb);
                 if M == 1 {
-                    Q::prefetch(p0.add(PREFETCH_BYTES));
+                    Q::prefetch(p0.add(prefetch_ahead(nb * bb)));
                 }
                 put16(&mut d0, r, rd16(p0));
                 put16(&mut d1, r, rd16(p1));
@@ -1812,8 +1924,9 @@ unsafe fn tile_q41<Q: Qv, const M: usize>(
                 let mut sums = [[Q::zero(); 4]; M];
                 for (h, r) in [2 * pair, 2 * pair + 1].into_iter().enumerate() {
                     if M == 1 {
-                        Q::prefetch(p[r].add(PREFETCH_BYTES));
-                        Q::prefetch(p[r].add(PREFETCH_BYTES + 64));
+                        let ahead = prefetch_ahead(nb * BB);
+                        Q::prefetch(p[r].add(ahead));
+                        Q::prefetch(p[r].add(ahead + 64));
                     }
                     let (lo, hi) = Q::nib_quad_q41(p[r]);
                     for i in 0..M {
@@ -1928,8 +2041,9 @@ unsafe fn tile_q45k<Q: Qv, const M: usize, const Q5: bool>(
             for r in 0..QR {
                 let blk = blks[r];
                 if M == 1 {
+                    let ahead = prefetch_ahead(nsb * bb);
                     for line in 0..bb.div_ceil(64) {
-                        Q::prefetch(blk.add(PREFETCH_BYTES + 64 * line));
+                        Q::prefetch(blk.add(ahead + 64 * line));
                     }
                 }
                 let scales = Q::scales8(sc[r]);
@@ -2043,8 +2157,9 @@ unsafe fn tile_q6k<Q: Qv, const M: usize>(
             for r in 0..QR {
                 let blk = w[r].add(sb * BB);
                 if M == 1 {
+                    let ahead = prefetch_ahead(nsb * BB);
                     for line in 0..BB.div_ceil(64) {
-                        Q::prefetch(blk.add(PREFETCH_BYTES + 64 * line));
+                        Q::prefetch(blk.add(ahead + 64 * line));
                     }
                 }
                 put16(&mut dw, r, rd16(blk.add(208)));
@@ -2135,8 +2250,282 @@ unsafe fn tile_q6k<Q: Qv, const M: usize>(
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// The wide batched road (Q4_K, Q6_K with VNNI)
+// ---------------------------------------------------------------------------------------------
+//
+// The tiles above hold one weight row per lane, so every (weight row, activation row) sum must
+// be reduced across lanes before its float step, and Q4_K's step comes every 64 values. Here a
+// lane holds an activation row instead: [`TM`] activation rows are interleaved four bytes at a
+// time ([`build_tiles`]), each four weight values are broadcast to all lanes, and one
+// `vpdpbusd` adds the four products of every row, so no sum is ever reduced. The weights are
+// unpacked to bytes once per activation block ([`Kernel::unpack`]); each sub-block's sum is
+// multiplied by its scale in i32. The float steps are the tiles' own, lane for lane.
+
+/// Activation rows a wide tile holds, one i32 lane each.
+pub(crate) const TM: usize = 16;
+
+/// One super-block of a wide activation tile: `[g][row]` the row's `qs` bytes `4g..4g+4` (in
+/// the stored order of [`ActKind::Q8K`] or [`ActKind::Q8KI`]), then each row's `d`, then the
+/// pairs of `bsums` (of 16 values, then of 32) as the i16 pairs `vpdpwssd` takes.
+const TILE_D: usize = 64 * TM * 4;
+const TILE_BS16: usize = TILE_D + TM * 4;
+const TILE_BS32: usize = TILE_BS16 + 8 * TM * 4;
+const TILE_SB: usize = TILE_BS32 + 4 * TM * 4;
+
+/// One super-block of [`QR`] unpacked weight rows: `[row][256]` the values as bytes (in the
+/// activations' stored order), `[sub-block][row]` the scales as i32, `[pair][row]` two i16
+/// (Q4_K: the mins of sub-blocks `2j`, `2j+1`; Q6_K: `-32·` the scales of `2p`, `2p+1`), then
+/// each row's `d` and `dmin` as f32.
+const PANEL_SC: usize = QR * 256;
+const PANEL_PAIRS: usize = PANEL_SC + 16 * QR * 4;
+const PANEL_D: usize = PANEL_PAIRS + 8 * QR * 4;
+const PANEL_DMIN: usize = PANEL_D + QR * 4;
+const PANEL_SB: usize = PANEL_DMIN + QR * 4;
+
+/// Bytes of the wide tiles for `m` activation rows of `k` columns.
+pub(crate) fn tiles_bytes(m: usize, k: usize) -> usize {
+    m.div_ceil(TM) * k.div_ceil(256) * TILE_SB
+}
+
+/// Bytes of one thread's unpacked weight rows for `k` columns.
+pub(crate) fn panel_bytes(k: usize) -> usize {
+    k.div_ceil(256) * PANEL_SB
+}
+
+/// Smaller batches keep the tiles above: a wide tile would be mostly empty.
+const WIDE_MIN_ROWS: usize = 16;
+
+/// The activation rows of a batch of `m` that the wide road computes, a prefix of them (none
+/// without VNNI): for Q4_K the whole groups of four (the rest are rows alone, as in llama.cpp),
+/// for Q6_K all of them (from eight rows on, one formula for every row).
+pub(crate) fn wide_rows(isa: QIsa, dtype: DType, m: usize) -> usize {
+    if isa != QIsa::Avx512Vnni || m < WIDE_MIN_ROWS {
+        return 0;
+    }
+    match dtype {
+        DType::Q4_K => m - m % 4,
+        DType::Q6_K => m,
+        _ => 0,
+    }
+}
+
+/// Interleaves activation rows `0..rows` (quantized, `layout`) into tiles `tiles` at `out`; a
+/// last tile's lanes past `rows` repeat row `rows - 1`.
+///
+/// # Safety
+/// `acts` holds the quantized rows, `out` has room for the tiles.
+pub(crate) unsafe fn build_tiles(
+    layout: &ActLayout,
+    acts: *const u8,
+    rows: usize,
+    tiles: std::ops::Range<usize>,
+    out: *mut u8,
+) {
+    let nsb = layout.k / 256;
+    let word = |p: *const u8, i: usize| unsafe { p.cast::<u32>().add(i).read_unaligned() };
+    for tile in tiles {
+        let base = unsafe { out.add(tile * nsb * TILE_SB) };
+        for lane in 0..TM {
+            let row = unsafe { acts.add((tile * TM + lane).min(rows - 1) * layout.stride) };
+            for sb in 0..nsb {
+                unsafe {
+                    let put = |off: usize, i: usize, v: u32| {
+                        base.add(sb * TILE_SB + off + 4 * (i * TM + lane))
+                            .cast::<u32>()
+                            .write(v)
+                    };
+                    for g in 0..64 {
+                        put(0, g, word(row, 64 * sb + g));
+                    }
+                    put(TILE_D, 0, word(row.add(layout.d), sb));
+                    for p in 0..8 {
+                        put(TILE_BS16, p, word(row.add(layout.a), 8 * sb + p));
+                    }
+                    for j in 0..4 {
+                        put(TILE_BS32, j, word(row.add(layout.b), 4 * sb + j));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Writes `v` as the i32 at `[i][r]` of a panel table starting at `off`.
+#[inline(always)]
+unsafe fn put_panel(panel: *mut u8, off: usize, i: usize, r: usize, v: u32) {
+    unsafe { panel.add(off + 4 * (i * QR + r)).cast::<u32>().write(v) }
+}
+
+/// Q4_K rows to a panel: each 64 bytes of `qs` as their low nibbles, then their high ones,
+/// which is [`ActKind::Q8KI`]'s order.
+#[inline(always)]
+unsafe fn unpack_q4k<Q: Qv>(w: [*const u8; QR], nsb: usize, panel: *mut u8) {
+    unsafe {
+        let low = Q::splat8(0x0F);
+        for sb in 0..nsb {
+            let p = panel.add(sb * PANEL_SB);
+            for (r, row) in w.iter().enumerate() {
+                let blk = row.add(sb * 144);
+                for c in 0..2 {
+                    let q = Q::load(blk.add(16 + 64 * c));
+                    Q::store(p.add(256 * r + 128 * c), Q::and(q, low));
+                    Q::store(p.add(256 * r + 128 * c + 64), Q::and(Q::shr4(q), low));
+                }
+                let (sc, mn) = scales_mins_k4_u64(&*blk.add(4).cast::<[u8; 12]>());
+                let (sc, mn) = (sc.to_le_bytes(), mn.to_le_bytes());
+                for (s, &scale) in sc.iter().enumerate() {
+                    put_panel(p, PANEL_SC, s, r, scale as u32);
+                }
+                for j in 0..4 {
+                    put_panel(
+                        p,
+                        PANEL_PAIRS,
+                        j,
+                        r,
+                        mn[2 * j] as u32 | (mn[2 * j + 1] as u32) << 16,
+                    );
+                }
+                let f = |off: usize| crate::dtype::f16_to_f32(rd16(blk.add(off))).to_bits();
+                put_panel(p, PANEL_D, 0, r, f(0));
+                put_panel(p, PANEL_DMIN, 0, r, f(2));
+            }
+        }
+    }
+}
+
+/// Q6_K rows to a panel, values `0..64` (the `+32` taken off through the bsums) in order.
+#[inline(always)]
+unsafe fn unpack_q6k<Q: Qv>(w: [*const u8; QR], nsb: usize, panel: *mut u8) {
+    unsafe {
+        let (low, top) = (Q::splat8(0x0F), Q::splat8(0x30));
+        for sb in 0..nsb {
+            let p = panel.add(sb * PANEL_SB);
+            for (r, row) in w.iter().enumerate() {
+                let blk = row.add(sb * 210);
+                for h in 0..2 {
+                    let ql = Q::load(blk.add(64 * h));
+                    let hv = Q::dup_shr::<2>(blk.add(128 + 32 * h));
+                    let w0 = Q::or(Q::and(ql, low), Q::and(Q::shl4(hv), top));
+                    let w1 = Q::or(Q::and(Q::shr4(ql), low), Q::and(hv, top));
+                    Q::store(p.add(256 * r + 128 * h), w0);
+                    Q::store(p.add(256 * r + 128 * h + 64), w1);
+                }
+                let sc = blk.add(192).cast::<i8>();
+                for s in 0..16 {
+                    put_panel(p, PANEL_SC, s, r, *sc.add(s) as i32 as u32);
+                }
+                for j in 0..8 {
+                    let m = |s: usize| (-32 * *sc.add(s) as i32) as u16 as u32;
+                    put_panel(p, PANEL_PAIRS, j, r, m(2 * j) | m(2 * j + 1) << 16);
+                }
+                let d = crate::dtype::f16_to_f32(rd16(blk.add(208)));
+                put_panel(p, PANEL_D, 0, r, d.to_bits());
+            }
+        }
+    }
+}
+
+/// The scaled sum of one sub-block for every panel row: `n` four-value groups from position
+/// `pos` of the panel's and the tile's values, added as `sc·Σ` to `s`.
+#[inline(always)]
+unsafe fn wide_sub_block<Q: Qv>(
+    p: *const u8,
+    t: *const u8,
+    pos: usize,
+    n: usize,
+    sub: usize,
+    s: &mut [Q::V; QR],
+) {
+    unsafe {
+        let mut part = [Q::zero(); QR];
+        for g in 0..n {
+            let x = Q::load(t.add((pos / 4 + g) * 64));
+            for (r, part) in part.iter_mut().enumerate() {
+                *part = Q::dpbusd(*part, Q::bcast32(p.add(256 * r + pos + 4 * g)), x);
+            }
+        }
+        for (r, s) in s.iter_mut().enumerate() {
+            let sc = Q::bcast32(p.add(PANEL_SC + 4 * (sub * QR + r)));
+            *s = Q::iadd2(*s, Q::mullo(part[r], sc));
+        }
+    }
+}
+
+/// Q4_K, rows in groups of four: the float steps of [`tile_q45k`]'s batched form, per 64
+/// values `acc = fma(Σ, d_w·d_x, acc)` and `acc_min = fma(Σ mins, dmin_w·d_x, acc_min)`, the
+/// result `acc − acc_min`.
+#[inline(always)]
+unsafe fn wide_q4k<Q: Qv>(panel: *const u8, tile: *const u8, nsb: usize) -> [Q::F2; QR] {
+    // Where sub-block `s` of a 128-value half lies in [`ActKind::Q8KI`]'s order.
+    const POS: [usize; 4] = [0, 64, 32, 96];
+    unsafe {
+        let mut acc = [Q::f2zero(); QR];
+        for sb in 0..nsb {
+            let (p, t) = (panel.add(sb * PANEL_SB), tile.add(sb * TILE_SB));
+            let dx = Q::f2load(t.add(TILE_D));
+            for j in 0..4 {
+                let mut s = [Q::zero(); QR];
+                for sub in [2 * j, 2 * j + 1] {
+                    let pos = 128 * (sub / 4) + POS[sub % 4];
+                    wide_sub_block::<Q>(p, t, pos, 8, sub, &mut s);
+                }
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let dd = Q::fmul2(Q::f2splat(rdf32(p.add(PANEL_D), r)), dx);
+                    *acc = Q::ffma2(Q::cvt2(s[r]), dd, *acc);
+                }
+            }
+        }
+        // The mins' terms do not depend on the values: their own pass, after.
+        let mut acc_min = [Q::f2zero(); QR];
+        for sb in 0..nsb {
+            let (p, t) = (panel.add(sb * PANEL_SB), tile.add(sb * TILE_SB));
+            let dx = Q::f2load(t.add(TILE_D));
+            for j in 0..4 {
+                let bs = Q::load(t.add(TILE_BS32 + 64 * j));
+                for (r, acc_min) in acc_min.iter_mut().enumerate() {
+                    let mins = Q::bcast32(p.add(PANEL_PAIRS + 4 * (j * QR + r)));
+                    let m = Q::dpwssd(Q::zero(), mins, bs);
+                    let dm = Q::fmul2(Q::f2splat(rdf32(p.add(PANEL_DMIN), r)), dx);
+                    *acc_min = Q::ffma2(Q::cvt2(m), dm, *acc_min);
+                }
+            }
+        }
+        std::array::from_fn(|r| Q::fsub2(acc[r], acc_min[r]))
+    }
+}
+
+/// Q6_K, eight rows or more: [`tile_q6k`]'s batched form, per super-block
+/// `acc = fma(Σ·d_w, d_x, acc)`.
+#[inline(always)]
+unsafe fn wide_q6k<Q: Qv>(panel: *const u8, tile: *const u8, nsb: usize) -> [Q::F2; QR] {
+    unsafe {
+        let mut acc = [Q::f2zero(); QR];
+        for sb in 0..nsb {
+            let (p, t) = (panel.add(sb * PANEL_SB), tile.add(sb * TILE_SB));
+            // The stored `+32`: `-32·Σ sc·bsum`, sub-blocks in pairs.
+            let mut s = [Q::zero(); QR];
+            for j in 0..8 {
+                let bs = Q::load(t.add(TILE_BS16 + 64 * j));
+                for (r, s) in s.iter_mut().enumerate() {
+                    *s = Q::dpwssd(*s, Q::bcast32(p.add(PANEL_PAIRS + 4 * (j * QR + r))), bs);
+                }
+            }
+            for sub in 0..16 {
+                wide_sub_block::<Q>(p, t, 16 * sub, 4, sub, &mut s);
+            }
+            let dx = Q::f2load(t.add(TILE_D));
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let dw = Q::f2splat(rdf32(p.add(PANEL_D), r));
+                *acc = Q::ffma2(Q::fmul2(Q::cvt2(s[r]), dw), dx, *acc);
+            }
+        }
+        acc
+    }
+}
+
 macro_rules! kernel {
-    ($name:ident, $tile:ident $(, $arg:expr)?) => {
+    ($name:ident, $tile:ident $(, $arg:expr)? $(; wide: $unpack:ident, $wide:ident)?) => {
         pub(crate) struct $name;
         impl Kernel for $name {
             #[inline(always)]
@@ -2148,6 +2537,16 @@ macro_rules! kernel {
             ) {
                 unsafe { $tile::<Q, M $(, $arg)?>(w, a, lay, out) }
             }
+            $(
+            #[inline(always)]
+            unsafe fn unpack<Q: Qv>(w: [*const u8; QR], nsb: usize, panel: *mut u8) {
+                unsafe { $unpack::<Q>(w, nsb, panel) }
+            }
+            #[inline(always)]
+            unsafe fn wide<Q: Qv>(panel: *const u8, tile: *const u8, nsb: usize) -> [Q::F2; QR] {
+                unsafe { $wide::<Q>(panel, tile, nsb) }
+            }
+            )?
         }
     };
 }
@@ -2155,9 +2554,9 @@ macro_rules! kernel {
 kernel!(KQ8_0, tile_q32, 0);
 kernel!(KQ4_0, tile_q32, 1);
 kernel!(KQ4_1, tile_q41);
-kernel!(KQ4K, tile_q45k, false);
+kernel!(KQ4K, tile_q45k, false; wide: unpack_q4k, wide_q4k);
 kernel!(KQ5K, tile_q45k, true);
-kernel!(KQ6K, tile_q6k);
+kernel!(KQ6K, tile_q6k; wide: unpack_q6k, wide_q6k);
 
 // ---------------------------------------------------------------------------------------------
 // One thread's share of a matrix product
@@ -2216,6 +2615,13 @@ pub(crate) struct QJob {
     /// Activation rows a prefill block keeps in cache while weight rows stream past.
     pub block_rows: usize,
     pub y: *mut f32,
+    /// Activation rows `0..wide` taken by the wide road ([`wide_rows`]), from `tiles`
+    /// ([`build_tiles`]), with this thread's `panel` ([`panel_bytes`]).
+    pub wide: usize,
+    pub tiles: *const u8,
+    pub panel: *mut u8,
+    /// Wide tiles a prefill block keeps in cache.
+    pub block_tiles: usize,
 }
 
 // SAFETY: each thread writes its own columns of `y`.
@@ -2275,8 +2681,14 @@ unsafe fn rows<Q: Qv, K: Kernel>(job: QJob) {
         m,
         block_rows,
         y,
+        wide,
+        ..
     } = job;
     if start >= end || m == 0 {
+        return;
+    }
+    if wide > 0 {
+        unsafe { rows_wide::<Q, K>(job) };
         return;
     }
     let layout = ActLayout { batch: m, ..layout };
@@ -2333,6 +2745,70 @@ unsafe fn rows<Q: Qv, K: Kernel>(job: QJob) {
             }
             i0 = i_end;
         }
+    }
+}
+
+/// [`rows`] through the wide road: per block of tiles, each `QR` weight rows unpacked once,
+/// then run past every tile of the block; the rows past `wide` (Q4_K's last rows of a batch)
+/// alone, while the weight rows are still in cache.
+#[inline(always)]
+unsafe fn rows_wide<Q: Qv, K: Kernel>(job: QJob) {
+    let QJob {
+        w,
+        row_bytes,
+        n,
+        rows: (start, end),
+        acts,
+        layout,
+        m,
+        y,
+        wide,
+        tiles,
+        panel,
+        block_tiles,
+        ..
+    } = job;
+    let layout = ActLayout { batch: m, ..layout };
+    let nsb = layout.k / 256;
+    let tile_bytes = nsb * TILE_SB;
+    let n_tiles = wide.div_ceil(TM);
+    let w_rows = |j: usize| -> [*const u8; QR] {
+        std::array::from_fn(|r| unsafe { w.add((j + r).min(end - 1) * row_bytes) })
+    };
+    let mut t0 = 0;
+    while t0 < n_tiles {
+        let t_end = (t0 + block_tiles).min(n_tiles);
+        let mut j = start;
+        while j < end {
+            let ws = w_rows(j);
+            let cols = (end - j).min(QR);
+            unsafe {
+                K::unpack::<Q>(ws, nsb, panel);
+                for tile in t0..t_end {
+                    let out = K::wide::<Q>(panel, tiles.add(tile * tile_bytes), nsb);
+                    let lanes = (wide - tile * TM).min(TM);
+                    for (r, v) in out.iter().enumerate().take(cols) {
+                        let mut l = [0f32; TM];
+                        Q::f2store(l.as_mut_ptr(), *v);
+                        for (lane, &v) in l.iter().enumerate().take(lanes) {
+                            *y.add((tile * TM + lane) * n + j + r) = v;
+                        }
+                    }
+                }
+                if t_end == n_tiles {
+                    for i in wide..m {
+                        let mut out = [[0f32; QR]; 1];
+                        let a = acts.add(i * layout.stride);
+                        K::tile::<Q, 1>(ws, [a], &layout, &mut out);
+                        for (r, &v) in out[0].iter().enumerate().take(cols) {
+                            *y.add(i * n + j + r) = v;
+                        }
+                    }
+                }
+            }
+            j += QR;
+        }
+        t0 = t_end;
     }
 }
 
@@ -2504,6 +2980,20 @@ pub(crate) mod tests {
         let base = acts.as_ptr().cast::<u8>();
         let base = unsafe { base.add(base.align_offset(64)) };
         let mut y = vec![f32::NAN; m * n];
+        let wide = wide_rows(isa, dtype, m);
+        let mut tiles = vec![0u8; tiles_bytes(wide, layout.k)];
+        let mut panel = vec![0u8; panel_bytes(layout.k)];
+        if wide > 0 {
+            unsafe {
+                build_tiles(
+                    &layout,
+                    base,
+                    wide,
+                    0..wide.div_ceil(TM),
+                    tiles.as_mut_ptr(),
+                );
+            }
+        }
         quant_rows(
             isa,
             dtype,
@@ -2517,6 +3007,11 @@ pub(crate) mod tests {
                 m,
                 block_rows: 8,
                 y: y.as_mut_ptr(),
+                wide,
+                tiles: tiles.as_ptr(),
+                panel: panel.as_mut_ptr(),
+                // Several blocks: each weight row is unpacked more than once.
+                block_tiles: 1,
             },
         );
         y
@@ -2620,6 +3115,10 @@ pub(crate) mod tests {
                 (17, 5, 4, false),
                 (9, 4, 2, true),
                 (3, 1, 9, true),
+                // The wide road, with Q4_K's last rows alone (three, then one).
+                (11, 2, 35, true),
+                (16, 3, 16, false),
+                (9, 1, 33, false),
             ] {
                 let k = blocks * dtype.block_size();
                 let mut seed = (n * 31 + k * 7 + m) as u64 + dtype.ggml_type() as u64 * 1000;
