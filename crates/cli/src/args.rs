@@ -56,6 +56,10 @@ pub struct ModelArgs {
     /// CPU; the log says which and why), cpu, cuda or cuda:N.
     #[arg(long, default_value = "auto", env = "EMBER_DEVICE")]
     pub device: ember_engine::Device,
+    /// On CUDA, launch every decode step op by op instead of replaying it as a recorded CUDA
+    /// graph (same results, slower; for debugging and comparison).
+    #[arg(long, env = "EMBER_NO_CUDA_GRAPHS", value_parser = clap::builder::FalseyValueParser::new())]
+    pub no_cuda_graphs: bool,
 }
 
 #[derive(Args, Debug)]

@@ -49,6 +49,8 @@ pub struct EngineOptions {
     pub load_limit_gib: Option<f64>,
     /// Where the model runs.
     pub device: Device,
+    /// On CUDA, record decode steps as graphs and replay them (off: op by op, same results).
+    pub cuda_graphs: bool,
 }
 
 /// Where the model runs (`--device`).
@@ -102,6 +104,7 @@ impl Default for EngineOptions {
             residency: ResidencyMode::Off,
             load_limit_gib: None,
             device: Device::Cpu,
+            cuda_graphs: true,
         }
     }
 }
@@ -312,8 +315,14 @@ impl Engine {
                     (Box::new(runner), scratch, Some(weights))
                 }
                 Some(device) => {
-                    let backend =
-                        CudaBackend::new(device.clone(), &config, &owner, options.max_batch, 1)?;
+                    let backend = CudaBackend::new(
+                        device.clone(),
+                        &config,
+                        &owner,
+                        options.max_batch,
+                        1,
+                        options.cuda_graphs,
+                    )?;
                     let model = Transformer::load(&backend, config, source, context)?;
                     let kv = CudaKv::new(&device, &owner, &model.config, context, kv_dtype)?;
                     let scratch = owner

@@ -109,6 +109,15 @@ pub struct AttentionParams {
     pub pos0: usize,
 }
 
+/// What one forward pass's work depends on besides its inputs ([`Backend::begin_pass`]) and
+/// its cache: a backend may replay a recording of an earlier pass of the same shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PassShape {
+    pub tokens: usize,
+    /// Rows of logits projected.
+    pub logit_rows: usize,
+}
+
 /// A weight matrix in a backend's memory: `rows × cols`, in its checkpoint dtype.
 pub trait WeightMatrix {
     fn rows(&self) -> usize;
@@ -199,8 +208,27 @@ pub trait Backend {
     ) -> Result<Self::Vector>;
     fn rope_tables(&self, config: &ModelConfig, positions: usize) -> Result<Self::Rope>;
 
-    /// `Residual[i] = table[tokens[i]]`.
-    fn embed(&mut self, table: &Self::Matrix, tokens: &[u32]) -> Result<()>;
+    /// Takes the inputs of the next pass: its token ids, the first at position `pos0`.
+    fn begin_pass(&mut self, tokens: &[u32], pos0: usize) -> Result<()>;
+    /// Runs `pass`, the device work of one forward pass from [`Backend::embed`] to
+    /// [`Backend::project_logits`]. A backend may instead replay a recording of an earlier
+    /// pass with the same shape over the same cache (CUDA graphs): the same work, on the
+    /// inputs of [`Backend::begin_pass`]. So the operations inside a pass must take every
+    /// position from those inputs, never from the host values they are also given.
+    fn run_pass(
+        &mut self,
+        kv: &mut Self::Kv,
+        _shape: PassShape,
+        pass: &mut dyn FnMut(&mut Self, &mut Self::Kv) -> Result<()>,
+    ) -> Result<()>
+    where
+        Self: Sized,
+    {
+        pass(self, kv)
+    }
+
+    /// `Residual[i] = table[tokens[i]]` for the `n` tokens of the pass.
+    fn embed(&mut self, table: &Self::Matrix, n: usize) -> Result<()>;
     /// `dst[r] = rms_norm(src[r]) · weight` for the rows in `rows`, written from row 0 of `dst`.
     fn rms_norm(
         &mut self,
@@ -209,15 +237,6 @@ pub trait Backend {
         weight: &Self::Vector,
         eps: f32,
         dst: Slot,
-    ) -> Result<()>;
-    /// RMS norm of every `weight`-long head of the first `len` elements of `slot`, in place
-    /// (Qwen3's q and k norms).
-    fn head_rms_norm(
-        &mut self,
-        slot: Slot,
-        len: usize,
-        weight: &Self::Vector,
-        eps: f32,
     ) -> Result<()>;
     /// `dst[..rows] = src[..rows] · weightᵀ + bias`.
     fn linear(
@@ -228,7 +247,22 @@ pub trait Backend {
         rows: usize,
         dst: Slot,
     ) -> Result<()>;
-    /// Rotates `rows` tokens of `n_heads` heads in `slot`, token `i` at position `pos0 + i`.
+    /// `Residual[offset..] += src[..rows] · weightᵀ`: an output projection added straight
+    /// into the residual stream. The default goes through `BlockOut`; a backend whose kernels
+    /// can accumulate saves the pass over it.
+    fn linear_into_residual(
+        &mut self,
+        weight: &Self::Matrix,
+        src: Slot,
+        rows: usize,
+        offset: usize,
+    ) -> Result<()> {
+        self.linear(weight, None, src, rows, Slot::BlockOut)?;
+        self.add(Slot::Residual, offset, Slot::BlockOut, rows * weight.rows())
+    }
+    /// Rotates `rows` tokens of `n_heads` heads in `slot`, token `i` at position `pos0 + i`,
+    /// after an RMS norm of each head by `norm`'s weight and epsilon where it is given
+    /// (Qwen3's q and k norms).
     #[allow(clippy::too_many_arguments)]
     fn rope(
         &mut self,
@@ -239,6 +273,7 @@ pub trait Backend {
         head_dim: usize,
         pos0: usize,
         rows: usize,
+        norm: Option<(&Self::Vector, f32)>,
     ) -> Result<()>;
     /// Stores `Keys`/`Values` of `rows` tokens in the cache at `pos0..`, then causal attention
     /// of `Queries` over the cache into `AttentionOut`.
@@ -252,6 +287,8 @@ pub trait Backend {
     fn moe(&mut self, moe: &Moe<Self>, rows: usize) -> Result<()>
     where
         Self: Sized;
-    /// Logits of the first `rows` rows of `Normed`, `head.rows()` each, readable on the host.
-    fn logits(&mut self, head: &Self::Matrix, rows: usize) -> Result<&[f32]>;
+    /// Logits of the first `rows` rows of `Normed`, `head.rows()` each.
+    fn project_logits(&mut self, head: &Self::Matrix, rows: usize) -> Result<()>;
+    /// The first `len` logits of the last pass, on the host.
+    fn logits(&mut self, len: usize) -> Result<&[f32]>;
 }

@@ -30,6 +30,8 @@ pub struct CpuBackend {
     arithmetic: Arithmetic,
     owner: BufferOwner,
     ws: Workspace,
+    /// The token ids of the pass under way.
+    tokens: Vec<u32>,
 }
 
 impl CpuBackend {
@@ -57,6 +59,7 @@ impl CpuBackend {
             arithmetic,
             owner: owner.clone(),
             ws,
+            tokens: Vec::with_capacity(max_batch),
         })
     }
 
@@ -131,12 +134,20 @@ impl Backend for CpuBackend {
         RopeTable::new(config, positions, &self.owner)
     }
 
-    fn embed(&mut self, table: &Matrix, tokens: &[u32]) -> Result<()> {
+    fn begin_pass(&mut self, tokens: &[u32], _pos0: usize) -> Result<()> {
+        self.tokens.clear();
+        self.tokens.extend_from_slice(tokens);
+        Ok(())
+    }
+
+    fn embed(&mut self, table: &Matrix, n: usize) -> Result<()> {
         let hidden = table.cols;
+        let tokens = std::mem::take(&mut self.tokens);
         let x = self.slot_mut(Slot::Residual);
-        for (i, &token) in tokens.iter().enumerate() {
+        for (i, &token) in tokens[..n].iter().enumerate() {
             table.row_to_f32(token as usize, &mut x[i * hidden..(i + 1) * hidden]);
         }
+        self.tokens = tokens;
         Ok(())
     }
 
@@ -152,13 +163,6 @@ impl Backend for CpuBackend {
         let (pool, s, d, _) = self.src_dst(src, dst);
         let x = &s[rows.start * width..rows.end * width];
         cpu::rms_norm(pool, x, weight.as_slice(), eps, d);
-        Ok(())
-    }
-
-    fn head_rms_norm(&mut self, slot: Slot, len: usize, weight: &Vector, eps: f32) -> Result<()> {
-        let pool = &self.pool;
-        let x = &mut self.ws.slots[slot.index()].as_mut_slice::<f32>()[..len];
-        cpu::rms_norm_in_place(pool, x, weight.as_slice(), eps);
         Ok(())
     }
 
@@ -192,7 +196,14 @@ impl Backend for CpuBackend {
         head_dim: usize,
         pos0: usize,
         rows: usize,
+        norm: Option<(&Vector, f32)>,
     ) -> Result<()> {
+        if let Some((weight, eps)) = norm {
+            let pool = &self.pool;
+            let x =
+                &mut self.ws.slots[slot.index()].as_mut_slice::<f32>()[..rows * n_heads * head_dim];
+            cpu::rms_norm_in_place(pool, x, weight.as_slice(), eps);
+        }
         let layout = RopeLayout::from(style);
         // llama.cpp's angles and fused rotation when imitating it (see `Arithmetic`).
         let ggml = self.arithmetic == Arithmetic::LlamaCpp;
@@ -352,7 +363,7 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn logits(&mut self, head: &Matrix, rows: usize) -> Result<&[f32]> {
+    fn project_logits(&mut self, head: &Matrix, rows: usize) -> Result<()> {
         let pool = &self.pool;
         let Workspace {
             slots,
@@ -370,7 +381,11 @@ impl Backend for CpuBackend {
             out,
             matmul_scratch.as_mut_slice(),
         );
-        Ok(out)
+        Ok(())
+    }
+
+    fn logits(&mut self, len: usize) -> Result<&[f32]> {
+        Ok(&self.ws.logits.as_slice::<f32>()[..len])
     }
 }
 

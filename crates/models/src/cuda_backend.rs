@@ -5,18 +5,28 @@
 //! Decode (≤ [`cuda::MAX_BATCH`] rows) runs matrix-vector kernels that stream each weight
 //! once; longer batches (prefill) run cuBLASLt GEMMs on bf16/f16 copies of the activations
 //! with f32 accumulation (f32 weights stay on the matrix-vector path, 8 rows at a time).
+//!
+//! A pass's positions and token ids go to the device first ([`Backend::begin_pass`]) and the
+//! kernels read them there, so a one-token pass is recorded as a CUDA graph the second time
+//! its shape and cache are seen and replayed from then on: one launch instead of hundreds,
+//! with the same arithmetic as the unrecorded pass.
 
+use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
 
 use ember_checkpoint::TensorSource;
 use ember_tensor::cpu::{AttentionShape, RopeLayout};
-use ember_tensor::cuda::{self, CudaDevice, DevMat, DevSlice, DeviceBuffer, Float, Gemm};
+use ember_tensor::cuda::{
+    self, CudaDevice, DevMat, DevSlice, DeviceBuffer, Float, Gemm, Graph, Position, RopeNorm,
+};
 use ember_tensor::quant::dequantize_row;
-use ember_tensor::{BufferKind, BufferOwner, DType};
+use ember_tensor::{BufferId, BufferKind, BufferOwner, DType};
 use half::{bf16, f16};
 
-use crate::backend::{AttentionParams, Backend, KvFill, KvStore, RopeStyle, Slot, WeightMatrix};
+use crate::backend::{
+    AttentionParams, Backend, KvFill, KvStore, PassShape, RopeStyle, Slot, WeightMatrix,
+};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::kv_cache::KvDtype;
@@ -137,19 +147,50 @@ pub struct CudaBackend {
     slots: [DeviceBuffer; Slot::COUNT],
     /// A GEMM's 16-bit copy of its input activations.
     gemm_input: DeviceBuffer,
-    tokens: DeviceBuffer,
+    /// The pass's inputs as the kernels read them, i32: `[pos0, pos0 + n, token ids...]`.
+    step: DeviceBuffer,
+    step_host: Vec<i32>,
     attention_scratch: DeviceBuffer,
     logits: DeviceBuffer,
     logits_host: Vec<f32>,
+    /// Recorded one-token passes; `None` turns recording off.
+    graphs: Option<HashMap<GraphKey, Recording>>,
 }
 
+/// What a recorded pass is bound to: its shape and the cache its kernels address.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct GraphKey {
+    shape: PassShape,
+    keys: BufferId,
+    values: BufferId,
+}
+
+enum Recording {
+    /// Seen once, run unrecorded: every kernel it uses is loaded, so none loads while recording.
+    Warm,
+    Ready(Graph),
+    /// Recording failed once (logged); this shape runs unrecorded.
+    Failed,
+}
+
+/// Graphs kept at most: one per live cache, for the few caches a server keeps.
+const MAX_GRAPHS: usize = 16;
+
+/// Offsets in the step buffer.
+const STEP_POS0: usize = 0;
+const STEP_END: usize = 1;
+const STEP_TOKENS: usize = 2;
+
 impl CudaBackend {
+    /// `graphs`: record one-token passes and replay them (off, every pass is launched op by
+    /// op: for comparing the two, and for debugging).
     pub fn new(
         device: CudaDevice,
         config: &ModelConfig,
         owner: &BufferOwner,
         max_batch: usize,
         logit_rows: usize,
+        graphs: bool,
     ) -> Result<Self> {
         let b = max_batch.max(1);
         let logit_rows = logit_rows.max(1);
@@ -175,7 +216,12 @@ impl CudaBackend {
             &device,
             b * widest * 2,
         )?;
-        let tokens = owner.alloc_device(BufferKind::Activations, "token ids", &device, b * 4)?;
+        let step = owner.alloc_device(
+            BufferKind::Activations,
+            "pass inputs",
+            &device,
+            (STEP_TOKENS + b) * 4,
+        )?;
         let attention_scratch = f32s(
             "attention splits",
             cuda::attention_decode_scratch_len(shape),
@@ -189,10 +235,12 @@ impl CudaBackend {
             logit_rows,
             slots: slots.try_into().expect("one buffer per slot"),
             gemm_input,
-            tokens,
+            step,
+            step_host: Vec::with_capacity(STEP_TOKENS + b),
             attention_scratch,
             logits,
             logits_host: vec![0.0; logit_rows * config.vocab_size],
+            graphs: graphs.then(HashMap::new),
             device,
         })
     }
@@ -233,9 +281,17 @@ impl CudaBackend {
         })
     }
 
-    /// `dst[..rows·out] = src[..rows·in] · Wᵀ`, by matrix-vector kernels for decode and a GEMM
-    /// for longer batches.
-    fn project(&mut self, w: &CudaMatrix, src: Slot, rows: usize, dst: Slot) -> Result<()> {
+    /// `dst[offset..][..rows·out] = src[..rows·in] · Wᵀ` (`+=` with `accumulate`), by
+    /// matrix-vector kernels for decode and a GEMM for longer batches.
+    fn project(
+        &mut self,
+        w: &CudaMatrix,
+        src: Slot,
+        rows: usize,
+        dst: Slot,
+        offset: usize,
+        accumulate: bool,
+    ) -> Result<()> {
         let mat = w.as_mat()?;
         let (n_in, n_out) = (w.cols, w.rows);
         let [s, d] = self
@@ -244,28 +300,28 @@ impl CudaBackend {
             .expect("distinct slots");
         let x = s.as_slice::<f32>().slice(0..rows * n_in);
         let mut y = d.as_mut_slice::<f32>();
+        let mut y = y.slice_mut(offset..offset + rows * n_out);
         if rows <= cuda::MAX_BATCH || mat.dtype == Float::F32 {
             for start in (0..rows).step_by(cuda::MAX_BATCH) {
                 let batch = (rows - start).min(cuda::MAX_BATCH);
                 let x = x.slice(start * n_in..(start + batch) * n_in);
                 let mut y = y.slice_mut(start * n_out..(start + batch) * n_out);
-                cuda::matvec(&self.device, &mat, x, batch, &mut y, false)?;
+                cuda::matvec(&self.device, &mat, x, batch, &mut y, accumulate)?;
             }
             return Ok(());
         }
-        let mut y = y.slice_mut(0..rows * n_out);
         match mat.dtype {
             Float::Bf16 => {
                 let mut a = self.gemm_input.as_mut_slice::<bf16>();
                 let mut a = a.slice_mut(0..rows * n_in);
                 cuda::convert(&self.device, x, &mut a)?;
-                self.gemm.matmul(a.as_slice(), &mat, &mut y, false)?;
+                self.gemm.matmul(a.as_slice(), &mat, &mut y, accumulate)?;
             }
             Float::F16 => {
                 let mut a = self.gemm_input.as_mut_slice::<f16>();
                 let mut a = a.slice_mut(0..rows * n_in);
                 cuda::convert(&self.device, x, &mut a)?;
-                self.gemm.matmul(a.as_slice(), &mat, &mut y, false)?;
+                self.gemm.matmul(a.as_slice(), &mat, &mut y, accumulate)?;
             }
             Float::F32 => unreachable!("f32 weights take the matrix-vector path"),
         }
@@ -328,12 +384,71 @@ impl Backend for CudaBackend {
         })
     }
 
-    fn embed(&mut self, table: &CudaMatrix, tokens: &[u32]) -> Result<()> {
-        self.tokens.upload(tokens)?;
-        let ids = self.tokens.as_slice::<u32>().slice(0..tokens.len());
+    fn begin_pass(&mut self, tokens: &[u32], pos0: usize) -> Result<()> {
+        let int = |v: usize| i32::try_from(v).expect("positions fit the kernels' int");
+        self.step_host.clear();
+        self.step_host.push(int(pos0));
+        self.step_host.push(int(pos0 + tokens.len()));
+        self.step_host.extend(tokens.iter().map(|&t| t as i32));
+        self.step.upload(&self.step_host)?;
+        Ok(())
+    }
+
+    fn run_pass(
+        &mut self,
+        kv: &mut CudaKv,
+        shape: PassShape,
+        pass: &mut dyn FnMut(&mut Self, &mut CudaKv) -> Result<()>,
+    ) -> Result<()> {
+        let key = GraphKey {
+            shape,
+            keys: kv.keys.id(),
+            values: kv.values.id(),
+        };
+        // Only decode steps: they are launch-bound, and their kernels never wait on the host.
+        let Some(graphs) = self.graphs.as_mut().filter(|_| shape.tokens == 1) else {
+            return pass(self, kv);
+        };
+        match graphs.get(&key) {
+            Some(Recording::Ready(graph)) => return Ok(graph.launch()?),
+            Some(Recording::Failed) => return pass(self, kv),
+            Some(Recording::Warm) => {}
+            None => {
+                if graphs.len() >= MAX_GRAPHS {
+                    // Caches come and go with requests; their graphs are cheap to record again.
+                    graphs.clear();
+                }
+                graphs.insert(key, Recording::Warm);
+                return pass(self, kv);
+            }
+        }
+        let device = self.device.clone();
+        let recorded = device.record(|| pass(self, kv));
+        let graphs = self.graphs.as_mut().expect("recording is on");
+        match recorded {
+            Ok(graph) => {
+                graph.launch()?;
+                graphs.insert(key, Recording::Ready(graph));
+                Ok(())
+            }
+            Err(e) => {
+                tracing::warn!(
+                    "recording a decode step as a CUDA graph failed, so it runs op by op: {e}"
+                );
+                graphs.insert(key, Recording::Failed);
+                pass(self, kv)
+            }
+        }
+    }
+
+    fn embed(&mut self, table: &CudaMatrix, n: usize) -> Result<()> {
+        let ids = self
+            .step
+            .as_slice::<u32>()
+            .slice(STEP_TOKENS..STEP_TOKENS + n);
         let hidden = table.cols;
         let mut out = self.slots[Slot::Residual.index()].as_mut_slice::<f32>();
-        let mut out = out.slice_mut(0..tokens.len() * hidden);
+        let mut out = out.slice_mut(0..n * hidden);
         let bytes = table.buffer.as_slice::<u8>().slice(table.bytes());
         let dev = &self.device;
         match table.dtype {
@@ -366,19 +481,6 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    fn head_rms_norm(
-        &mut self,
-        slot: Slot,
-        len: usize,
-        weight: &CudaVector,
-        eps: f32,
-    ) -> Result<()> {
-        let mut x = self.slots[slot.index()].as_mut_slice::<f32>();
-        let mut x = x.slice_mut(0..len);
-        cuda::rms_norm_in_place(&self.device, &mut x, weight.slice(), eps)?;
-        Ok(())
-    }
-
     fn linear(
         &mut self,
         weight: &CudaMatrix,
@@ -387,7 +489,7 @@ impl Backend for CudaBackend {
         rows: usize,
         dst: Slot,
     ) -> Result<()> {
-        self.project(weight, src, rows, dst)?;
+        self.project(weight, src, rows, dst, 0, false)?;
         if let Some(bias) = bias {
             let mut y = self.slots[dst.index()].as_mut_slice::<f32>();
             for r in 0..rows {
@@ -398,6 +500,16 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
+    fn linear_into_residual(
+        &mut self,
+        weight: &CudaMatrix,
+        src: Slot,
+        rows: usize,
+        offset: usize,
+    ) -> Result<()> {
+        self.project(weight, src, rows, Slot::Residual, offset, true)
+    }
+
     fn rope(
         &mut self,
         tables: &CudaRope,
@@ -405,13 +517,19 @@ impl Backend for CudaBackend {
         slot: Slot,
         n_heads: usize,
         head_dim: usize,
-        pos0: usize,
+        _pos0: usize,
         rows: usize,
+        norm: Option<(&CudaVector, f32)>,
     ) -> Result<()> {
+        let norm = norm.map(|(w, eps)| RopeNorm {
+            weight: w.slice(),
+            eps,
+        });
         let layout = RopeLayout::from(style);
         let mut x = self.slots[slot.index()].as_mut_slice::<f32>();
         let mut x = x.slice_mut(0..rows * n_heads * head_dim);
         let (cos, sin) = (tables.cos.as_slice(), tables.sin.as_slice());
+        let pos0 = Position::Device(self.step.as_slice().slice(STEP_POS0..STEP_POS0 + 1));
         cuda::rope(
             &self.device,
             &mut x,
@@ -421,7 +539,7 @@ impl Backend for CudaBackend {
             cos,
             sin,
             layout,
-            None,
+            norm,
         )?;
         Ok(())
     }
@@ -430,7 +548,6 @@ impl Backend for CudaBackend {
         let kv_dim = kv.kv_dim;
         let layer_elems = kv.capacity() * kv_dim;
         let layer = p.layer * layer_elems..(p.layer + 1) * layer_elems;
-        let new = layer.start + p.pos0 * kv_dim..layer.start + (p.pos0 + rows) * kv_dim;
         let shape = AttentionShape {
             n_heads: p.n_heads,
             n_kv_heads: p.n_kv_heads,
@@ -453,19 +570,20 @@ impl Backend for CudaBackend {
             k.as_slice::<f32>().slice(0..rows * kv_dim),
             v.as_slice::<f32>().slice(0..rows * kv_dim),
         );
+        let step = self.step.as_slice::<i32>();
+        let pos0 = Position::Device(step.slice(STEP_POS0..STEP_POS0 + 1));
+        let end = Position::Device(step.slice(STEP_END..STEP_END + 1));
         let dev = &self.device;
-        let context = p.pos0 + rows;
         macro_rules! run {
             ($t:ty) => {{
-                cuda::convert(
+                cuda::kv_store(
                     dev,
                     k,
-                    &mut kv.keys.as_mut_slice::<$t>().slice_mut(new.clone()),
-                )?;
-                cuda::convert(
-                    dev,
                     v,
-                    &mut kv.values.as_mut_slice::<$t>().slice_mut(new.clone()),
+                    &mut kv.keys.as_mut_slice::<$t>().slice_mut(layer.clone()),
+                    &mut kv.values.as_mut_slice::<$t>().slice_mut(layer.clone()),
+                    kv_dim,
+                    pos0,
                 )?;
                 let keys = kv.keys.as_slice::<$t>().slice(layer.clone());
                 let values = kv.values.as_slice::<$t>().slice(layer.clone());
@@ -476,13 +594,14 @@ impl Backend for CudaBackend {
                         q,
                         keys,
                         values,
-                        context,
+                        end,
                         shape,
                         p.scale,
                         &mut scratch,
                         &mut out,
                     )?;
                 } else {
+                    // Prompts are never recorded: the host's position is the step's.
                     cuda::attention_prefill(
                         dev, q, keys, values, p.pos0, rows, shape, p.scale, &mut out,
                     )?;
@@ -525,17 +644,13 @@ impl Backend for CudaBackend {
         })
     }
 
-    fn logits(&mut self, head: &CudaMatrix, rows: usize) -> Result<&[f32]> {
-        let len = rows * head.rows;
-        self.project_to_logits(head, rows)?;
+    fn logits(&mut self, len: usize) -> Result<&[f32]> {
         self.logits.download(&mut self.logits_host[..len])?;
         Ok(&self.logits_host[..len])
     }
-}
 
-impl CudaBackend {
     /// `logits[..rows] = Normed[..rows] · headᵀ` (matrix-vector: at most a few rows).
-    fn project_to_logits(&mut self, head: &CudaMatrix, rows: usize) -> Result<()> {
+    fn project_logits(&mut self, head: &CudaMatrix, rows: usize) -> Result<()> {
         let mat = head.as_mat()?;
         let x = self.slots[Slot::Normed.index()]
             .as_slice::<f32>()

@@ -7,7 +7,7 @@
 
 use ember_checkpoint::TensorSource;
 
-use crate::backend::{AttentionParams, Backend, KvStore, RopeStyle, Slot, WeightMatrix};
+use crate::backend::{AttentionParams, Backend, KvStore, PassShape, RopeStyle, Slot, WeightMatrix};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 
@@ -39,6 +39,20 @@ impl<B: Backend> Linear<B> {
     fn apply(&self, b: &mut B, src: Slot, rows: usize, dst: Slot) -> Result<()> {
         b.linear(&self.weight, self.bias.as_ref(), src, rows, dst)
     }
+
+    /// `Residual[offset..] += src[..rows] · weightᵀ + bias`.
+    fn apply_to_residual(&self, b: &mut B, src: Slot, rows: usize, offset: usize) -> Result<()> {
+        if self.bias.is_some() {
+            self.apply(b, src, rows, Slot::BlockOut)?;
+            return b.add(
+                Slot::Residual,
+                offset,
+                Slot::BlockOut,
+                rows * self.weight.rows(),
+            );
+        }
+        b.linear_into_residual(&self.weight, src, rows, offset)
+    }
 }
 
 /// Gate, up and down projections with SwiGLU between.
@@ -60,12 +74,12 @@ impl<B: Backend> Mlp<B> {
         self.gate.weight.rows()
     }
 
-    /// `BlockOut = down(silu(gate(Normed)) · up(Normed))` for `rows` tokens.
-    fn apply(&self, b: &mut B, rows: usize) -> Result<()> {
+    /// `Residual[offset..] += down(silu(gate(Normed)) · up(Normed))` for `rows` tokens.
+    fn apply_to_residual(&self, b: &mut B, rows: usize, offset: usize) -> Result<()> {
         self.gate.apply(b, Slot::Normed, rows, Slot::Gate)?;
         self.up.apply(b, Slot::Normed, rows, Slot::Up)?;
         b.silu_mul(rows * self.width())?;
-        self.down.apply(b, Slot::Gate, rows, Slot::BlockOut)
+        self.down.apply_to_residual(b, Slot::Gate, rows, offset)
     }
 }
 
@@ -278,12 +292,28 @@ impl<B: Backend> Transformer<B> {
         if n == 0 {
             return Ok(&[]);
         }
+        let m = match logits {
+            Logits::Last => 1,
+            Logits::All => n,
+        };
+        b.begin_pass(tokens, pos0)?;
+        let shape = PassShape {
+            tokens: n,
+            logit_rows: m,
+        };
+        b.run_pass(kv, shape, &mut |b, kv| self.pass(b, kv, n, pos0, logits))?;
+        kv.advance(n);
+        b.logits(m * c.vocab_size)
+    }
+
+    /// The device work of a forward pass of `n` tokens at `pos0..`.
+    fn pass(&self, b: &mut B, kv: &mut B::Kv, n: usize, pos0: usize, logits: Logits) -> Result<()> {
+        let c = &self.config;
         let (hidden, eps) = (c.hidden_size, c.rms_norm_eps);
-        b.embed(&self.embed_tokens, tokens)?;
+        b.embed(&self.embed_tokens, n)?;
         for (index, layer) in self.layers.iter().enumerate() {
             b.rms_norm(Slot::Residual, 0..n, &layer.input_norm, eps, Slot::Normed)?;
             self.attention(b, kv, index, &layer.attention, n, pos0)?;
-            b.add(Slot::Residual, 0, Slot::BlockOut, n * hidden)?;
 
             // The last layer's MLP runs only on the rows that give logits (llama.cpp's
             // `inp_out_ids`): less work, and its products see the batch llama.cpp's do.
@@ -301,20 +331,20 @@ impl<B: Backend> Transformer<B> {
                 Slot::Normed,
             )?;
             match &layer.feed_forward {
-                FeedForward::Dense(mlp) => mlp.apply(b, m)?,
-                FeedForward::Sparse(moe) => b.moe(moe, m)?,
+                FeedForward::Dense(mlp) => mlp.apply_to_residual(b, m, first * hidden)?,
+                FeedForward::Sparse(moe) => {
+                    b.moe(moe, m)?;
+                    b.add(Slot::Residual, first * hidden, Slot::BlockOut, m * hidden)?;
+                }
             }
-            b.add(Slot::Residual, first * hidden, Slot::BlockOut, m * hidden)?;
         }
-        kv.advance(n);
-
         let rows = match logits {
             Logits::Last => n - 1..n,
             Logits::All => 0..n,
         };
         let m = rows.len();
         b.rms_norm(Slot::Residual, rows, &self.norm, eps, Slot::Normed)?;
-        b.logits(self.lm_head(), m)
+        b.project_logits(self.lm_head(), m)
     }
 
     fn attention(
@@ -330,10 +360,11 @@ impl<B: Backend> Transformer<B> {
         a.q.apply(b, Slot::Normed, n, Slot::Queries)?;
         a.k.apply(b, Slot::Normed, n, Slot::Keys)?;
         a.v.apply(b, Slot::Normed, n, Slot::Values)?;
-        if let (Some(qn), Some(kn)) = (&a.q_norm, &a.k_norm) {
-            b.head_rms_norm(Slot::Queries, n * c.q_dim(), qn, c.rms_norm_eps)?;
-            b.head_rms_norm(Slot::Keys, n * c.kv_dim(), kn, c.rms_norm_eps)?;
-        }
+        let eps = c.rms_norm_eps;
+        let (q_norm, k_norm) = (
+            a.q_norm.as_ref().map(|w| (w, eps)),
+            a.k_norm.as_ref().map(|w| (w, eps)),
+        );
         let style = if c.rope_interleaved {
             RopeStyle::Pairs
         } else {
@@ -341,8 +372,26 @@ impl<B: Backend> Transformer<B> {
         };
         let (heads, kv_heads, head_dim) =
             (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-        b.rope(&self.rope, style, Slot::Queries, heads, head_dim, pos0, n)?;
-        b.rope(&self.rope, style, Slot::Keys, kv_heads, head_dim, pos0, n)?;
+        b.rope(
+            &self.rope,
+            style,
+            Slot::Queries,
+            heads,
+            head_dim,
+            pos0,
+            n,
+            q_norm,
+        )?;
+        b.rope(
+            &self.rope,
+            style,
+            Slot::Keys,
+            kv_heads,
+            head_dim,
+            pos0,
+            n,
+            k_norm,
+        )?;
         let params = AttentionParams {
             layer: index,
             n_heads: heads,
@@ -352,7 +401,7 @@ impl<B: Backend> Transformer<B> {
             pos0,
         };
         b.attention(kv, params, n)?;
-        a.o.apply(b, Slot::AttentionOut, n, Slot::BlockOut)
+        a.o.apply_to_residual(b, Slot::AttentionOut, n, 0)
     }
 }
 

@@ -190,7 +190,7 @@ impl Probe {
                 q.as_slice(),
                 keys.as_slice::<bf16>(),
                 values.as_slice::<bf16>(),
-                context,
+                cuda::Position::Host(context),
                 shape,
                 0.088,
                 &mut scratch.as_mut_slice(),

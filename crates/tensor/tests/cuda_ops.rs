@@ -14,7 +14,7 @@ use ember_residency::{Bound, Membership, RegionKind, ResidencySet, TestBackend};
 use ember_tensor::cpu::{self, AttentionShape, RopeLayout, RopeTables};
 use ember_tensor::cuda::{
     self, CudaDevice, CudaError, DevMat, DeviceBuffer, DeviceElem, FloatElem, Gemm, Module,
-    RopeNorm, compile,
+    Position, RopeNorm, compile,
 };
 use ember_tensor::{BufferKind, BufferOwner, Location, ThreadPool};
 use half::{bf16, f16};
@@ -525,28 +525,38 @@ fn rope_matches_cpu_in_both_layouts_with_and_without_the_head_norm() {
                     fused: false,
                 };
                 cpu::rope_in_place(&pool, &mut want, n_heads, head_dim, pos0, tables);
-                let mut xbuf = ctx.upload(&x);
                 let norm = with_norm.then(|| RopeNorm {
                     weight: nbuf.as_slice(),
                     eps: 1e-6,
                 });
-                cuda::rope(
-                    &ctx.device,
-                    &mut xbuf.as_mut_slice(),
-                    n_heads,
-                    head_dim,
-                    pos0,
-                    cbuf.as_slice(),
-                    sbuf.as_slice(),
-                    layout,
-                    norm,
-                )
-                .unwrap();
+                // The position known on the host, and read on the device (a graph's step).
+                let pos_buf = ctx.upload(&[pos0 as i32]);
+                let mut results = Vec::new();
+                for pos in [Position::Host(pos0), Position::Device(pos_buf.as_slice())] {
+                    let mut xbuf = ctx.upload(&x);
+                    cuda::rope(
+                        &ctx.device,
+                        &mut xbuf.as_mut_slice(),
+                        n_heads,
+                        head_dim,
+                        pos,
+                        cbuf.as_slice(),
+                        sbuf.as_slice(),
+                        layout,
+                        norm,
+                    )
+                    .unwrap();
+                    results.push(ctx.download::<f32>(&xbuf));
+                }
                 let want64: Vec<f64> = want.iter().map(|&v| v as f64).collect();
-                let err = max_abs_err(&ctx.download::<f32>(&xbuf), &want64);
+                let err = max_abs_err(&results[0], &want64);
                 assert!(
                     err < 1e-5,
                     "rope {layout:?} norm {with_norm} {n_heads}×{head_dim}: error {err:e}"
+                );
+                assert!(
+                    bits(&results[0]) == bits(&results[1]),
+                    "rope {layout:?} norm {with_norm}: a device position changed the result"
                 );
             }
         }
@@ -826,22 +836,121 @@ fn check_attention<T: Elem>(
     let q_last = &q[(n - 1) * n_heads * head_dim..];
     let want = attention_reference(q_last, &kf, &vf, positions - 1, 1, shape, scale);
     let qbuf = ctx.upload(q_last);
-    let mut scratch = ctx.poisoned::<f32>(cuda::attention_decode_scratch_len(shape));
-    let mut out = ctx.poisoned::<f32>(n_heads * head_dim);
-    cuda::attention_decode(
-        &ctx.device,
-        qbuf.as_slice(),
-        kbuf.as_slice::<T>(),
-        vbuf.as_slice::<T>(),
-        positions,
-        shape,
-        scale,
-        &mut scratch.as_mut_slice(),
-        &mut out.as_mut_slice(),
-    )
-    .unwrap();
-    let err = max_abs_err(&ctx.download::<f32>(&out), &want);
+    // The context read on the device, over a cache with poisoned positions past it (as a
+    // graph's cache is, sized for the whole context): the same bits as the host's context.
+    let padded = |x: &[T]| {
+        let mut x = x.to_vec();
+        x.extend(round::<T>(&vec![f32::NAN; 40 * n_kv_heads * head_dim]));
+        ctx.upload(&x)
+    };
+    let (kpad, vpad) = (padded(&k), padded(&v));
+    let context_buf = ctx.upload(&[positions as i32]);
+    let mut results = Vec::new();
+    for (context, kb, vb) in [
+        (Position::Host(positions), &kbuf, &vbuf),
+        (Position::Device(context_buf.as_slice()), &kpad, &vpad),
+    ] {
+        let mut scratch = ctx.poisoned::<f32>(cuda::attention_decode_scratch_len(shape));
+        let mut out = ctx.poisoned::<f32>(n_heads * head_dim);
+        cuda::attention_decode(
+            &ctx.device,
+            qbuf.as_slice(),
+            kb.as_slice::<T>(),
+            vb.as_slice::<T>(),
+            context,
+            shape,
+            scale,
+            &mut scratch.as_mut_slice(),
+            &mut out.as_mut_slice(),
+        )
+        .unwrap();
+        results.push(ctx.download::<f32>(&out));
+    }
+    let err = max_abs_err(&results[0], &want);
     assert!(err < 1e-4, "attention_decode, {what}: error {err:e}");
+    assert!(
+        bits(&results[0]) == bits(&results[1]),
+        "attention_decode, {what}: a context read on the device changed the result"
+    );
+}
+
+fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
+/// Keys and values land at their positions, converted, in one launch; the position read on
+/// the device writes the same; rows past the cache are dropped, never written out of it.
+#[test]
+fn kv_store_writes_rows_at_their_positions() {
+    let Some(ctx) = Ctx::new() else { return };
+    let mut rng = Rng(9);
+    fn check<T: Elem + Default>(ctx: &Ctx, rng: &mut Rng) {
+        let (kv_dim, capacity, rows, pos0) = (24, 10, 3, 6);
+        let (k, v) = (rng.vec(rows * kv_dim), rng.vec(rows * kv_dim));
+        let (kb, vb) = (ctx.upload(&k), ctx.upload(&v));
+        let pos_buf = ctx.upload(&[pos0 as i32]);
+        let mut caches = Vec::new();
+        for pos in [Position::Host(pos0), Position::Device(pos_buf.as_slice())] {
+            let mut kc = ctx.poisoned::<T>(capacity * kv_dim);
+            let mut vc = ctx.poisoned::<T>(capacity * kv_dim);
+            cuda::kv_store(
+                &ctx.device,
+                kb.as_slice(),
+                vb.as_slice(),
+                &mut kc.as_mut_slice::<T>(),
+                &mut vc.as_mut_slice::<T>(),
+                kv_dim,
+                pos,
+            )
+            .unwrap();
+            let (kc, vc) = (ctx.download::<T>(&kc), ctx.download::<T>(&vc));
+            let at = pos0 * kv_dim..(pos0 + rows) * kv_dim;
+            assert_eq!(
+                widen(&kc[at.clone()]),
+                widen(&round::<T>(&k)),
+                "{}",
+                T::FLOAT
+            );
+            assert_eq!(
+                widen(&vc[at.clone()]),
+                widen(&round::<T>(&v)),
+                "{}",
+                T::FLOAT
+            );
+            assert!(widen(&kc[..at.start]).iter().all(|x| x.is_nan()));
+            caches.push((widen(&kc), widen(&vc)));
+        }
+        // Past the end: the host refuses, the device drops the rows that do not fit.
+        let mut kc = ctx.poisoned::<T>(capacity * kv_dim);
+        let mut vc = ctx.poisoned::<T>(capacity * kv_dim);
+        let err = cuda::kv_store(
+            &ctx.device,
+            kb.as_slice(),
+            vb.as_slice(),
+            &mut kc.as_mut_slice::<T>(),
+            &mut vc.as_mut_slice::<T>(),
+            kv_dim,
+            Position::Host(8),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("beyond a cache of 10"), "{err}");
+        let late = ctx.upload(&[8i32]);
+        cuda::kv_store(
+            &ctx.device,
+            kb.as_slice(),
+            vb.as_slice(),
+            &mut kc.as_mut_slice::<T>(),
+            &mut vc.as_mut_slice::<T>(),
+            kv_dim,
+            Position::Device(late.as_slice()),
+        )
+        .unwrap();
+        let kc = widen(&ctx.download::<T>(&kc));
+        assert_eq!(kc[8 * kv_dim..], widen(&round::<T>(&k[..2 * kv_dim]))[..]);
+    }
+    check::<f32>(&ctx, &mut rng);
+    check::<bf16>(&ctx, &mut rng);
+    check::<f16>(&ctx, &mut rng);
 }
 
 #[test]
@@ -901,7 +1010,7 @@ fn bad_arguments_are_errors_that_name_the_op() {
         x.as_slice(),
         x.as_slice::<f32>(),
         x.as_slice::<f32>(),
-        1,
+        Position::Host(1),
         shape,
         1.0,
         &mut scratch.as_mut_slice(),

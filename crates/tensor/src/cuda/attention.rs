@@ -4,15 +4,19 @@
 
 use super::device::launch;
 use super::kernels::Kernel;
-use super::{CudaDevice, CudaError, DevSlice, DevSliceMut, FloatElem, config, ensure, int};
+use super::{
+    CudaDevice, CudaError, DevSlice, DevSliceMut, FloatElem, Position, config, ensure, int,
+    stride_blocks,
+};
 use crate::cpu::AttentionShape;
 
 /// The widest head the kernels take (8 values per lane).
 pub const MAX_HEAD_DIM: usize = 256;
 
-/// The most chunks decode splits the context into; sizes the scratch.
+/// The most chunks decode splits the context into (`ATT_MAX_SPLITS` in attention.cu); sizes
+/// the scratch.
 const MAX_SPLITS: usize = 64;
-/// Keys per chunk at least: one tile.
+/// Keys per chunk at least: one tile (`ATT_MIN_KEYS_PER_SPLIT`).
 const MIN_KEYS_PER_SPLIT: usize = 32;
 /// Query rows a block takes (`ATT_ROWS` in attention.cu), and its threads.
 const ROWS: usize = 16;
@@ -84,14 +88,17 @@ fn check_cache<T: FloatElem>(
 /// positions of the cache (the token's own included), into `out`.
 ///
 /// The context is split into up to 64 chunks, each taken by its own blocks; a second pass
-/// merges them. `scratch` holds [`attention_decode_scratch_len`] values.
+/// merges them. The kernels work the chunks out from the context alone, so a context read on
+/// the device ([`Position::Device`], at most `keys.len()` positions: checked on the host only
+/// for [`Position::Host`]) gives the same bits as the same context known on the host.
+/// `scratch` holds [`attention_decode_scratch_len`] values.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_decode<T: FloatElem>(
     device: &CudaDevice,
     q: DevSlice<'_, f32>,
     keys: DevSlice<'_, T>,
     values: DevSlice<'_, T>,
-    context: usize,
+    context: Position<'_>,
     shape: AttentionShape,
     scale: f32,
     scratch: &mut DevSliceMut<'_, f32>,
@@ -99,7 +106,10 @@ pub fn attention_decode<T: FloatElem>(
 ) -> Result<(), CudaError> {
     const OP: &str = "attention_decode";
     let width = check_shape(OP, shape)?;
-    check_cache(OP, keys, values, context, shape)?;
+    if let Some(context) = context.host() {
+        check_cache(OP, keys, values, context, shape)?;
+        ensure!(context > 0, OP, "no keys to attend to");
+    }
     let AttentionShape {
         n_heads,
         n_kv_heads,
@@ -113,7 +123,6 @@ pub fn attention_decode<T: FloatElem>(
         q.len(),
         out.len()
     );
-    ensure!(context > 0, OP, "no keys to attend to");
     ensure!(
         scratch.len() >= attention_decode_scratch_len(shape),
         OP,
@@ -122,16 +131,15 @@ pub fn attention_decode<T: FloatElem>(
         attention_decode_scratch_len(shape)
     );
 
-    // Enough chunks for about four blocks per multiprocessor, each a whole number of tiles.
+    // About four blocks per multiprocessor; `decode_keys_per_split` in attention.cu turns
+    // this into chunks of whole tiles.
     let row_chunks = (n_heads / n_kv_heads).div_ceil(ROWS);
     let blocks_per_split = n_kv_heads * row_chunks;
     let target_splits = (4 * device.info().multiprocessors).div_ceil(blocks_per_split);
-    let keys_per_split = context
-        .div_ceil(target_splits)
-        .max(MIN_KEYS_PER_SPLIT)
-        .max(context.div_ceil(MAX_SPLITS))
-        .next_multiple_of(32);
-    let splits = context.div_ceil(keys_per_split);
+    let grid_splits = match context.host() {
+        Some(context) => context.div_ceil(keys_per_split(context, target_splits)),
+        None => MAX_SPLITS,
+    };
 
     let (part_ml, part_acc) = scratch.reborrow().split_at_mut(MAX_SPLITS * n_heads * 2);
     let (qp, kp, vp) = (q.device_ptr(), keys.device_ptr(), values.device_ptr());
@@ -140,24 +148,93 @@ pub fn attention_decode<T: FloatElem>(
         part_acc.device_ptr(),
         out.device_ptr(),
     );
-    let (ctx, heads, kv_heads, d) = (
-        int(OP, "context", context)?,
+    let (ctx, ctx_dev) = context.args(OP, "context")?;
+    let (heads, kv_heads, d) = (
         int(OP, "n_heads", n_heads)?,
         int(OP, "n_kv_heads", n_kv_heads)?,
         int(OP, "head_dim", head_dim)?,
     );
-    let (kps, n_splits) = (keys_per_split as i32, splits as i32);
+    let target = int(OP, "splits", target_splits)?;
     let vec = vectorised(keys, values, head_dim);
     let kernel = Kernel::AttentionDecode {
         kv: T::FLOAT,
         width,
     };
     let smem = kernel.dynamic_smem_bytes().unwrap_or(0);
-    let grid = (splits as u32, int(OP, "blocks", blocks_per_split)? as u32);
+    let grid = (
+        grid_splits as u32,
+        int(OP, "blocks", blocks_per_split)? as u32,
+    );
     launch!(device, kernel, config(grid, THREADS, smem);
-        qp, kp, vp, mlp, accp, ctx, heads, kv_heads, d, scale, kps, vec)?;
+        qp, kp, vp, mlp, accp, ctx, ctx_dev, heads, kv_heads, d, scale, target, vec)?;
     launch!(device, Kernel::AttentionCombine, config((n_heads as u32, 1), THREADS, 0);
-        mlp, accp, outp, n_splits, heads, d)
+        mlp, accp, outp, ctx, ctx_dev, target, heads, d)
+}
+
+/// Keys per decode chunk: `decode_keys_per_split` in attention.cu, for the grid.
+fn keys_per_split(context: usize, target_splits: usize) -> usize {
+    context
+        .div_ceil(target_splits)
+        .max(MIN_KEYS_PER_SPLIT)
+        .max(context.div_ceil(MAX_SPLITS))
+        .next_multiple_of(32)
+}
+
+/// Stores one step's keys and values (`[rows, kv_dim]` f32 each) into one layer's cache
+/// (`[positions, kv_dim]`) at positions `pos0..pos0 + rows`, converted to the cache's type,
+/// in one launch. With [`Position::Device`] rows past the cache are dropped on the device.
+#[allow(clippy::too_many_arguments)]
+pub fn kv_store<T: FloatElem>(
+    device: &CudaDevice,
+    k: DevSlice<'_, f32>,
+    v: DevSlice<'_, f32>,
+    keys: &mut DevSliceMut<'_, T>,
+    values: &mut DevSliceMut<'_, T>,
+    kv_dim: usize,
+    pos0: Position<'_>,
+) -> Result<(), CudaError> {
+    const OP: &str = "kv_store";
+    ensure!(
+        kv_dim > 0 && k.len() == v.len() && k.len().is_multiple_of(kv_dim),
+        OP,
+        "{} keys and {} values in rows of {kv_dim}",
+        k.len(),
+        v.len()
+    );
+    ensure!(
+        keys.len() == values.len() && keys.len().is_multiple_of(kv_dim),
+        OP,
+        "caches of {} keys and {} values in rows of {kv_dim}",
+        keys.len(),
+        values.len()
+    );
+    let (rows, capacity) = (k.len() / kv_dim, keys.len() / kv_dim);
+    if let Some(pos0) = pos0.host() {
+        ensure!(
+            pos0 + rows <= capacity,
+            OP,
+            "positions {pos0}..{} beyond a cache of {capacity}",
+            pos0 + rows
+        );
+    }
+    if rows == 0 {
+        return Ok(());
+    }
+    let (kp, vp, kcp, vcp) = (
+        k.device_ptr(),
+        v.device_ptr(),
+        keys.device_ptr(),
+        values.device_ptr(),
+    );
+    let (p0, p0_dev) = pos0.args(OP, "pos0")?;
+    let (n, dim, cap) = (
+        int(OP, "rows", rows)?,
+        int(OP, "kv_dim", kv_dim)?,
+        int(OP, "capacity", capacity)?,
+    );
+    let blocks = stride_blocks(device, k.len());
+    launch!(device, Kernel::KvStore { kv: T::FLOAT }, config((blocks, 1), super::THREADS, 0);
+        kp, vp, kcp, vcp, n, dim, p0, p0_dev, cap)
 }
 
 /// Causal attention of `n` new tokens at positions `pos0..pos0 + n` (their keys and values

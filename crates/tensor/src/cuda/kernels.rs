@@ -129,6 +129,9 @@ pub enum Kernel {
         kv: Float,
         width: u8,
     },
+    KvStore {
+        kv: Float,
+    },
 }
 
 impl Kernel {
@@ -142,7 +145,8 @@ impl Kernel {
             Kernel::Argmax => Module::Argmax,
             Kernel::AttentionDecode { .. }
             | Kernel::AttentionCombine
-            | Kernel::AttentionPrefill { .. } => Module::Attention,
+            | Kernel::AttentionPrefill { .. }
+            | Kernel::KvStore { .. } => Module::Attention,
         }
     }
 
@@ -172,6 +176,7 @@ impl Kernel {
             Kernel::AttentionDecode { kv, width } => format!("attention_decode_{kv}_e{width}"),
             Kernel::AttentionCombine => "attention_combine".into(),
             Kernel::AttentionPrefill { kv, width } => format!("attention_prefill_{kv}_e{width}"),
+            Kernel::KvStore { kv } => format!("kv_store_{kv}"),
         }
     }
 }
@@ -193,6 +198,7 @@ mod tests {
         ];
         for f in floats {
             kernels.push(Kernel::Embedding { table: f });
+            kernels.push(Kernel::KvStore { kv: f });
             for batch in 1..=8 {
                 kernels.push(Kernel::Matvec { weights: f, batch });
             }
@@ -230,6 +236,9 @@ mod tests {
                 Kernel::AttentionDecode { kv, width } | Kernel::AttentionPrefill { kv, width } => {
                     source.contains(&format!("ATTENTION(T, KV, {width})"))
                         && source.contains(&format!("ATTENTION_ALL_WIDTHS({kv},"))
+                }
+                Kernel::KvStore { kv } => {
+                    source.contains("kv_store_##T(") && source.contains(&format!("KV_STORE({kv},"))
                 }
                 _ => false,
             };

@@ -19,13 +19,15 @@
 //! (written with [`convert()`]); prefill GEMMs take bf16 activations ([`rms_norm()`] and
 //! [`silu_mul()`] can write them directly) and give f32 or bf16.
 //!
-//! Ops enqueue on the device's stream and return at once; [`CudaDevice::download`] (or
+//! Ops enqueue on the device's stream and return at once, so a sequence of them can be
+//! recorded once and replayed ([`Graph`], [`CudaDevice::record`]); [`CudaDevice::download`] (or
 //! [`CudaDevice::synchronize`]) waits. A failed launch is an `Err`; a fault inside a kernel
 //! shows at the next wait.
 
 pub mod compile;
 mod device;
 mod error;
+mod graph;
 pub(crate) mod kernels;
 mod memory;
 
@@ -40,13 +42,14 @@ mod rope;
 
 pub use argmax::argmax;
 pub use attention::{
-    MAX_HEAD_DIM, attention_decode, attention_decode_scratch_len, attention_prefill,
+    MAX_HEAD_DIM, attention_decode, attention_decode_scratch_len, attention_prefill, kv_store,
 };
 pub use device::{CudaDevice, DeviceInfo};
 pub use elementwise::{add, convert, silu_mul, silu_mul_in_place};
 pub use embedding::embedding;
 pub use error::CudaError;
 pub use gemm::Gemm;
+pub use graph::Graph;
 pub use kernels::{Float, Module};
 pub use matvec::{MAX_BATCH, matvec, matvec_bytes};
 pub use memory::{DevMat, DevSlice, DevSliceMut, DeviceBuffer, DeviceElem, FloatElem};
@@ -54,6 +57,42 @@ pub use rms_norm::{add_rms_norm, rms_norm, rms_norm_in_place};
 pub use rope::{RopeNorm, rope};
 
 use error::ensure;
+
+/// A position (or a count of positions) a kernel needs: known on the host when the launch is
+/// enqueued, or read by the kernel from device memory when it runs, so that a recorded CUDA
+/// graph replays with the value of the step at hand. Both give the same arithmetic.
+#[derive(Clone, Copy, Debug)]
+pub enum Position<'a> {
+    Host(usize),
+    /// One `i32`.
+    Device(DevSlice<'a, i32>),
+}
+
+impl Position<'_> {
+    /// The kernel's `(int host, const int* device)` pair; the pointer is null for `Host`.
+    fn args(self, op: &'static str, what: &str) -> Result<(i32, u64), CudaError> {
+        match self {
+            Position::Host(v) => Ok((int(op, what, v)?, 0)),
+            Position::Device(slot) => {
+                ensure!(
+                    slot.len() == 1,
+                    op,
+                    "{what} in {} values, not one",
+                    slot.len()
+                );
+                Ok((0, slot.device_ptr()))
+            }
+        }
+    }
+
+    /// The value, where the host knows it.
+    fn host(self) -> Option<usize> {
+        match self {
+            Position::Host(v) => Some(v),
+            Position::Device(_) => None,
+        }
+    }
+}
 
 /// Threads of the element-wise and row kernels.
 const THREADS: u32 = 256;

@@ -2,7 +2,7 @@
 
 use super::device::launch;
 use super::kernels::Kernel;
-use super::{CudaDevice, CudaError, DevSlice, DevSliceMut, config, ensure, int};
+use super::{CudaDevice, CudaError, DevSlice, DevSliceMut, Position, config, ensure, int};
 use crate::cpu::RopeLayout;
 
 /// Warps (one per row and head) per block (`ROPE_THREADS / 32` in rope.cu).
@@ -17,7 +17,8 @@ pub struct RopeNorm<'a> {
 }
 
 /// Rotates rows of `n_heads × head_dim` values in place; row `r` is at position `pos0 + r`.
-/// `cos`/`sin` are `[positions, head_dim / 2]` (the CPU tables, uploaded). Computes what
+/// `cos`/`sin` are `[positions, head_dim / 2]` (the CPU tables, uploaded); a row whose
+/// position (read on the device) passes them is left as it is. Computes what
 /// [`crate::cpu::rms_norm_in_place`] followed by [`crate::cpu::rope_in_place`] computes.
 #[allow(clippy::too_many_arguments)]
 pub fn rope(
@@ -25,7 +26,7 @@ pub fn rope(
     x: &mut DevSliceMut<'_, f32>,
     n_heads: usize,
     head_dim: usize,
-    pos0: usize,
+    pos0: Position<'_>,
     cos: DevSlice<'_, f32>,
     sin: DevSlice<'_, f32>,
     layout: RopeLayout,
@@ -42,13 +43,21 @@ pub fn rope(
     let rows = x.len() / row;
     let half = head_dim / 2;
     ensure!(
-        cos.len() == sin.len() && (pos0 + rows) * half <= cos.len(),
+        cos.len() == sin.len() && cos.len().is_multiple_of(half),
         OP,
-        "positions {pos0}..{} beyond tables of {} and {} values",
-        pos0 + rows,
+        "tables of {} and {} values for heads of {head_dim}",
         cos.len(),
         sin.len()
     );
+    let positions = cos.len() / half;
+    if let Some(pos0) = pos0.host() {
+        ensure!(
+            pos0 + rows <= positions,
+            OP,
+            "positions {pos0}..{} beyond tables of {positions}",
+            pos0 + rows
+        );
+    }
     if let Some(norm) = &norm {
         ensure!(
             norm.weight.len() == head_dim,
@@ -69,8 +78,10 @@ pub fn rope(
         int(OP, "heads", n_heads)?,
         int(OP, "head_dim", head_dim)?,
     );
-    let pos0 = int(OP, "pos0", pos0)?;
+    let (pos0, pos0_dev) = pos0.args(OP, "pos0")?;
+    let positions = int(OP, "positions", positions)?;
     let pairs = i32::from(layout == RopeLayout::Pairs);
     let cfg = config((blocks, 1), (HEADS_PER_BLOCK * 32) as u32, 0);
-    launch!(device, Kernel::Rope, cfg; xp, cp, sp, np, n, heads, d, pos0, pairs, eps)
+    launch!(device, Kernel::Rope, cfg;
+        xp, cp, sp, np, n, heads, d, pos0, pos0_dev, positions, pairs, eps)
 }

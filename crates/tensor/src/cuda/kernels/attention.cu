@@ -13,7 +13,9 @@
 // - attention_decode: one query per head, the keys split into chunks across blocks
 //   (flash-decoding); a block takes one chunk for the query heads of one kv head, so each
 //   key is read once for the whole group, and writes its unnormalised partial result.
-//   attention_combine merges the chunks.
+//   attention_combine merges the chunks. The context length may be read from device memory
+//   (a recorded graph's step), so the chunking is worked out on the device, from it alone:
+//   the grid may have more chunks than there are, and those blocks leave at once.
 // - attention_prefill: causal attention of a prompt chunk of n tokens at positions
 //   pos0..pos0+n over the cache (which already holds them); a block takes 16 queries of one
 //   head.
@@ -23,6 +25,21 @@
 #define ATT_ROWS_PER_WARP 4
 #define ATT_ROWS (ATT_WARPS * ATT_ROWS_PER_WARP)
 #define ATT_THREADS (ATT_WARPS * 32)
+#define ATT_MAX_SPLITS 64
+#define ATT_MIN_KEYS_PER_SPLIT 32
+
+// Keys per decode chunk for a context: about `target_splits` chunks (enough blocks to fill the
+// device, set by the host), at least a tile each, at most ATT_MAX_SPLITS, whole tiles.
+__device__ __forceinline__ int decode_keys_per_split(int context, int target_splits) {
+    int kps = max((context + target_splits - 1) / target_splits, ATT_MIN_KEYS_PER_SPLIT);
+    kps = max(kps, (context + ATT_MAX_SPLITS - 1) / ATT_MAX_SPLITS);
+    return (kps + ATT_TILE - 1) / ATT_TILE * ATT_TILE;
+}
+
+__device__ __forceinline__ int decode_splits(int context, int target_splits) {
+    const int kps = decode_keys_per_split(context, target_splits);
+    return (context + kps - 1) / kps;
+}
 
 template <int E> struct RowState {
     float m, l;
@@ -146,8 +163,12 @@ __device__ __forceinline__ void attention_decode(const float* __restrict__ q,
                                                  const KV* __restrict__ vc,
                                                  float* __restrict__ part_ml,
                                                  float* __restrict__ part_acc, int context,
+                                                 const int* __restrict__ context_dev,
                                                  int n_heads, int n_kv_heads, int d, float scale,
-                                                 int keys_per_split, int vec) {
+                                                 int target_splits, int vec) {
+    if (context_dev) context = *context_dev;
+    const int keys_per_split = decode_keys_per_split(context, target_splits);
+    if ((int)blockIdx.x * keys_per_split >= context) return;  // a chunk past the context
     extern __shared__ float smem[];
     const Smem<E> s(smem);
     const int group = n_heads / n_kv_heads;
@@ -199,8 +220,11 @@ __device__ __forceinline__ void attention_decode(const float* __restrict__ q,
 // out[h] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s over the splits; grid: n_heads.
 extern "C" __global__ void attention_combine(const float* __restrict__ part_ml,
                                              const float* __restrict__ part_acc,
-                                             float* __restrict__ out, int splits, int n_heads,
-                                             int d) {
+                                             float* __restrict__ out, int context,
+                                             const int* __restrict__ context_dev,
+                                             int target_splits, int n_heads, int d) {
+    if (context_dev) context = *context_dev;
+    const int splits = decode_splits(context, target_splits);
     const int h = blockIdx.x;
     float m = NEG_INF;
     for (int s = 0; s < splits; ++s) m = fmaxf(m, part_ml[2 * ((size_t)s * n_heads + h)]);
@@ -275,10 +299,10 @@ __device__ __forceinline__ void attention_prefill(const float* __restrict__ q,
 #define ATTENTION(T, KV, E)                                                                    \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_decode_##T##_e##E(      \
         const float* q, const KV* kc, const KV* vc, float* part_ml, float* part_acc,           \
-        int context, int n_heads, int n_kv_heads, int d, float scale, int keys_per_split,      \
-        int vec) {                                                                             \
-        attention_decode<KV, E>(q, kc, vc, part_ml, part_acc, context, n_heads, n_kv_heads, d, \
-                                scale, keys_per_split, vec);                                   \
+        int context, const int* context_dev, int n_heads, int n_kv_heads, int d, float scale,  \
+        int target_splits, int vec) {                                                          \
+        attention_decode<KV, E>(q, kc, vc, part_ml, part_acc, context, context_dev, n_heads,   \
+                                n_kv_heads, d, scale, target_splits, vec);                     \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_prefill_##T##_e##E(     \
         const float* q, const KV* kc, const KV* vc, float* out, int n, int pos0, int n_heads,  \
@@ -290,3 +314,33 @@ __device__ __forceinline__ void attention_prefill(const float* __restrict__ q,
 ATTENTION_ALL_WIDTHS(f32, float)
 ATTENTION_ALL_WIDTHS(bf16, bf16_t)
 ATTENTION_ALL_WIDTHS(f16, f16_t)
+
+// This step's keys and values (f32, [rows, kv_dim]) into one layer's cache at positions
+// pos0.. (pos0 read from `pos0_dev` when set), converted to the cache's type; rows past the
+// cache's `capacity` positions are dropped. One launch for both.
+template <typename KV>
+__device__ __forceinline__ void kv_store(const float* __restrict__ k, const float* __restrict__ v,
+                                         KV* __restrict__ kc, KV* __restrict__ vc, int rows,
+                                         int kv_dim, int pos0, const int* __restrict__ pos0_dev,
+                                         int capacity) {
+    if (pos0_dev) pos0 = *pos0_dev;
+    const long long n = (long long)rows * kv_dim;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long row = i / kv_dim;
+        if (pos0 + row >= capacity) break;
+        const long long o = (long long)pos0 * kv_dim + i;
+        kc[o] = from_f32<KV>(k[i]);
+        vc[o] = from_f32<KV>(v[i]);
+    }
+}
+
+#define KV_STORE(T, KV)                                                                        \
+    extern "C" __global__ void kv_store_##T(const float* k, const float* v, KV* kc, KV* vc,    \
+                                            int rows, int kv_dim, int pos0,                    \
+                                            const int* pos0_dev, int capacity) {               \
+        kv_store<KV>(k, v, kc, vc, rows, kv_dim, pos0, pos0_dev, capacity);                    \
+    }
+KV_STORE(f32, float)
+KV_STORE(bf16, bf16_t)
+KV_STORE(f16, f16_t)

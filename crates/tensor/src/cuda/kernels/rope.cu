@@ -1,5 +1,6 @@
 // Rotary position embedding of rows of `heads` heads of d values, in place; row t is at
-// position pos0 + t. cos/sin are [positions, d/2]. `pairs` picks the layout: 0 rotates
+// position pos0 + t, pos0 read from `pos0_dev` when it is set (a recorded graph's step).
+// cos/sin are [positions, d/2]; a row past the tables is left as it is. `pairs` picks the layout: 0 rotates
 // element i with i + d/2 (HF "rotate half"), 1 rotates 2i with 2i + 1 (GGUF llama).
 //
 // With `norm_weight` set, each head is first RMS-normalised and scaled by it (Qwen3's q/k
@@ -9,12 +10,14 @@
 
 extern "C" __global__ void __launch_bounds__(ROPE_THREADS)
     rope(float* x, const float* __restrict__ cos_table, const float* __restrict__ sin_table,
-         const float* __restrict__ norm_weight, int n, int heads, int d, int pos0, int pairs,
-         float eps) {
+         const float* __restrict__ norm_weight, int n, int heads, int d, int pos0,
+         const int* __restrict__ pos0_dev, int positions, int pairs, float eps) {
     const int lane = threadIdx.x & 31;
     const int item = blockIdx.x * (ROPE_THREADS / 32) + (threadIdx.x >> 5);
     if (item >= n * heads) return;
     const int t = item / heads;
+    const int pos = (pos0_dev ? *pos0_dev : pos0) + t;
+    if (pos >= positions) return;
     const int half = d / 2;
     float* h = x + (size_t)item * d;
     float scale = 1.0f;
@@ -23,8 +26,8 @@ extern "C" __global__ void __launch_bounds__(ROPE_THREADS)
         for (int i = lane; i < d; i += 32) ss = fmaf(h[i], h[i], ss);
         scale = 1.0f / sqrtf(warp_sum(ss) / (float)d + eps);
     }
-    const float* c = cos_table + (size_t)(pos0 + t) * half;
-    const float* s = sin_table + (size_t)(pos0 + t) * half;
+    const float* c = cos_table + (size_t)pos * half;
+    const float* s = sin_table + (size_t)pos * half;
     // Each lane rewrites only the pairs it reads; the shuffle above ordered the norm's reads.
     for (int i = lane; i < half; i += 32) {
         const int a = pairs ? 2 * i : i;
