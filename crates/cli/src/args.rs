@@ -135,6 +135,10 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 250, env = "EMBER_KEEPALIVE_INTERVAL_MS",
           value_parser = clap::value_parser!(u64).range(1..=500))]
     pub keepalive_interval_ms: u64,
+    /// Keepalive ticks only commit and copy 16 bytes, without reading a byte of every held
+    /// page (the warm pass that keeps the first token after a pause as fast as back to back).
+    #[arg(long, env = "EMBER_NO_KEEPALIVE_WARM", value_parser = clap::builder::FalseyValueParser::new())]
+    pub no_keepalive_warm: bool,
 }
 
 #[derive(Subcommand, Debug)]

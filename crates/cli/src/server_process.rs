@@ -106,6 +106,60 @@ pub fn faults(pid: u32) -> io::Result<Faults> {
     })
 }
 
+/// Clock ticks per second of the times in /proc (`USER_HZ`).
+fn clock_ticks() -> f64 {
+    // SAFETY: sysconf only reads a constant.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if hz > 0 { hz as f64 } else { 100.0 }
+}
+
+/// CPU seconds a process has used so far (user and system, all threads), from /proc/PID/stat.
+pub fn cpu_seconds(pid: u32) -> io::Result<f64> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    let after_name = stat
+        .rfind(')')
+        .map(|i| &stat[i + 1..])
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "unexpected stat format"))?;
+    // Fields from 3 on: ... utime(14) stime(15).
+    let fields: Vec<&str> = after_name.split_whitespace().collect();
+    let field = |n: usize| -> io::Result<u64> {
+        fields
+            .get(n - 3)
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "short /proc/PID/stat"))
+    };
+    Ok((field(14)? + field(15)?) as f64 / clock_ticks())
+}
+
+/// CPU seconds the whole machine has been busy so far, from the first line of /proc/stat:
+/// user, nice, system, irq, softirq and steal (time the hypervisor gave this machine's CPUs
+/// to someone else), summed over CPUs.
+pub fn machine_busy_seconds() -> io::Result<f64> {
+    let stat = fs::read_to_string("/proc/stat")?;
+    let line = stat
+        .lines()
+        .next()
+        .filter(|l| l.starts_with("cpu "))
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "no cpu line in /proc/stat"))?;
+    Ok(parse_busy_ticks(line)? as f64 / clock_ticks())
+}
+
+/// Busy ticks of a /proc/stat `cpu` line: user nice system idle iowait irq softirq steal ...
+fn parse_busy_ticks(line: &str) -> io::Result<u64> {
+    let fields: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .map(|f| f.parse().unwrap_or(0))
+        .collect();
+    if fields.len() < 8 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "short cpu line in /proc/stat",
+        ));
+    }
+    Ok([0, 1, 2, 5, 6, 7].iter().map(|&i| fields[i]).sum())
+}
+
 /// What one reclaim did.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct PageOut {
@@ -214,6 +268,26 @@ mod tests {
         std::hint::black_box(&pages);
         let after = faults(std::process::id()).unwrap();
         assert!(after.since(before).minor > 0);
+    }
+
+    #[test]
+    fn busy_ticks_leave_out_idle_and_iowait() {
+        let line = "cpu  100 20 30 4000 50 6 7 8 0 0";
+        assert_eq!(parse_busy_ticks(line).unwrap(), 100 + 20 + 30 + 6 + 7 + 8);
+        assert!(parse_busy_ticks("cpu 1 2 3").is_err());
+    }
+
+    #[test]
+    fn counts_cpu_time() {
+        let machine = machine_busy_seconds().unwrap();
+        let own = cpu_seconds(std::process::id()).unwrap();
+        // Burn a little CPU; /proc counts in ticks, so only look for no decrease.
+        let mut x = 0u64;
+        for i in 0..10_000_000u64 {
+            x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(i));
+        }
+        assert!(machine_busy_seconds().unwrap() >= machine);
+        assert!(cpu_seconds(std::process::id()).unwrap() >= own);
     }
 
     #[test]

@@ -131,6 +131,45 @@ fn no_residency_locks_nothing_and_never_ticks() {
     assert!(!greedy_text(&server, "Hello").is_empty());
 }
 
+/// Idle ticks read a byte of every held page (a held set's page-table entries go cold in the
+/// CPU's caches otherwise), at least one pass's worth per tick; `--no-keepalive-warm` keeps
+/// ticking without it.
+#[test]
+fn idle_ticks_warm_every_held_page_unless_turned_off() {
+    let server = Server::start(QWEN, &["--keepalive-interval-ms", "20"]);
+    let report = residency(&server);
+    if report["state"] != "held" {
+        eprintln!("skipping: no set held here: {report}");
+        return;
+    }
+    assert_eq!(report["keepalive"]["warm"], true, "{report}");
+    let held_pages = report["bytes"].as_u64().unwrap() / 4096;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while residency(&server)["keepalive"]["warmed_pages"]
+        .as_u64()
+        .unwrap()
+        < held_pages
+    {
+        assert!(
+            Instant::now() < deadline,
+            "no full warm pass:\n{}",
+            server.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!greedy_text(&server, "Hello").is_empty());
+
+    let server = Server::start(
+        QWEN,
+        &["--keepalive-interval-ms", "20", "--no-keepalive-warm"],
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    let report = residency(&server);
+    assert_eq!(report["keepalive"]["warm"], false, "{report}");
+    assert!(ticks(&server) > 0);
+    assert_eq!(report["keepalive"]["warmed_pages"], 0);
+}
+
 #[test]
 fn over_the_bound_the_server_serves_without_a_set_and_says_so_once() {
     let server = Server::start(QWEN, &["--load-limit-gib", "1"]);

@@ -7,6 +7,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use crate::bound::fmt_bytes;
 
@@ -144,6 +145,16 @@ pub trait Backend: Send + Sync {
 
     /// Stops holding one region. Called before the region's owner frees it.
     fn release(&self, region: &Region) -> Result<(), BackendError>;
+
+    /// Touches a held region the way a request will, so what holding cannot keep (the CPU's
+    /// cached page-table entries and lines) is warm again; the keepalive calls it between
+    /// requests. Starts at the region's `skip`-th page (counting the page of its first byte as
+    /// 0), checks `stop` every few pages and returns early when it says so, and returns the
+    /// pages touched. Default: nothing to do (a GPU keeps its own memory warm).
+    fn warm(&self, region: &Region, skip: usize, stop: &dyn Fn() -> bool) -> usize {
+        let _ = (region, skip, stop);
+        0
+    }
 }
 
 /// Locks host memory with `mlock`/`munlock` (Linux, macOS).
@@ -172,6 +183,9 @@ impl Default for MlockBackend {
         Self::new()
     }
 }
+
+/// Pages `warm` touches between looks at its stop flag: a few microseconds of work.
+const WARM_CHECK_EVERY: usize = 256;
 
 /// The load line's advice when mlock refuses.
 const MLOCK_ADVICE: &str = "raise RLIMIT_MEMLOCK or run without --residency required";
@@ -257,6 +271,29 @@ impl MlockBackend {
 impl Backend for MlockBackend {
     fn name(&self) -> &'static str {
         "mlock"
+    }
+
+    fn warm(&self, r: &Region, skip: usize, stop: &dyn Fn() -> bool) -> usize {
+        if r.kind == RegionKind::Device || r.len == 0 {
+            return 0;
+        }
+        let mut touched = 0;
+        let mut addr = match skip {
+            0 => r.addr,
+            _ => (r.addr & !(self.page - 1)).saturating_add(skip.saturating_mul(self.page)),
+        };
+        while addr < r.end() {
+            if touched % WARM_CHECK_EVERY == 0 && stop() {
+                break;
+            }
+            // SAFETY: the set calls this only for a region it holds, under its lock; a held
+            // region is mapped and readable until it leaves, and leaving takes the same lock.
+            // One byte read per page, never written.
+            unsafe { std::ptr::read_volatile(addr as *const u8) };
+            touched += 1;
+            addr = (addr & !(self.page - 1)) + self.page;
+        }
+        touched
     }
 
     fn prepare(&self, host_bytes: usize) -> Result<(), BackendError> {
@@ -411,6 +448,10 @@ struct TestState {
     holding: Vec<Region>,
     /// Calls that break the set's contract (releasing what is not held, holding twice).
     misuse: Vec<String>,
+    /// Regions warmed, in order (kept apart from `log`, which lists holds and releases).
+    warmed: Vec<Region>,
+    /// How long warming one (4 KiB) page takes, to test a pass that is stopped midway.
+    warm_page_time: Duration,
     /// Countdown to the call that fails: `Some(1)` fails the next one.
     fail_prepare: Option<usize>,
     fail_hold: Option<usize>,
@@ -475,6 +516,16 @@ impl TestBackend {
         self.lock().holding.clone()
     }
 
+    /// Regions warmed so far, in order.
+    pub fn warmed(&self) -> Vec<Region> {
+        self.lock().warmed.clone()
+    }
+
+    /// Makes each warmed page take `time` (default zero).
+    pub fn set_warm_page_time(&self, time: Duration) {
+        self.lock().warm_page_time = time;
+    }
+
     /// Bytes held now.
     pub fn holding_bytes(&self) -> u64 {
         self.lock().holding.iter().map(|r| r.len as u64).sum()
@@ -515,6 +566,32 @@ fn trips(countdown: &mut Option<usize>) -> bool {
 impl Backend for TestBackend {
     fn name(&self) -> &'static str {
         "test"
+    }
+
+    /// Pretends to touch each 4 KiB page from the `skip`-th, looking at `stop` before every one.
+    fn warm(&self, r: &Region, skip: usize, stop: &dyn Fn() -> bool) -> usize {
+        if stop() {
+            return 0;
+        }
+        let page_time = {
+            let mut s = self.lock();
+            if !s.holding.contains(r) {
+                s.misuse.push(format!("warm of {r:?}, not held"));
+            }
+            s.warmed.push(*r);
+            s.warm_page_time
+        };
+        let mut touched = 0;
+        for _ in skip.min(r.len.div_ceil(4096))..r.len.div_ceil(4096) {
+            if stop() {
+                break;
+            }
+            if !page_time.is_zero() {
+                std::thread::sleep(page_time);
+            }
+            touched += 1;
+        }
+        touched
     }
 
     fn prepare(&self, host_bytes: usize) -> Result<(), BackendError> {

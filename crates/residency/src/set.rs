@@ -287,6 +287,8 @@ struct Inner {
     staged_bytes: Bytes,
     commits: u64,
     refusals: u64,
+    /// Where the next warm pass starts: a member's id and the page inside it.
+    warm_cursor: (u64, usize),
 }
 
 /// The engine's memory held resident: all of it, or none.
@@ -338,6 +340,7 @@ impl ResidencySet {
                 staged_bytes: Bytes::default(),
                 commits,
                 refusals,
+                warm_cursor: (0, 0),
             }),
             ticks: AtomicU64::new(0),
             warned_join: AtomicBool::new(false),
@@ -680,6 +683,46 @@ impl ResidencySet {
         } else {
             Membership::None
         }
+    }
+
+    /// Warms the held regions through the backend ([`Backend::warm`]), in id order, until
+    /// `stop` says to stop or every region has been warmed once; returns the pages touched. A
+    /// pass that was stopped is taken up where it stopped by the next one, so a set too big to
+    /// warm in one pass is still covered, over several. Runs under the set's lock, so no member
+    /// can leave (and be freed) while it is touched. No-op on a set that is not held.
+    pub fn warm(&self, stop: &dyn Fn() -> bool) -> usize {
+        let Some(backend) = self.backend.as_ref().filter(|_| self.is_held()) else {
+            return 0;
+        };
+        let mut inner = self.lock();
+        let mut ids: Vec<u64> = inner.held.keys().copied().collect();
+        if ids.is_empty() {
+            return 0;
+        }
+        ids.sort_unstable();
+        let (at_id, at_page) = inner.warm_cursor;
+        let start = ids.iter().position(|&id| id >= at_id).unwrap_or(0);
+        let first_skip = if ids[start] == at_id { at_page } else { 0 };
+        // Every region once, from the cursor (the first region's head, warmed by the pass
+        // before, waits for the next pass, which starts from it).
+        let order = (0..ids.len()).map(|k| {
+            (
+                ids[(start + k) % ids.len()],
+                if k == 0 { first_skip } else { 0 },
+            )
+        });
+        let mut touched = 0;
+        for (id, skip) in order {
+            let region = inner.held[&id];
+            let n = backend.warm(&region, skip, stop);
+            touched += n;
+            if stop() {
+                inner.warm_cursor = (id, skip + n);
+                return touched;
+            }
+        }
+        inner.warm_cursor = (ids[start], 0);
+        touched
     }
 
     /// Counts one keepalive tick.

@@ -782,6 +782,139 @@ fn a_panicking_tick_does_not_stop_ticking_or_block_requests() {
     );
 }
 
+// ---- The warm pass: each idle tick reads a byte of every held page ----
+
+#[test]
+fn warm_touches_every_held_host_region_and_nothing_staged() {
+    let backend = TestBackend::new();
+    let (set, _) = establish(&backend, roomy(), sized(3, 3 * 8192));
+    set.join(9, host(9, 4096)).unwrap(); // staged, not held: not warmed
+    let pages = set.warm(&|| false);
+    assert_eq!(pages, 6, "two pages in each of three held regions");
+    let mut warmed = backend.warmed();
+    warmed.sort_by_key(|r| r.addr);
+    let mut held: Vec<Region> = sized(3, 3 * 8192).into_iter().map(|(_, r)| r).collect();
+    held.sort_by_key(|r| r.addr);
+    assert_eq!(warmed, held);
+    assert!(backend.misuse().is_empty(), "{:?}", backend.misuse());
+
+    // A stop that is already set warms nothing.
+    let before = backend.warmed().len();
+    assert_eq!(set.warm(&|| true), 0);
+    assert_eq!(backend.warmed().len(), before);
+
+    // A member that left is not warmed any more.
+    assert_eq!(set.leave(0), Ok(Left::Released));
+    let again = backend.warmed().len();
+    assert_eq!(set.warm(&|| false), 4);
+    assert!(!backend.warmed()[again..].contains(&host(0, 8192)));
+}
+
+#[test]
+fn a_set_not_held_warms_nothing() {
+    let backend = TestBackend::new();
+    let (set, report) = establish(&backend, Bound::fixed(1, "a 1-byte bound"), sized(2, 8192));
+    assert!(!report.held);
+    assert_eq!(set.warm(&|| false), 0);
+    let (off, _) = ResidencySet::disabled();
+    assert_eq!(off.warm(&|| false), 0);
+    assert!(backend.warmed().is_empty());
+}
+
+#[test]
+fn keepalive_ticks_warm_the_set_unless_told_not_to() {
+    let backend = TestBackend::new();
+    let (set, _) = establish(&backend, roomy(), sized(2, 2 * 4096));
+    let (_, tick) = counting_tick();
+    let ka = Keepalive::start(
+        Arc::clone(&set),
+        Duration::from_secs(60),
+        Duration::from_millis(5),
+        tick,
+    );
+    assert!(ka.warms());
+    assert!(eventually(Duration::from_secs(2), || ka.warmed_pages() >= 6));
+    assert!(backend.warmed().len() >= 6);
+    drop(ka);
+
+    let backend = TestBackend::new();
+    let (set, _) = establish(&backend, roomy(), sized(2, 2 * 4096));
+    let (n, tick) = counting_tick();
+    let ka = Keepalive::start_with(
+        Arc::clone(&set),
+        Duration::from_secs(60),
+        Duration::from_millis(5),
+        false,
+        tick,
+    );
+    assert!(!ka.warms());
+    assert!(eventually(Duration::from_secs(2), || n
+        .load(Ordering::SeqCst)
+        >= 3));
+    assert_eq!(ka.warmed_pages(), 0);
+    assert!(backend.warmed().is_empty());
+}
+
+#[test]
+fn a_stopped_warm_pass_is_taken_up_where_it_stopped() {
+    let backend = TestBackend::new();
+    // Two regions of 10 pages.
+    let (set, _) = establish(&backend, roomy(), sized(2, 20 * 4096));
+    let stop_after = |n: usize| {
+        let looks = AtomicUsize::new(0);
+        move || looks.fetch_add(1, Ordering::SeqCst) >= n
+    };
+    // The test backend looks once on entry and before each page, the set after each region.
+    assert_eq!(set.warm(&stop_after(5)), 4);
+    // The next pass starts at page 4 of region 0: 6 + 10 pages; the 4 it skipped wait for
+    // the pass after, which starts from the top of region 0.
+    assert_eq!(set.warm(&|| false), 6 + 10);
+    assert_eq!(
+        set.warm(&|| false),
+        20,
+        "a whole pass starts from the top again"
+    );
+    // Stopped inside region 1, after 3 of its pages: the next pass starts there.
+    let before = backend.warmed().len();
+    assert_eq!(set.warm(&stop_after(16)), 10 + 3);
+    // Then the rest of region 1 and all of region 0.
+    assert_eq!(set.warm(&|| false), 7 + 10);
+    let order: Vec<u64> = backend.warmed()[before..]
+        .iter()
+        .map(|r| ((r.addr - 0x1000_0000) / 0x100_0000) as u64)
+        .collect();
+    assert_eq!(order, vec![0, 1, 1, 0]);
+}
+
+#[test]
+fn a_request_never_waits_out_a_warm_pass() {
+    // A pass that would take 2 s: the tick's budget (1/10 of the interval) and the request's
+    // arrival both cut it short.
+    let backend = TestBackend::new();
+    backend.set_warm_page_time(Duration::from_millis(1));
+    let (set, _) = establish(&backend, roomy(), vec![(1, host(1, 2000 * 4096))]);
+    let (_, tick) = counting_tick();
+    let interval = Duration::from_millis(200);
+    let ka = Keepalive::start(set, Duration::from_secs(60), interval, tick);
+    assert!(eventually(Duration::from_secs(2), || !backend
+        .warmed()
+        .is_empty()));
+    let t = Instant::now();
+    ka.request_started();
+    let waited = t.elapsed();
+    assert!(waited < interval / 4, "waited {waited:?}");
+    let pages = ka.warmed_pages();
+    assert!(pages < 100, "a pass ran past its budget: {pages} pages");
+    std::thread::sleep(Duration::from_millis(30));
+    assert_eq!(ka.warmed_pages(), pages, "warmed during a request");
+    ka.request_finished();
+    // Idle again: later passes go on where the last stopped, within budget.
+    assert!(eventually(Duration::from_secs(5), || ka.warmed_pages() > pages + 10));
+    let t = Instant::now();
+    ka.stop();
+    assert!(t.elapsed() < interval / 4, "stop took {:?}", t.elapsed());
+}
+
 // ---- mlock, on small real buffers ----
 
 /// VmLck is per process: mlock tests take turns.
@@ -936,4 +1069,44 @@ fn a_real_set_holds_the_programs_code_and_a_buffer() {
     }
     assert_eq!(vm_locked(), Some(base));
     drop(buffer); // freed only after its leave
+}
+
+#[test]
+fn mlock_warm_reads_one_byte_of_each_page_of_a_region() {
+    let b = MlockBackend::new();
+    let p = page();
+    let pages = Pages::new(4);
+    // Starts inside the first page and ends inside the third: three pages.
+    let r = Region::host(pages.addr + 100, 2 * p);
+    assert_eq!(b.warm(&r, 0, &|| false), 3);
+    assert_eq!(b.warm(&Region::host(pages.addr, p), 0, &|| false), 1);
+    assert_eq!(b.warm(&Region::host(pages.addr, 0), 0, &|| false), 0);
+    assert_eq!(
+        b.warm(&r, 0, &|| true),
+        0,
+        "a set stop flag touches nothing"
+    );
+    assert_eq!(b.warm(&Region::device(0x1000, 1 << 20), 0, &|| false), 0);
+    // From the second page on: the second and third.
+    assert_eq!(b.warm(&r, 1, &|| false), 2);
+    assert_eq!(b.warm(&r, 3, &|| false), 0);
+}
+
+#[test]
+fn a_real_set_warms_what_it_holds() {
+    let _turn = MLOCK.lock().unwrap_or_else(|p| p.into_inner());
+    let buffer = Pages::new(8);
+    let (set, report) = ResidencySet::establish(
+        Arc::new(MlockBackend::new()),
+        Bound::from_system(None),
+        vec![(1, Region::host(buffer.addr, buffer.len))],
+    );
+    if !report.held {
+        eprintln!("skipping: {}", report.line());
+        return;
+    }
+    assert_eq!(set.warm(&|| false), 8);
+    assert_eq!(set.leave(1), Ok(Left::Released));
+    assert_eq!(set.warm(&|| false), 0);
+    drop(buffer);
 }

@@ -165,6 +165,9 @@ fn residency_json(ready: &Ready) -> Value {
             "enabled": ready.keepalive.is_some(),
             "keep_warm_s": ready.keep_warm.as_secs_f64(),
             "ticks": stats.ticks,
+            // Each tick also reads a byte of every held page; pages read so far.
+            "warm": ready.keepalive.as_ref().is_some_and(|k| k.warms()),
+            "warmed_pages": ready.keepalive.as_ref().map_or(0, |k| k.warmed_pages()),
         },
     })
 }
@@ -260,6 +263,7 @@ async fn submit(
     prompt: Vec<u32>,
     params: GenerateParams,
     logprobs: Option<usize>,
+    arrived: Instant,
 ) -> AppResult<Submitted> {
     let (events_tx, mut events) = mpsc::unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));
@@ -269,6 +273,8 @@ async fn submit(
         logprobs,
         cancel: Arc::clone(&cancel),
         events: events_tx,
+        arrived,
+        queued: Instant::now(),
     };
     state.metrics.queued.fetch_add(1, Ordering::Relaxed);
     if ready.queue.try_send(job).is_err() {
@@ -517,7 +523,7 @@ async fn chat_completions(
         });
     let logprobs = request.logprobs.then_some(request.top_logprobs);
     let prompt_tokens = prompt.len();
-    let submitted = submit(&state, ready, prompt, params, logprobs).await?;
+    let submitted = submit(&state, ready, prompt, params, logprobs, arrived).await?;
     let mut output = Output::new(submitted, request.common.stop.clone(), reasoning, arrived);
     let meta = meta(&state, "chatcmpl");
 
@@ -670,7 +676,7 @@ async fn completions(
         };
         for (ids, params) in prompts {
             usage.prompt_tokens += ids.len();
-            let submitted = submit(&state, ready, ids, params, logprobs).await?;
+            let submitted = submit(&state, ready, ids, params, logprobs, arrived).await?;
             let mut output = Output::new(submitted, request.common.stop.clone(), None, arrived);
             let mut text = String::new();
             let mut lp = CompletionLogprobs::default();
@@ -693,7 +699,7 @@ async fn completions(
     // Streaming: prompts run one after another; each chunk carries its choice index.
     let mut first = None;
     if let Some((ids, params)) = prompts.first() {
-        first = Some(submit(&state, ready, ids.clone(), *params, logprobs).await?);
+        first = Some(submit(&state, ready, ids.clone(), *params, logprobs, arrived).await?);
     }
     let include_usage = request.common.include_usage;
     let stops = request.common.stop.clone();
@@ -712,7 +718,7 @@ async fn completions(
                 usage.prompt_tokens += ids.len();
                 let submitted = match first.take() {
                     Some(submitted) => submitted,
-                    None => match submit(&state, ready, ids, params, logprobs).await {
+                    None => match submit(&state, ready, ids, params, logprobs, arrived).await {
                         Ok(submitted) => submitted,
                         Err(e) => {
                             let _ = tx.send(data(&e.body())).await;

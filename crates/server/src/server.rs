@@ -35,6 +35,9 @@ pub struct ServerOptions {
     pub keep_warm: Duration,
     /// Time between keepalive ticks (at most `ember_residency::MAX_INTERVAL`).
     pub keepalive_interval: Duration,
+    /// Each tick also reads a byte of every held page, so page-table entries stay cached
+    /// (`ember_residency::Keepalive`).
+    pub keepalive_warm: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -138,10 +141,11 @@ pub async fn serve(
                 // An inactive set (over the bound, refused) still gets ticks: on a GPU the tick
                 // keeps the device's queue warm even when host memory is not held.
                 let keepalive = (residency.stats().state != ResidencyState::Disabled).then(|| {
-                    Arc::new(Keepalive::start(
+                    Arc::new(Keepalive::start_with(
                         Arc::clone(&residency),
                         options.keep_warm,
                         options.keepalive_interval,
+                        options.keepalive_warm,
                         Box::new(engine.keepalive_tick()),
                     ))
                 });

@@ -26,6 +26,11 @@ pub struct Job {
     pub logprobs: Option<usize>,
     pub cancel: Arc<AtomicBool>,
     pub events: mpsc::UnboundedSender<Event>,
+    /// When the HTTP request arrived, and when the job was queued (after parsing, the chat
+    /// template and tokenizing): the debug line `request done` splits the first token's time
+    /// into these steps.
+    pub arrived: Instant,
+    pub queued: Instant,
 }
 
 #[derive(Debug)]
@@ -83,7 +88,9 @@ pub fn run(
         if job.cancel.load(Ordering::Relaxed) || job.events.send(Event::Started).is_err() {
             continue;
         }
+        let picked = Instant::now();
         let _request = keepalive.as_ref().map(|k| k.request());
+        let committed = Instant::now();
         metrics.running.fetch_add(1, Ordering::Relaxed);
         metrics
             .prompt_tokens
@@ -91,6 +98,7 @@ pub fn run(
         let mut decoder = StreamDecoder::new(tokenizer.clone());
         let ignore_eos = job.params.ignore_eos;
         let started = Instant::now();
+        let mut first_sent = None;
         let result = engine.generate(&job.prompt, &job.params, |step| {
             if job.cancel.load(Ordering::Relaxed) || abort.load(Ordering::Relaxed) {
                 return ControlFlow::Break(());
@@ -117,6 +125,7 @@ pub fn run(
                 job.cancel.store(true, Ordering::Relaxed);
                 return ControlFlow::Break(());
             }
+            first_sent.get_or_insert_with(Instant::now);
             ControlFlow::Continue(())
         });
         metrics.running.fetch_sub(1, Ordering::Relaxed);
@@ -138,10 +147,20 @@ pub fn run(
                     finish_reason: generation.finish_reason,
                     completion_tokens: generation.tokens.len(),
                 });
+                let ms = |from: Instant, to: Instant| (to - from).as_secs_f64() * 1e3;
+                let first_sent = first_sent.unwrap_or(started);
+                // The first token's time from the request's arrival, step by step: parsing,
+                // template and tokenizer; the queue; the residency commit; the prefill (and
+                // sampling) to the first token; handing it to the HTTP side.
                 tracing::debug!(
                     prompt_tokens = generation.prompt_tokens,
                     completion_tokens = generation.tokens.len(),
                     seconds = started.elapsed().as_secs_f64(),
+                    first_token_ms = ms(job.arrived, first_sent),
+                    prepare_ms = ms(job.arrived, job.queued),
+                    queue_ms = ms(job.queued, picked),
+                    commit_ms = ms(picked, committed),
+                    prefill_ms = generation.prefill_time.as_secs_f64() * 1e3,
                     "request done"
                 );
             }

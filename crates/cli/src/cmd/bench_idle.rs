@@ -63,7 +63,13 @@ pub fn run(args: BenchIdleArgs) -> anyhow::Result<ExitCode> {
     let mut baseline = None;
     let series = std::iter::once((0.0, false)).chain(args.gaps.iter().map(|&g| (g, args.evict)));
     for (gap_s, evict) in series {
+        // After each request that follows a gap (or a reclaim), one more right after it: a
+        // back-to-back control taken in the same minutes, so a change in the machine's load
+        // between the baseline series and this one does not read as a cost of the gap.
+        let controls = gap_s > 0.0 || evict;
         let mut first_token_s = Vec::with_capacity(args.repeats);
+        let mut control_s = Vec::with_capacity(args.repeats);
+        let mut other_cpu_s = Vec::with_capacity(args.repeats);
         let mut faults: Option<server_process::Faults> = pid.map(|_| Default::default());
         let mut paged_out = PageOut::default();
         for _ in 0..args.repeats {
@@ -84,27 +90,46 @@ pub fn run(args: BenchIdleArgs) -> anyhow::Result<ExitCode> {
                 std::thread::sleep(left);
             }
             let before = pid.map(server_process::faults).transpose()?;
+            let cpu = OtherCpu::start(pid);
             first_token_s.push(client.first_token()?);
+            other_cpu_s.push(cpu.and_then(OtherCpu::seconds));
             if let (Some(total), Some(before), Some(pid)) = (faults.as_mut(), before, pid) {
                 let during = server_process::faults(pid)?.since(before);
                 total.major += during.major;
                 total.minor += during.minor;
             }
+            if controls {
+                control_s.push(client.first_token()?);
+            }
         }
-        let median = median(&first_token_s);
-        let base_median = *baseline.get_or_insert(median);
+        let gap_median = median(&first_token_s);
+        let base_median = *baseline.get_or_insert(gap_median);
         let mut line = json!({
             "gap_s": gap_s,
             "evict": evict,
             "first_token_s": first_token_s.iter().map(|t| round(*t)).collect::<Vec<_>>(),
-            "median_s": round(median),
+            "median_s": round(gap_median),
             "max_s": round(first_token_s.iter().copied().fold(0.0, f64::max)),
-            "vs_back_to_back": (median / base_median * 1000.0).round() / 1000.0,
+            "vs_back_to_back": ratio(gap_median, base_median),
             "server_major_faults": faults.map(|f| f.major),
             // Pages the requests touched that were not mapped: memory outside a held set that
             // the OS (or --evict) took back without a disk read.
             "server_minor_faults": faults.map(|f| f.minor),
+            // CPU seconds the rest of the machine used during each timed request (other
+            // processes, and time the hypervisor took): on a shared machine, a high figure
+            // marks a sample slowed by someone else, not by the gap.
+            "other_cpu_s": other_cpu_s
+                .iter()
+                .map(|s| s.map(|s| (s * 100.0).round() / 100.0))
+                .collect::<Vec<_>>(),
         });
+        if controls {
+            let control_median = median(&control_s);
+            line["control_first_token_s"] =
+                json!(control_s.iter().map(|t| round(*t)).collect::<Vec<_>>());
+            line["control_median_s"] = json!(round(control_median));
+            line["vs_control"] = json!(ratio(gap_median, control_median));
+        }
         if evict {
             line["paged_out_mappings"] = json!(paged_out.mappings);
             // Locked mappings (a held set) and special ones ([vvar]) are refused by the kernel.
@@ -216,6 +241,45 @@ fn nonce_seed() -> u64 {
         .map(|d| d.as_nanos() as u64)
         .unwrap_or(0);
     nanos ^ (u64::from(std::process::id()) << 32)
+}
+
+/// CPU time the rest of the machine uses while a request runs: all busy CPU time (steal
+/// included) less the server's and this process's own.
+struct OtherCpu {
+    server: Option<u32>,
+    machine: f64,
+    server_cpu: f64,
+    own: f64,
+}
+
+impl OtherCpu {
+    /// `None` where /proc is not readable.
+    fn start(server: Option<u32>) -> Option<OtherCpu> {
+        Some(OtherCpu {
+            server,
+            machine: server_process::machine_busy_seconds().ok()?,
+            server_cpu: match server {
+                Some(pid) => server_process::cpu_seconds(pid).ok()?,
+                None => 0.0,
+            },
+            own: server_process::cpu_seconds(std::process::id()).ok()?,
+        })
+    }
+
+    fn seconds(self) -> Option<f64> {
+        let machine = server_process::machine_busy_seconds().ok()? - self.machine;
+        let server = match self.server {
+            Some(pid) => server_process::cpu_seconds(pid).ok()? - self.server_cpu,
+            None => 0.0,
+        };
+        let own = server_process::cpu_seconds(std::process::id()).ok()? - self.own;
+        // The three are read at slightly different moments, in whole ticks.
+        Some((machine - server - own).max(0.0))
+    }
+}
+
+fn ratio(value: f64, base: f64) -> f64 {
+    (value / base * 1000.0).round() / 1000.0
 }
 
 fn median(values: &[f64]) -> f64 {

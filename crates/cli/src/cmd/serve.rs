@@ -25,6 +25,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         max_body_bytes: args.max_body_bytes,
         keep_warm: Duration::from_secs_f64(args.keep_warm),
         keepalive_interval: Duration::from_millis(args.keepalive_interval_ms),
+        keepalive_warm: !args.no_keepalive_warm,
     };
     // The engine computes on its own threads; the runtime only moves bytes.
     let runtime = tokio::runtime::Builder::new_multi_thread()
