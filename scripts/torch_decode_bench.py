@@ -54,6 +54,30 @@ def run(model, ids, decode_tokens, repeats):
     return statistics.median(prefill), statistics.median(decode)
 
 
+def run_generate(model, ids, decode_tokens, repeats):
+    """transformers' own generate() with a static cache, which compiles the forward pass by
+    itself: decode rate from the difference of a 1-token and a (1 + decode)-token generation."""
+    x = torch.tensor([ids], device="cuda")
+
+    def timed(new_tokens):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.no_grad():
+            model.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                           do_sample=False, cache_implementation="static")
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    timed(decode_tokens + 1)  # compile and warm up
+    prefill, decode = [], []
+    for _ in range(repeats):
+        first = timed(1)
+        whole = timed(decode_tokens + 1)
+        prefill.append(len(ids) / first)
+        decode.append(decode_tokens / (whole - first))
+    return statistics.median(prefill), statistics.median(decode)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("checkpoint")
@@ -64,9 +88,16 @@ def main():
     a = ap.parse_args()
     model = AutoModelForCausalLM.from_pretrained(a.checkpoint, dtype=torch.bfloat16).cuda().eval()
     ids = prompt_ids(a.prompt_tokens, model.config.vocab_size)
-    modes = ["eager"] + ([] if a.no_compile else ["compile"])
+    # "compile" last: torch.compile with CUDA graphs has crashed the process here.
+    modes = ["eager"] + ([] if a.no_compile else ["generate", "compile"])
     for mode in modes:
         try:
+            if mode == "generate":
+                pp, tg = run_generate(model, ids, a.decode_tokens, a.repeats)
+                print(json.dumps({"torch": torch.__version__, "mode": mode,
+                                  "checkpoint": a.checkpoint, "prefill_tok_s": round(pp, 1),
+                                  "decode_tok_s": round(tg, 2)}), flush=True)
+                continue
             if mode == "compile":
                 model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=False)
                 run(model, ids[:16], 4, 1)  # compile before timing

@@ -43,7 +43,14 @@ fn graph_replays_equal_unrecorded_steps() {
         return;
     }
     // A context past one attention chunk (32 keys) and a prompt long enough for several.
-    for name in ["qwen3-f32", "qwen3-bf16", "qwen2-bf16", "llama-f32"] {
+    for name in [
+        "qwen3-f32",
+        "qwen3-bf16",
+        "qwen2-f32",
+        "qwen2-bf16",
+        "llama-f32",
+        "llama-bf16",
+    ] {
         let mut eager = load(name, false);
         let prompt = eager
             .encode_prompt("Graphs replay the same kernels on new positions, bit for bit.")
