@@ -118,6 +118,13 @@ pub struct PassShape {
     pub logit_rows: usize,
 }
 
+/// One projection of a group that reads the same input: its weight, bias and output slot.
+pub struct Projection<'a, B: Backend> {
+    pub weight: &'a B::Matrix,
+    pub bias: Option<&'a B::Vector>,
+    pub dst: Slot,
+}
+
 /// A weight matrix in a backend's memory: `rows × cols`, in its checkpoint dtype.
 pub trait WeightMatrix {
     fn rows(&self) -> usize;
@@ -247,6 +254,46 @@ pub trait Backend {
         rows: usize,
         dst: Slot,
     ) -> Result<()>;
+    /// `dst_i[..rows.len()] = rms_norm(src[rows]) · weight_iᵀ + bias_i` for each projection:
+    /// the projections that read one normalised input (q, k and v). The default normalises
+    /// into `Normed` and projects from there; a backend may fuse the norm and the products
+    /// into one pass over the weights.
+    fn norm_linears(
+        &mut self,
+        src: Slot,
+        rows: Range<usize>,
+        norm: &Self::Vector,
+        eps: f32,
+        projections: &[Projection<'_, Self>],
+    ) -> Result<()>
+    where
+        Self: Sized,
+    {
+        self.rms_norm(src, rows.clone(), norm, eps, Slot::Normed)?;
+        for p in projections {
+            self.linear(p.weight, p.bias, Slot::Normed, rows.len(), p.dst)?;
+        }
+        Ok(())
+    }
+    /// `Gate[..] = silu(h · gateᵀ) · (h · upᵀ)` with `h = rms_norm(src[rows])`: the first half
+    /// of a SwiGLU MLP (`gate` writes `Gate`, `up` writes `Up`). The default runs it step by
+    /// step through `Normed`.
+    fn norm_swiglu(
+        &mut self,
+        src: Slot,
+        rows: Range<usize>,
+        norm: &Self::Vector,
+        eps: f32,
+        gate: Projection<'_, Self>,
+        up: Projection<'_, Self>,
+    ) -> Result<()>
+    where
+        Self: Sized,
+    {
+        let len = rows.len() * gate.weight.rows();
+        self.norm_linears(src, rows, norm, eps, &[gate, up])?;
+        self.silu_mul(len)
+    }
     /// `Residual[offset..] += src[..rows] · weightᵀ`: an output projection added straight
     /// into the residual stream. The default goes through `BlockOut`; a backend whose kernels
     /// can accumulate saves the pass over it.
@@ -275,6 +322,41 @@ pub trait Backend {
         rows: usize,
         norm: Option<(&Self::Vector, f32)>,
     ) -> Result<()>;
+    /// [`Backend::rope`] of `Queries` (`p.n_heads` heads, normalised by `q_norm`) and `Keys`
+    /// (`p.n_kv_heads`, by `k_norm`) of `rows` tokens at `p.pos0..`; a backend may do both in
+    /// one launch.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_qk(
+        &mut self,
+        tables: &Self::Rope,
+        style: RopeStyle,
+        p: &AttentionParams,
+        rows: usize,
+        q_norm: Option<(&Self::Vector, f32)>,
+        k_norm: Option<(&Self::Vector, f32)>,
+    ) -> Result<()> {
+        let (d, pos0) = (p.head_dim, p.pos0);
+        self.rope(
+            tables,
+            style,
+            Slot::Queries,
+            p.n_heads,
+            d,
+            pos0,
+            rows,
+            q_norm,
+        )?;
+        self.rope(
+            tables,
+            style,
+            Slot::Keys,
+            p.n_kv_heads,
+            d,
+            pos0,
+            rows,
+            k_norm,
+        )
+    }
     /// Stores `Keys`/`Values` of `rows` tokens in the cache at `pos0..`, then causal attention
     /// of `Queries` over the cache into `AttentionOut`.
     fn attention(&mut self, kv: &mut Self::Kv, params: AttentionParams, rows: usize) -> Result<()>;

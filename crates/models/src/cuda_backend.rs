@@ -18,14 +18,15 @@ use std::sync::Arc;
 use ember_checkpoint::TensorSource;
 use ember_tensor::cpu::{AttentionShape, RopeLayout};
 use ember_tensor::cuda::{
-    self, CudaDevice, DevMat, DevSlice, DeviceBuffer, Float, Gemm, Graph, Position, RopeNorm,
+    self, CudaDevice, DevMat, DevSlice, DevSliceMut, DeviceBuffer, Epilogue, Float, Gemm, Graph,
+    MatvecNorm, MatvecOutput, Position, RopeHeads, RopeNorm,
 };
 use ember_tensor::quant::dequantize_row;
 use ember_tensor::{BufferId, BufferKind, BufferOwner, DType};
 use half::{bf16, f16};
 
 use crate::backend::{
-    AttentionParams, Backend, KvFill, KvStore, PassShape, RopeStyle, Slot, WeightMatrix,
+    AttentionParams, Backend, KvFill, KvStore, PassShape, Projection, RopeStyle, Slot, WeightMatrix,
 };
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
@@ -329,6 +330,69 @@ impl CudaBackend {
     }
 }
 
+impl CudaBackend {
+    /// Whether [`Self::fused_products`] takes these: the matrix-vector road (a decode batch,
+    /// or f32 weights, which never take a GEMM), and matrices that can share a launch.
+    fn fusible(&self, rows: usize, weights: &[&CudaMatrix]) -> bool {
+        let first = weights[0];
+        weights.len() <= cuda::MAX_OUTPUTS
+            && (rows <= cuda::MAX_BATCH || first.dtype == DType::F32)
+            && weights
+                .iter()
+                .all(|w| w.dtype == first.dtype && w.cols == first.cols)
+    }
+
+    /// `dst_i[..] = rms_norm(src[rows]) · W_iᵀ + bias_i` in one matrix-vector launch per
+    /// [`cuda::MAX_BATCH`] rows (the norm computed inside it), finished by `epilogue`.
+    fn fused_products(
+        &mut self,
+        src: Slot,
+        rows: Range<usize>,
+        norm: &CudaVector,
+        eps: f32,
+        projections: &[Projection<'_, Self>],
+        epilogue: Epilogue,
+    ) -> Result<()> {
+        let width = norm.0.len() / 4;
+        let mats = projections
+            .iter()
+            .map(|p| p.weight.as_mat())
+            .collect::<Result<Vec<_>>>()?;
+        // Disjoint borrows of the source and each destination slot.
+        let mut slots: Vec<Option<&mut DeviceBuffer>> = self.slots.iter_mut().map(Some).collect();
+        let x = slots[src.index()].take().expect("a slot").as_slice::<f32>();
+        let x = x.slice(rows.start * width..rows.end * width);
+        let mut ys: Vec<DevSliceMut<'_, f32>> = projections
+            .iter()
+            .map(|p| {
+                let len = rows.len() * p.weight.rows;
+                let buffer = slots[p.dst.index()].take().expect("distinct slots");
+                buffer.as_mut_slice::<f32>().split_at_mut(len).0
+            })
+            .collect();
+        let norm = MatvecNorm {
+            weight: norm.slice(),
+            eps,
+        };
+        for start in (0..rows.len()).step_by(cuda::MAX_BATCH) {
+            let batch = (rows.len() - start).min(cuda::MAX_BATCH);
+            let mut outputs: Vec<MatvecOutput<'_, '_>> = projections
+                .iter()
+                .zip(&mats)
+                .zip(&mut ys)
+                .map(|((p, w), y)| MatvecOutput {
+                    w,
+                    bias: p.bias.map(|b| b.slice()),
+                    y: y.slice_mut(start * w.rows..(start + batch) * w.rows),
+                })
+                .collect();
+            let x = x.slice(start * width..(start + batch) * width);
+            cuda::matvec_fused(&self.device, &mut outputs, x, batch, Some(norm), epilogue)?;
+        }
+        Ok(())
+    }
+}
+
 impl Backend for CudaBackend {
     type Matrix = CudaMatrix;
     type Vector = CudaVector;
@@ -500,6 +564,45 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
+    fn norm_linears(
+        &mut self,
+        src: Slot,
+        rows: Range<usize>,
+        norm: &CudaVector,
+        eps: f32,
+        projections: &[Projection<'_, Self>],
+    ) -> Result<()> {
+        let weights: Vec<&CudaMatrix> = projections.iter().map(|p| p.weight).collect();
+        if self.fusible(rows.len(), &weights) {
+            return self.fused_products(src, rows, norm, eps, projections, Epilogue::Store);
+        }
+        // Prefill: normalise once, then a GEMM per projection.
+        let n = rows.len();
+        self.rms_norm(src, rows, norm, eps, Slot::Normed)?;
+        for p in projections {
+            self.linear(p.weight, p.bias, Slot::Normed, n, p.dst)?;
+        }
+        Ok(())
+    }
+
+    fn norm_swiglu(
+        &mut self,
+        src: Slot,
+        rows: Range<usize>,
+        norm: &CudaVector,
+        eps: f32,
+        gate: Projection<'_, Self>,
+        up: Projection<'_, Self>,
+    ) -> Result<()> {
+        let len = rows.len() * gate.weight.rows;
+        if self.fusible(rows.len(), &[gate.weight, up.weight]) {
+            let projections = [gate, up];
+            return self.fused_products(src, rows, norm, eps, &projections, Epilogue::SwiGlu);
+        }
+        self.norm_linears(src, rows, norm, eps, &[gate, up])?;
+        self.silu_mul(len)
+    }
+
     fn linear_into_residual(
         &mut self,
         weight: &CudaMatrix,
@@ -541,6 +644,46 @@ impl Backend for CudaBackend {
             layout,
             norm,
         )?;
+        Ok(())
+    }
+
+    fn rope_qk(
+        &mut self,
+        tables: &CudaRope,
+        style: RopeStyle,
+        p: &AttentionParams,
+        rows: usize,
+        q_norm: Option<(&CudaVector, f32)>,
+        k_norm: Option<(&CudaVector, f32)>,
+    ) -> Result<()> {
+        fn norm(n: Option<(&CudaVector, f32)>) -> Option<RopeNorm<'_>> {
+            n.map(|(w, eps)| RopeNorm {
+                weight: w.slice(),
+                eps,
+            })
+        }
+        let [q, k] = self
+            .slots
+            .get_disjoint_mut([Slot::Queries.index(), Slot::Keys.index()])
+            .expect("distinct slots");
+        let q = RopeHeads {
+            x: q.as_mut_slice::<f32>()
+                .split_at_mut(rows * p.n_heads * p.head_dim)
+                .0,
+            n_heads: p.n_heads,
+            norm: norm(q_norm),
+        };
+        let k = RopeHeads {
+            x: k.as_mut_slice::<f32>()
+                .split_at_mut(rows * p.n_kv_heads * p.head_dim)
+                .0,
+            n_heads: p.n_kv_heads,
+            norm: norm(k_norm),
+        };
+        let pos0 = Position::Device(self.step.as_slice().slice(STEP_POS0..STEP_POS0 + 1));
+        let (cos, sin) = (tables.cos.as_slice(), tables.sin.as_slice());
+        let layout = RopeLayout::from(style);
+        cuda::rope_qk(&self.device, q, Some(k), p.head_dim, pos0, cos, sin, layout)?;
         Ok(())
     }
 

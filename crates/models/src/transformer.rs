@@ -5,9 +5,13 @@
 //! layers (Qwen3-MoE). There is one forward pass, written once against [`Backend`]; a backend
 //! brings only storage and kernels.
 
+use std::ops::Range;
+
 use ember_checkpoint::TensorSource;
 
-use crate::backend::{AttentionParams, Backend, KvStore, PassShape, RopeStyle, Slot, WeightMatrix};
+use crate::backend::{
+    AttentionParams, Backend, KvStore, PassShape, Projection, RopeStyle, Slot, WeightMatrix,
+};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 
@@ -38,6 +42,15 @@ impl<B: Backend> Linear<B> {
 
     fn apply(&self, b: &mut B, src: Slot, rows: usize, dst: Slot) -> Result<()> {
         b.linear(&self.weight, self.bias.as_ref(), src, rows, dst)
+    }
+
+    /// This projection writing `dst`, as one of a group ([`Backend::norm_linears`]).
+    fn writing(&self, dst: Slot) -> Projection<'_, B> {
+        Projection {
+            weight: &self.weight,
+            bias: self.bias.as_ref(),
+            dst,
+        }
     }
 
     /// `Residual[offset..] += src[..rows] · weightᵀ + bias`.
@@ -74,12 +87,19 @@ impl<B: Backend> Mlp<B> {
         self.gate.weight.rows()
     }
 
-    /// `Residual[offset..] += down(silu(gate(Normed)) · up(Normed))` for `rows` tokens.
-    fn apply_to_residual(&self, b: &mut B, rows: usize, offset: usize) -> Result<()> {
-        self.gate.apply(b, Slot::Normed, rows, Slot::Gate)?;
-        self.up.apply(b, Slot::Normed, rows, Slot::Up)?;
-        b.silu_mul(rows * self.width())?;
-        self.down.apply_to_residual(b, Slot::Gate, rows, offset)
+    /// `Residual[rows] += down(silu(gate(h)) · up(h))` with `h = rms_norm(Residual[rows])`.
+    fn apply_to_residual(
+        &self,
+        b: &mut B,
+        rows: Range<usize>,
+        norm: &B::Vector,
+        eps: f32,
+        hidden: usize,
+    ) -> Result<()> {
+        let (gate, up) = (self.gate.writing(Slot::Gate), self.up.writing(Slot::Up));
+        b.norm_swiglu(Slot::Residual, rows.clone(), norm, eps, gate, up)?;
+        self.down
+            .apply_to_residual(b, Slot::Gate, rows.len(), rows.start * hidden)
     }
 }
 
@@ -312,8 +332,7 @@ impl<B: Backend> Transformer<B> {
         let (hidden, eps) = (c.hidden_size, c.rms_norm_eps);
         b.embed(&self.embed_tokens, n)?;
         for (index, layer) in self.layers.iter().enumerate() {
-            b.rms_norm(Slot::Residual, 0..n, &layer.input_norm, eps, Slot::Normed)?;
-            self.attention(b, kv, index, &layer.attention, n, pos0)?;
+            self.attention(b, kv, index, layer, n, pos0)?;
 
             // The last layer's MLP runs only on the rows that give logits (llama.cpp's
             // `inp_out_ids`): less work, and its products see the batch llama.cpp's do.
@@ -323,16 +342,11 @@ impl<B: Backend> Transformer<B> {
                 0
             };
             let m = n - first;
-            b.rms_norm(
-                Slot::Residual,
-                first..n,
-                &layer.post_attention_norm,
-                eps,
-                Slot::Normed,
-            )?;
+            let norm = &layer.post_attention_norm;
             match &layer.feed_forward {
-                FeedForward::Dense(mlp) => mlp.apply_to_residual(b, m, first * hidden)?,
+                FeedForward::Dense(mlp) => mlp.apply_to_residual(b, first..n, norm, eps, hidden)?,
                 FeedForward::Sparse(moe) => {
+                    b.rms_norm(Slot::Residual, first..n, norm, eps, Slot::Normed)?;
                     b.moe(moe, m)?;
                     b.add(Slot::Residual, first * hidden, Slot::BlockOut, m * hidden)?;
                 }
@@ -352,15 +366,18 @@ impl<B: Backend> Transformer<B> {
         b: &mut B,
         kv: &mut B::Kv,
         index: usize,
-        a: &Attention<B>,
+        layer: &Layer<B>,
         n: usize,
         pos0: usize,
     ) -> Result<()> {
         let c = &self.config;
-        a.q.apply(b, Slot::Normed, n, Slot::Queries)?;
-        a.k.apply(b, Slot::Normed, n, Slot::Keys)?;
-        a.v.apply(b, Slot::Normed, n, Slot::Values)?;
-        let eps = c.rms_norm_eps;
+        let (a, eps) = (&layer.attention, c.rms_norm_eps);
+        let qkv = [
+            a.q.writing(Slot::Queries),
+            a.k.writing(Slot::Keys),
+            a.v.writing(Slot::Values),
+        ];
+        b.norm_linears(Slot::Residual, 0..n, &layer.input_norm, eps, &qkv)?;
         let (q_norm, k_norm) = (
             a.q_norm.as_ref().map(|w| (w, eps)),
             a.k_norm.as_ref().map(|w| (w, eps)),
@@ -370,36 +387,16 @@ impl<B: Backend> Transformer<B> {
         } else {
             RopeStyle::Halves
         };
-        let (heads, kv_heads, head_dim) =
-            (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-        b.rope(
-            &self.rope,
-            style,
-            Slot::Queries,
-            heads,
-            head_dim,
-            pos0,
-            n,
-            q_norm,
-        )?;
-        b.rope(
-            &self.rope,
-            style,
-            Slot::Keys,
-            kv_heads,
-            head_dim,
-            pos0,
-            n,
-            k_norm,
-        )?;
+        let head_dim = c.head_dim;
         let params = AttentionParams {
             layer: index,
-            n_heads: heads,
-            n_kv_heads: kv_heads,
+            n_heads: c.num_attention_heads,
+            n_kv_heads: c.num_key_value_heads,
             head_dim,
             scale: 1.0 / (head_dim as f32).sqrt(),
             pos0,
         };
+        b.rope_qk(&self.rope, style, &params, n, q_norm, k_norm)?;
         b.attention(kv, params, n)?;
         a.o.apply_to_residual(b, Slot::AttentionOut, n, 0)
     }

@@ -13,8 +13,8 @@ use std::sync::Arc;
 use ember_residency::{Bound, Membership, RegionKind, ResidencySet, TestBackend};
 use ember_tensor::cpu::{self, AttentionShape, RopeLayout, RopeTables};
 use ember_tensor::cuda::{
-    self, CudaDevice, CudaError, DevMat, DeviceBuffer, DeviceElem, FloatElem, Gemm, Module,
-    Position, RopeNorm, compile,
+    self, CudaDevice, CudaError, DevMat, DeviceBuffer, DeviceElem, Epilogue, FloatElem, Gemm,
+    MatvecNorm, MatvecOutput, Module, Position, RopeHeads, RopeNorm, compile,
 };
 use ember_tensor::{BufferKind, BufferOwner, Location, ThreadPool};
 use half::{bf16, f16};
@@ -354,6 +354,144 @@ fn matvec_matches_f64_reference() {
     }
 }
 
+/// `rms_norm(x[b]) · g` in f64.
+fn normed_reference(x: &[f32], g: &[f32], eps: f64) -> Vec<f32> {
+    let cols = g.len();
+    x.chunks(cols)
+        .flat_map(|row| {
+            let ms = row.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / cols as f64;
+            let s = 1.0 / (ms + eps).sqrt();
+            row.iter()
+                .zip(g)
+                .map(move |(&v, &g)| (v as f64 * s * g as f64) as f32)
+        })
+        .collect()
+}
+
+/// One launch for q, k and v with the RMS norm inside (and biases), and for gate and up with
+/// SwiGLU after: each output as the unfused steps give it.
+fn check_fused_matvec<T: Elem>(ctx: &Ctx, rng: &mut Rng, cols: usize, batch: usize) {
+    let eps = 1e-6;
+    let (x, g) = (rng.vec(batch * cols), rng.vec(cols));
+    let (xbuf, gbuf) = (ctx.upload(&x), ctx.upload(&g));
+    let normed = normed_reference(&x, &g, eps as f64);
+    let norm = MatvecNorm {
+        weight: gbuf.as_slice(),
+        eps,
+    };
+    // Row counts that leave groups straddling two matrices.
+    let shapes = [37, 11, 11];
+    let ws: Vec<Vec<T>> = shapes.iter().map(|&r| round(&rng.vec(r * cols))).collect();
+    let biases: Vec<Option<Vec<f32>>> = vec![Some(rng.vec(37)), None, Some(rng.vec(11))];
+    let wbufs: Vec<DeviceBuffer> = ws.iter().map(|w| ctx.upload(w)).collect();
+    let bbufs: Vec<Option<DeviceBuffer>> = biases
+        .iter()
+        .map(|b| b.as_ref().map(|b| ctx.upload(b)))
+        .collect();
+    let mats: Vec<DevMat<'_>> = wbufs
+        .iter()
+        .zip(shapes)
+        .map(|(w, rows)| DevMat::from_slice(w.as_slice::<T>(), rows, cols).unwrap())
+        .collect();
+    let mut ys: Vec<DeviceBuffer> = shapes
+        .iter()
+        .map(|&r| ctx.poisoned::<f32>(batch * r))
+        .collect();
+    let mut outputs: Vec<MatvecOutput<'_, '_>> = mats
+        .iter()
+        .zip(&bbufs)
+        .zip(&mut ys)
+        .map(|((w, b), y)| MatvecOutput {
+            w,
+            bias: b.as_ref().map(|b| b.as_slice()),
+            y: y.as_mut_slice(),
+        })
+        .collect();
+    cuda::matvec_fused(
+        &ctx.device,
+        &mut outputs,
+        xbuf.as_slice(),
+        batch,
+        Some(norm),
+        Epilogue::Store,
+    )
+    .unwrap();
+    drop(outputs);
+    for (i, &rows) in shapes.iter().enumerate() {
+        let mut want = matvec_reference(&widen(&ws[i]), &normed, None, rows, cols);
+        if let Some(b) = &biases[i] {
+            for (k, v) in want.iter_mut().enumerate() {
+                *v += b[k % rows] as f64;
+            }
+        }
+        let err = rel_err(&ctx.download::<f32>(&ys[i]), &want);
+        assert!(
+            err < 1e-5,
+            "fused matvec {} output {i} of {cols} cols, batch {batch}: error {err:e}",
+            T::FLOAT
+        );
+    }
+
+    // SwiGLU over gate and up.
+    let rows = 45;
+    let (gate, up): (Vec<T>, Vec<T>) = (round(&rng.vec(rows * cols)), round(&rng.vec(rows * cols)));
+    let (gbuf_w, ubuf_w) = (ctx.upload(&gate), ctx.upload(&up));
+    let gm = DevMat::from_slice(gbuf_w.as_slice::<T>(), rows, cols).unwrap();
+    let um = DevMat::from_slice(ubuf_w.as_slice::<T>(), rows, cols).unwrap();
+    let (mut gy, mut uy) = (
+        ctx.poisoned::<f32>(batch * rows),
+        ctx.poisoned::<f32>(batch * rows),
+    );
+    let mut outputs = [
+        MatvecOutput {
+            w: &gm,
+            bias: None,
+            y: gy.as_mut_slice(),
+        },
+        MatvecOutput {
+            w: &um,
+            bias: None,
+            y: uy.as_mut_slice(),
+        },
+    ];
+    cuda::matvec_fused(
+        &ctx.device,
+        &mut outputs,
+        xbuf.as_slice(),
+        batch,
+        Some(norm),
+        Epilogue::SwiGlu,
+    )
+    .unwrap();
+    let gs = matvec_reference(&widen(&gate), &normed, None, rows, cols);
+    let us = matvec_reference(&widen(&up), &normed, None, rows, cols);
+    let want: Vec<f64> = gs
+        .iter()
+        .zip(&us)
+        .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+        .collect();
+    let err = rel_err(&ctx.download::<f32>(&gy), &want);
+    assert!(
+        err < 1e-5,
+        "SwiGLU matvec {} of {cols} cols, batch {batch}: error {err:e}",
+        T::FLOAT
+    );
+}
+
+#[test]
+fn fused_matvec_matches_the_unfused_steps() {
+    let Some(ctx) = Ctx::new() else { return };
+    let mut rng = Rng(11);
+    // Scalar (odd) and vectorised columns, short and long rows.
+    for cols in [13, 256, 1032, 4096] {
+        for batch in [1, 3, 8] {
+            check_fused_matvec::<bf16>(&ctx, &mut rng, cols, batch);
+        }
+        check_fused_matvec::<f32>(&ctx, &mut rng, cols, 2);
+        check_fused_matvec::<f16>(&ctx, &mut rng, cols, 5);
+    }
+}
+
 fn check_gemm<O: Elem + Default>(
     ctx: &Ctx,
     gemm: &Gemm,
@@ -557,6 +695,46 @@ fn rope_matches_cpu_in_both_layouts_with_and_without_the_head_norm() {
                 assert!(
                     bits(&results[0]) == bits(&results[1]),
                     "rope {layout:?} norm {with_norm}: a device position changed the result"
+                );
+
+                // Queries and keys in one launch: each as its own launch gives it.
+                let (kv_heads, kx) = (1, rng.vec(rows * head_dim));
+                let mut kbuf_alone = ctx.upload(&kx);
+                cuda::rope(
+                    &ctx.device,
+                    &mut kbuf_alone.as_mut_slice(),
+                    kv_heads,
+                    head_dim,
+                    Position::Host(pos0),
+                    cbuf.as_slice(),
+                    sbuf.as_slice(),
+                    layout,
+                    norm,
+                )
+                .unwrap();
+                let (mut qbuf, mut kbuf) = (ctx.upload(&x), ctx.upload(&kx));
+                cuda::rope_qk(
+                    &ctx.device,
+                    RopeHeads {
+                        x: qbuf.as_mut_slice(),
+                        n_heads,
+                        norm,
+                    },
+                    Some(RopeHeads {
+                        x: kbuf.as_mut_slice(),
+                        n_heads: kv_heads,
+                        norm,
+                    }),
+                    head_dim,
+                    Position::Device(pos_buf.as_slice()),
+                    cbuf.as_slice(),
+                    sbuf.as_slice(),
+                    layout,
+                )
+                .unwrap();
+                assert!(bits(&ctx.download::<f32>(&qbuf)) == bits(&results[0]));
+                assert!(
+                    bits(&ctx.download::<f32>(&kbuf)) == bits(&ctx.download::<f32>(&kbuf_alone))
                 );
             }
         }

@@ -1,4 +1,6 @@
-//! Decode products `y = x · Wᵀ` for a few rows of activations: weights streamed once.
+//! Decode products `y = x · Wᵀ` for a few rows of activations: weights streamed once, and
+//! fused with what surrounds them in a layer (the RMSNorm before, several matrices sharing one
+//! input, SwiGLU or the residual add after), so a decode step is a few launches per layer.
 
 use super::device::launch;
 use super::kernels::{Float, Kernel};
@@ -7,8 +9,69 @@ use super::{CudaDevice, CudaError, DevMat, DevSlice, DevSliceMut, config, ensure
 /// The most activation rows one [`matvec`] takes; larger batches are prefill ([`super::Gemm`]).
 pub const MAX_BATCH: usize = 8;
 
+/// The most matrices one [`matvec_fused`] takes (`MATVEC_MAX_OUTPUTS` in matvec.cu).
+pub const MAX_OUTPUTS: usize = 3;
+
 /// Threads of a block (`MATVEC_THREADS` in matvec.cu).
 const THREADS: u32 = 256;
+
+/// What happens to a product's sums.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Epilogue {
+    /// `y = sum (+ bias)`.
+    Store,
+    /// `y += sum`: straight into the residual stream.
+    Accumulate,
+    /// Two matrices, gate and up: `y_gate = silu(gate) · up` (the up output is not written).
+    SwiGlu,
+}
+
+/// One matrix of a fused product, its optional bias (`rows` values) and its output
+/// (`[batch, rows]`).
+pub struct MatvecOutput<'w, 'y> {
+    pub w: &'w DevMat<'w>,
+    pub bias: Option<DevSlice<'w, f32>>,
+    pub y: DevSliceMut<'y, f32>,
+}
+
+/// An RMS norm applied to `x` inside the product: `x[b] / rms(x[b]) · weight`.
+#[derive(Clone, Copy, Debug)]
+pub struct MatvecNorm<'a> {
+    pub weight: DevSlice<'a, f32>,
+    pub eps: f32,
+}
+
+/// One output as the kernel reads it (`MatvecOut` in matvec.cu).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct KernelOut {
+    w: u64,
+    bias: u64,
+    y: u64,
+    rows: i32,
+    pad: i32,
+}
+
+/// The kernel's one argument, field for field `MatvecArgs` in matvec.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct KernelArgs {
+    out: [KernelOut; MAX_OUTPUTS],
+    x: u64,
+    norm: u64,
+    eps: f32,
+    outputs: i32,
+    total_rows: i32,
+    cols: i32,
+    accumulate: i32,
+    swiglu: i32,
+    vec: i32,
+    wpr: i32,
+}
+
+// SAFETY: plain old data, laid out as the kernel's `MatvecArgs` (repr(C), the same field
+// order and types: 8-byte pointers, 4-byte ints and floats).
+unsafe impl cudarc::driver::DeviceRepr for KernelArgs {}
 
 /// `y[b] = W · x[b]` for `b < batch` (`y[b] += …` with `accumulate`, e.g. straight into the
 /// residual stream).
@@ -24,6 +87,30 @@ pub fn matvec(
     y: &mut DevSliceMut<'_, f32>,
     accumulate: bool,
 ) -> Result<(), CudaError> {
+    let epilogue = if accumulate {
+        Epilogue::Accumulate
+    } else {
+        Epilogue::Store
+    };
+    let output = MatvecOutput {
+        w,
+        bias: None,
+        y: y.reborrow(),
+    };
+    matvec_fused(device, &mut [output], x, batch, None, epilogue)
+}
+
+/// One launch for up to [`MAX_OUTPUTS`] matrices of the same dtype and row length reading the
+/// same `x` (`[batch, cols]`): `y_i[b] = W_i · norm(x[b]) + bias_i`, finished by `epilogue`.
+/// With `norm`, `x` is the un-normalised input and the norm is computed inside the product.
+pub fn matvec_fused(
+    device: &CudaDevice,
+    outputs: &mut [MatvecOutput<'_, '_>],
+    x: DevSlice<'_, f32>,
+    batch: usize,
+    norm: Option<MatvecNorm<'_>>,
+    epilogue: Epilogue,
+) -> Result<(), CudaError> {
     const OP: &str = "matvec";
     ensure!(
         (1..=MAX_BATCH).contains(&batch),
@@ -31,28 +118,94 @@ pub fn matvec(
         "batch {batch} outside 1..={MAX_BATCH}"
     );
     ensure!(
-        x.len() == batch * w.cols && y.len() == batch * w.rows,
+        (1..=MAX_OUTPUTS).contains(&outputs.len()),
         OP,
-        "x has {} values and y {} for batch {batch} of a {}×{} matrix",
-        x.len(),
-        y.len(),
-        w.rows,
-        w.cols
+        "{} matrices, 1..={MAX_OUTPUTS} fuse",
+        outputs.len()
     );
-    if w.rows == 0 {
+    let (dtype, cols) = (outputs[0].w.dtype, outputs[0].w.cols);
+    ensure!(
+        x.len() == batch * cols,
+        OP,
+        "x has {} values for batch {batch} of {cols}",
+        x.len()
+    );
+    let mut args = KernelArgs {
+        x: x.device_ptr(),
+        eps: norm.map_or(0.0, |n| n.eps),
+        norm: norm.map_or(0, |n| n.weight.device_ptr()),
+        outputs: outputs.len() as i32,
+        cols: int(OP, "cols", cols)?,
+        accumulate: i32::from(epilogue == Epilogue::Accumulate),
+        swiglu: i32::from(epilogue == Epilogue::SwiGlu),
+        ..KernelArgs::default()
+    };
+    if let Some(n) = norm {
+        ensure!(
+            n.weight.len() == cols,
+            OP,
+            "norm weight of {} for rows of {cols}",
+            n.weight.len()
+        );
+    }
+    let mut total_rows = 0;
+    for (o, out) in outputs.iter_mut().zip(&mut args.out) {
+        let w = o.w;
+        ensure!(
+            w.dtype == dtype && w.cols == cols,
+            OP,
+            "a {}×{} {} matrix fused with {dtype} rows of {cols}",
+            w.rows,
+            w.cols,
+            w.dtype
+        );
+        ensure!(
+            o.y.len() == batch * w.rows,
+            OP,
+            "y has {} values for batch {batch} of a {}×{} matrix",
+            o.y.len(),
+            w.rows,
+            w.cols
+        );
+        if let Some(bias) = o.bias {
+            ensure!(
+                bias.len() == w.rows,
+                OP,
+                "bias of {} for {} rows",
+                bias.len(),
+                w.rows
+            );
+        }
+        total_rows += w.rows;
+        *out = KernelOut {
+            w: w.data.device_ptr(),
+            bias: o.bias.map_or(0, |b| b.device_ptr()),
+            y: o.y.device_ptr(),
+            rows: int(OP, "rows", w.rows)?,
+            pad: 0,
+        };
+    }
+    if epilogue == Epilogue::SwiGlu {
+        ensure!(
+            outputs.len() == 2 && outputs[0].w.rows == outputs[1].w.rows,
+            OP,
+            "SwiGLU takes a gate and an up matrix of the same shape"
+        );
+    }
+    if total_rows == 0 {
         return Ok(());
     }
-    let per_chunk = 16 / w.dtype.size_in_bytes();
-    let vectorised = w.cols.is_multiple_of(per_chunk)
-        && w.data.device_ptr().is_multiple_of(16)
-        && x.device_ptr().is_multiple_of(16);
+    args.total_rows = int(OP, "rows", total_rows)?;
+
+    let per_chunk = 16 / dtype.size_in_bytes();
+    let aligned = |p: u64| p.is_multiple_of(16);
+    let vectorised = cols.is_multiple_of(per_chunk)
+        && outputs.iter().all(|o| aligned(o.w.data.device_ptr()))
+        && aligned(x.device_ptr())
+        && norm.is_none_or(|n| aligned(n.weight.device_ptr()));
     // Warps sharing a group of rows: enough that each lane takes about 4 steps of a row (more
     // would leave lanes idle on short rows, fewer too few loads in flight on long ones).
-    let steps = if vectorised {
-        w.cols / per_chunk
-    } else {
-        w.cols
-    };
+    let steps = if vectorised { cols / per_chunk } else { cols };
     let warps_per_rows = match steps / 128 {
         0..=1 => 1,
         2..=3 => 2,
@@ -62,19 +215,14 @@ pub fn matvec(
     // Rows per group, as the MATVEC_ALL_BATCHES table in matvec.cu sets them.
     let rows_per_group = if batch <= 2 { 2 } else { 4 };
     let rows_per_block = (THREADS as usize / 32 / warps_per_rows) * rows_per_group;
-    let blocks = int(OP, "blocks", w.rows.div_ceil(rows_per_block))? as u32;
-    let (wp, xp, yp) = (w.data.device_ptr(), x.device_ptr(), y.device_ptr());
-    let (rows, cols) = (int(OP, "rows", w.rows)?, int(OP, "cols", w.cols)?);
-    let (accumulate, vec, wpr) = (
-        i32::from(accumulate),
-        i32::from(vectorised),
-        warps_per_rows as i32,
-    );
+    let blocks = int(OP, "blocks", total_rows.div_ceil(rows_per_block))? as u32;
+    args.vec = i32::from(vectorised);
+    args.wpr = warps_per_rows as i32;
     let kernel = Kernel::Matvec {
-        weights: w.dtype,
+        weights: dtype,
         batch: batch as u8,
     };
-    launch!(device, kernel, config((blocks, 1), THREADS, 0); wp, xp, yp, rows, cols, accumulate, vec, wpr)
+    launch!(device, kernel, config((blocks, 1), THREADS, 0); args)
 }
 
 /// Bytes one [`matvec`] must move at least: the weights once, `x` and `y` once.

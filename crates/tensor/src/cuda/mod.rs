@@ -51,10 +51,12 @@ pub use error::CudaError;
 pub use gemm::Gemm;
 pub use graph::Graph;
 pub use kernels::{Float, Module};
-pub use matvec::{MAX_BATCH, matvec, matvec_bytes};
+pub use matvec::{
+    Epilogue, MAX_BATCH, MAX_OUTPUTS, MatvecNorm, MatvecOutput, matvec, matvec_bytes, matvec_fused,
+};
 pub use memory::{DevMat, DevSlice, DevSliceMut, DeviceBuffer, DeviceElem, FloatElem};
 pub use rms_norm::{add_rms_norm, rms_norm, rms_norm_in_place};
-pub use rope::{RopeNorm, rope};
+pub use rope::{RopeHeads, RopeNorm, rope, rope_qk};
 
 use error::ensure;
 

@@ -39,6 +39,9 @@ template <> __device__ __forceinline__ f16_t from_f32<f16_t>(float x) {
     return r;
 }
 
+// SwiGLU's activation, x · sigmoid(x).
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);

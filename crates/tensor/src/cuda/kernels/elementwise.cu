@@ -6,8 +6,7 @@ __device__ __forceinline__ void silu_mul(const float* gate, const float* __restr
                                          long long n) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
-        const float g = gate[i];
-        out[i] = from_f32<O>(g / (1.0f + expf(-g)) * up[i]);
+        out[i] = from_f32<O>(silu(gate[i]) * up[i]);
     }
 }
 

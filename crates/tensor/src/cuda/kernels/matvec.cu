@@ -1,4 +1,14 @@
-// Decode matrix-vector products: y[b, r] = sum_c W[r, c] * x[b, c] (+ y[b, r]), b < B.
+// Decode matrix-vector products, fused with the steps around them in a layer:
+//
+//   y_i[b, r] = s_b · (W_i[r] · (x[b] ∘ g)) + bias_i[r]      (+ y_i[b, r] with `accumulate`)
+//
+// for b < B and up to three matrices W_i that share the input x (q, k and v; gate and up),
+// launched as one product over their rows laid end to end. With `norm` set, g is that RMS
+// norm weight and s_b = 1 / rms(x[b]): the layer's RMSNorm, whose sum of squares each group
+// takes from the very x values it loads for its products (a group's lanes cover every column
+// of x once), so the norm costs no pass of its own and the normalised x is never stored.
+// Without it, g = 1 and s_b = 1. With `swiglu` the two matrices are gate and up, their rows
+// interleaved (gate r, up r) so one group holds both, and y_0 = silu(gate) · up.
 //
 // W is [rows, cols] row-major (a HF Linear), f32, bf16 or f16; x and y are f32. A group of
 // `wpr` warps (1, 2, 4 or 8, set by the host from the row length) takes ROWS rows and splits
@@ -9,29 +19,82 @@
 // f32, reduced across each warp by shuffles and across a group's warps in shared memory.
 
 #define MATVEC_THREADS 256
+#define MATVEC_MAX_OUTPUTS 3
 
-// `vec` (set by the host) says every row and x start on 16 bytes and cols is a whole number
-// of chunks; otherwise the scalar loop runs.
+// One matrix of a fused product and where its rows go.
+struct MatvecOut {
+    const void* w;      // [rows, cols]
+    const float* bias;  // [rows] or null
+    float* y;           // [B, rows]
+    int rows;
+    int pad;
+};
+
+// Mirrors `MatvecArgs` in matvec.rs field for field.
+struct MatvecArgs {
+    MatvecOut out[MATVEC_MAX_OUTPUTS];
+    const float* x;     // [B, cols]
+    const float* norm;  // [cols] or null
+    float eps;
+    int outputs;
+    int total_rows;  // rows of all outputs (twice the rows of one with swiglu)
+    int cols;
+    int accumulate;
+    int swiglu;
+    int vec;  // every row and x start on 16 bytes and cols is a whole number of chunks
+    int wpr;
+};
+
+__device__ __forceinline__ MatvecOut matvec_out(const MatvecArgs& a, int i) {
+    return i == 0 ? a.out[0] : (i == 1 ? a.out[1] : a.out[2]);
+}
+
+// The output a row of the fused product belongs to, and the row's index there.
+__device__ __forceinline__ int matvec_locate(const MatvecArgs& a, int row, int* local) {
+    if (a.swiglu) {
+        *local = row >> 1;
+        return row & 1;
+    }
+    int i = 0;
+    if (a.outputs > 1 && row >= a.out[0].rows) {
+        row -= a.out[0].rows;
+        i = 1;
+        if (a.outputs > 2 && row >= a.out[1].rows) {
+            row -= a.out[1].rows;
+            i = 2;
+        }
+    }
+    *local = row;
+    return i;
+}
+
 template <typename W, int B, int ROWS, int UNROLL>
-__device__ __forceinline__ void matvec(const W* __restrict__ w, const float* __restrict__ x,
-                                       float* __restrict__ y, int rows, int cols, int accumulate,
-                                       int vec, int wpr) {
+__device__ __forceinline__ void matvec(const MatvecArgs& a) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int wpr = a.wpr, cols = a.cols;
     const int groups = (MATVEC_THREADS / 32) / wpr;
     const int row0 = (blockIdx.x * groups + warp / wpr) * ROWS;
     // This thread's place in its group, and the group's width in threads.
     const int tg = (warp % wpr) * 32 + lane, width = wpr * 32;
-    float acc[ROWS][B];
+    const float* __restrict__ x = a.x;
+    const float* __restrict__ g = a.norm;
+    float acc[ROWS][B], ss[B];
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r)
+    for (int b = 0; b < B; ++b) {
+        ss[b] = 0.0f;
 #pragma unroll
-        for (int b = 0; b < B; ++b) acc[r][b] = 0.0f;
+        for (int r = 0; r < ROWS; ++r) acc[r][b] = 0.0f;
+    }
     // Rows past the last re-read it; their sums are dropped below.
     const W* wr[ROWS];
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) wr[r] = w + (size_t)min(row0 + r, rows - 1) * cols;
+    for (int r = 0; r < ROWS; ++r) {
+        int local;
+        const MatvecOut o = matvec_out(a, matvec_locate(a, min(row0 + r, a.total_rows - 1), &local));
+        wr[r] = (const W*)o.w + (size_t)local * cols;
+    }
 
-    if (vec) {
+    if (a.vec) {
         const int N = Chunk<W>::N;
         const int chunks = cols / N;
 #pragma unroll UNROLL
@@ -39,6 +102,17 @@ __device__ __forceinline__ void matvec(const W* __restrict__ w, const float* __r
             float wf[ROWS][N];
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) Chunk<W>::unpack(load_stream16(wr[r] + c * N), wf[r]);
+            float gv[N];
+            if (g) {
+#pragma unroll
+                for (int i = 0; i < N; i += 4) {
+                    const float4 v = load_f4(g + c * N + i);
+                    gv[i] = v.x;
+                    gv[i + 1] = v.y;
+                    gv[i + 2] = v.z;
+                    gv[i + 3] = v.w;
+                }
+            }
 #pragma unroll
             for (int b = 0; b < B; ++b) {
                 float xv[N];
@@ -50,6 +124,13 @@ __device__ __forceinline__ void matvec(const W* __restrict__ w, const float* __r
                     xv[i + 2] = v.z;
                     xv[i + 3] = v.w;
                 }
+                if (g) {
+#pragma unroll
+                    for (int i = 0; i < N; ++i) {
+                        ss[b] = fmaf(xv[i], xv[i], ss[b]);
+                        xv[i] *= gv[i];
+                    }
+                }
 #pragma unroll
                 for (int r = 0; r < ROWS; ++r)
 #pragma unroll
@@ -58,16 +139,20 @@ __device__ __forceinline__ void matvec(const W* __restrict__ w, const float* __r
         }
     } else {
         for (int c = tg; c < cols; c += width) {
+            const float gc = g ? g[c] : 1.0f;
 #pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
-                const float wv = to_f32(wr[r][c]);
+            for (int b = 0; b < B; ++b) {
+                const float xc = x[(size_t)b * cols + c];
+                if (g) ss[b] = fmaf(xc, xc, ss[b]);
+                const float xg = g ? xc * gc : xc;
 #pragma unroll
-                for (int b = 0; b < B; ++b) acc[r][b] = fmaf(wv, x[(size_t)b * cols + c], acc[r][b]);
+                for (int r = 0; r < ROWS; ++r) acc[r][b] = fmaf(to_f32(wr[r][c]), xg, acc[r][b]);
             }
         }
     }
 
     __shared__ float partial[MATVEC_THREADS / 32][ROWS * B];
+    __shared__ float partial_ss[MATVEC_THREADS / 32][B];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r)
 #pragma unroll
@@ -75,26 +160,64 @@ __device__ __forceinline__ void matvec(const W* __restrict__ w, const float* __r
             const float s = warp_sum(acc[r][b]);
             if (lane == 0) partial[warp][r * B + b] = s;
         }
-    __syncthreads();
-    if (threadIdx.x < groups * ROWS * B) {
-        const int g = threadIdx.x / (ROWS * B), i = threadIdx.x % (ROWS * B);
-        const int r = (blockIdx.x * groups + g) * ROWS + i / B, b = i % B;
-        float sum = 0.0f;
-        for (int w = 0; w < wpr; ++w) sum += partial[g * wpr + w][i];
-        if (r < rows) {
-            float* out = y + (size_t)b * rows + r;
-            *out = accumulate ? *out + sum : sum;
+    if (g) {
+#pragma unroll
+        for (int b = 0; b < B; ++b) {
+            const float s = warp_sum(ss[b]);
+            if (lane == 0) partial_ss[warp][b] = s;
         }
     }
+    __syncthreads();
+
+    // One thread per (group, row, batch row) writes; with swiglu one per (group, row pair,
+    // batch row).
+    const int per_group = (a.swiglu ? ROWS / 2 : ROWS) * B;
+    if (threadIdx.x >= groups * per_group) return;
+    const int grp = threadIdx.x / per_group, i = threadIdx.x % per_group;
+    const int b = i % B, rr = i / B;
+    const int first = grp * wpr;
+    float scale = 1.0f;
+    if (g) {
+        float s = 0.0f;
+        for (int w = 0; w < wpr; ++w) s += partial_ss[first + w][b];
+        scale = 1.0f / sqrtf(s / (float)cols + a.eps);
+    }
+    const int group_row0 = (blockIdx.x * groups + grp) * ROWS;
+    if (a.swiglu) {
+        const int row = group_row0 + 2 * rr;  // the gate's; the up row follows it
+        if (row >= a.total_rows) return;
+        float gate = 0.0f, up = 0.0f;
+        for (int w = 0; w < wpr; ++w) {
+            gate += partial[first + w][(2 * rr) * B + b];
+            up += partial[first + w][(2 * rr + 1) * B + b];
+        }
+        const int r = row >> 1;
+        gate *= scale;
+        up *= scale;
+        if (a.out[0].bias) gate += a.out[0].bias[r];
+        if (a.out[1].bias) up += a.out[1].bias[r];
+        float* out = a.out[0].y + (size_t)b * a.out[0].rows + r;
+        const float v = silu(gate) * up;
+        *out = a.accumulate ? *out + v : v;
+        return;
+    }
+    const int row = group_row0 + rr;
+    if (row >= a.total_rows) return;
+    float sum = 0.0f;
+    for (int w = 0; w < wpr; ++w) sum += partial[first + w][rr * B + b];
+    int local;
+    const MatvecOut o = matvec_out(a, matvec_locate(a, row, &local));
+    float v = sum * scale;
+    if (o.bias) v += o.bias[local];
+    float* out = o.y + (size_t)b * o.rows + local;
+    *out = a.accumulate ? *out + v : v;
 }
 
 // More rows per group at larger batches, so each x load feeds more FMAs; fewer steps unrolled
 // there, so the registers still leave room for two blocks per multiprocessor.
 #define MATVEC(NAME, W, B, ROWS, UNROLL)                                                       \
-    extern "C" __global__ void __launch_bounds__(MATVEC_THREADS)                               \
-        NAME(const W* w, const float* x, float* y, int rows, int cols, int accumulate,          \
-             int vec, int wpr) {                                                               \
-        matvec<W, B, ROWS, UNROLL>(w, x, y, rows, cols, accumulate, vec, wpr);                  \
+    extern "C" __global__ void __launch_bounds__(MATVEC_THREADS) NAME(const MatvecArgs a) {    \
+        matvec<W, B, ROWS, UNROLL>(a);                                                         \
     }
 #define MATVEC_ALL_BATCHES(T, W)              \
     MATVEC(matvec_##T##_b1, W, 1, 2, 4)       \

@@ -1,20 +1,32 @@
-// Rotary position embedding of rows of `heads` heads of d values, in place; row t is at
-// position pos0 + t, pos0 read from `pos0_dev` when it is set (a recorded graph's step).
-// cos/sin are [positions, d/2]; a row past the tables is left as it is. `pairs` picks the layout: 0 rotates
-// element i with i + d/2 (HF "rotate half"), 1 rotates 2i with 2i + 1 (GGUF llama).
+// Rotary position embedding of rows of heads of d values, in place, for the queries and the
+// keys of a step in one launch: q holds n rows of q_heads heads, k n rows of k_heads heads
+// (0 for none); row t is at position pos0 + t, pos0 read from `pos0_dev` when it is set (a
+// recorded graph's step). cos/sin are [positions, d/2]; a row past the tables is left as it
+// is. `pairs` picks the layout: 0 rotates element i with i + d/2 (HF "rotate half"), 1
+// rotates 2i with 2i + 1 (GGUF llama).
 //
-// With `norm_weight` set, each head is first RMS-normalised and scaled by it (Qwen3's q/k
+// With a norm weight set, each head is first RMS-normalised and scaled by it (Qwen3's q/k
 // norm), so the head is read and written once. One warp per (row, head).
 
 #define ROPE_THREADS 128
 
 extern "C" __global__ void __launch_bounds__(ROPE_THREADS)
-    rope(float* x, const float* __restrict__ cos_table, const float* __restrict__ sin_table,
-         const float* __restrict__ norm_weight, int n, int heads, int d, int pos0,
+    rope(float* q, const float* __restrict__ q_norm, int q_heads, float* k,
+         const float* __restrict__ k_norm, int k_heads, const float* __restrict__ cos_table,
+         const float* __restrict__ sin_table, int n, int d, int pos0,
          const int* __restrict__ pos0_dev, int positions, int pairs, float eps) {
     const int lane = threadIdx.x & 31;
-    const int item = blockIdx.x * (ROPE_THREADS / 32) + (threadIdx.x >> 5);
-    if (item >= n * heads) return;
+    int item = blockIdx.x * (ROPE_THREADS / 32) + (threadIdx.x >> 5);
+    float* x = q;
+    const float* norm_weight = q_norm;
+    int heads = q_heads;
+    if (item >= n * q_heads) {
+        item -= n * q_heads;
+        x = k;
+        norm_weight = k_norm;
+        heads = k_heads;
+        if (item >= n * k_heads) return;
+    }
     const int t = item / heads;
     const int pos = (pos0_dev ? *pos0_dev : pos0) + t;
     if (pos >= positions) return;
