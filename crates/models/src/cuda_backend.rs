@@ -19,7 +19,7 @@ use ember_checkpoint::TensorSource;
 use ember_tensor::cpu::{AttentionShape, RopeLayout};
 use ember_tensor::cuda::{
     self, CudaDevice, DevMat, DevSlice, DevSliceMut, DeviceBuffer, Epilogue, Float, Gemm, Graph,
-    MatvecNorm, MatvecOutput, Position, RopeHeads, RopeNorm,
+    MatvecNorm, MatvecOutput, Position, PrefillPrecision, RopeHeads, RopeNorm,
 };
 use ember_tensor::quant::dequantize_row;
 use ember_tensor::{BufferId, BufferKind, BufferOwner, DType};
@@ -156,6 +156,9 @@ pub struct CudaBackend {
     logits_host: Vec<f32>,
     /// Recorded one-token passes; `None` turns recording off.
     graphs: Option<HashMap<GraphKey, Recording>>,
+    /// Prompt attention in bf16 on the tensor cores: for 16-bit checkpoints, whose prompts
+    /// already run through bf16 GEMMs; f32 checkpoints keep f32 attention.
+    prefill_precision: PrefillPrecision,
 }
 
 /// What a recorded pass is bound to: its shape and the cache its kernels address.
@@ -242,6 +245,10 @@ impl CudaBackend {
             logits,
             logits_host: vec![0.0; logit_rows * config.vocab_size],
             graphs: graphs.then(HashMap::new),
+            prefill_precision: match config.dtype.as_deref() {
+                Some("bfloat16" | "float16") => PrefillPrecision::Bf16,
+                _ => PrefillPrecision::F32,
+            },
             device,
         })
     }
@@ -745,8 +752,9 @@ impl Backend for CudaBackend {
                     )?;
                 } else {
                     // Prompts are never recorded: the host's position is the step's.
+                    let precision = self.prefill_precision;
                     cuda::attention_prefill(
-                        dev, q, keys, values, p.pos0, rows, shape, p.scale, &mut out,
+                        dev, q, keys, values, p.pos0, rows, shape, p.scale, precision, &mut out,
                     )?;
                 }
             }};

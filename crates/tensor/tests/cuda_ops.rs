@@ -14,7 +14,7 @@ use ember_residency::{Bound, Membership, RegionKind, ResidencySet, TestBackend};
 use ember_tensor::cpu::{self, AttentionShape, RopeLayout, RopeTables};
 use ember_tensor::cuda::{
     self, CudaDevice, CudaError, DevMat, DeviceBuffer, DeviceElem, Epilogue, FloatElem, Gemm,
-    MatvecNorm, MatvecOutput, Module, Position, RopeHeads, RopeNorm, compile,
+    MatvecNorm, MatvecOutput, Module, Position, PrefillPrecision, RopeHeads, RopeNorm, compile,
 };
 use ember_tensor::{BufferKind, BufferOwner, Location, ThreadPool};
 use half::{bf16, f16};
@@ -370,7 +370,9 @@ fn normed_reference(x: &[f32], g: &[f32], eps: f64) -> Vec<f32> {
 
 /// One launch for q, k and v with the RMS norm inside (and biases), and for gate and up with
 /// SwiGLU after: each output as the unfused steps give it.
-fn check_fused_matvec<T: Elem>(ctx: &Ctx, rng: &mut Rng, cols: usize, batch: usize) {
+///
+/// `scale` multiplies the row counts (many blocks, groups straddling matrices far in).
+fn check_fused_matvec<T: Elem>(ctx: &Ctx, rng: &mut Rng, cols: usize, batch: usize, scale: usize) {
     let eps = 1e-6;
     let (x, g) = (rng.vec(batch * cols), rng.vec(cols));
     let (xbuf, gbuf) = (ctx.upload(&x), ctx.upload(&g));
@@ -380,9 +382,10 @@ fn check_fused_matvec<T: Elem>(ctx: &Ctx, rng: &mut Rng, cols: usize, batch: usi
         eps,
     };
     // Row counts that leave groups straddling two matrices.
-    let shapes = [37, 11, 11];
+    let shapes = [37 * scale, 11 * scale, 11 * scale];
     let ws: Vec<Vec<T>> = shapes.iter().map(|&r| round(&rng.vec(r * cols))).collect();
-    let biases: Vec<Option<Vec<f32>>> = vec![Some(rng.vec(37)), None, Some(rng.vec(11))];
+    let biases: Vec<Option<Vec<f32>>> =
+        vec![Some(rng.vec(shapes[0])), None, Some(rng.vec(shapes[2]))];
     let wbufs: Vec<DeviceBuffer> = ws.iter().map(|w| ctx.upload(w)).collect();
     let bbufs: Vec<Option<DeviceBuffer>> = biases
         .iter()
@@ -433,7 +436,7 @@ fn check_fused_matvec<T: Elem>(ctx: &Ctx, rng: &mut Rng, cols: usize, batch: usi
     }
 
     // SwiGLU over gate and up.
-    let rows = 45;
+    let rows = 45 * scale;
     let (gate, up): (Vec<T>, Vec<T>) = (round(&rng.vec(rows * cols)), round(&rng.vec(rows * cols)));
     let (gbuf_w, ubuf_w) = (ctx.upload(&gate), ctx.upload(&up));
     let gm = DevMat::from_slice(gbuf_w.as_slice::<T>(), rows, cols).unwrap();
@@ -485,10 +488,15 @@ fn fused_matvec_matches_the_unfused_steps() {
     // Scalar (odd) and vectorised columns, short and long rows.
     for cols in [13, 256, 1032, 4096] {
         for batch in [1, 3, 8] {
-            check_fused_matvec::<bf16>(&ctx, &mut rng, cols, batch);
+            check_fused_matvec::<bf16>(&ctx, &mut rng, cols, batch, 1);
         }
-        check_fused_matvec::<f32>(&ctx, &mut rng, cols, 2);
-        check_fused_matvec::<f16>(&ctx, &mut rng, cols, 5);
+        check_fused_matvec::<f32>(&ctx, &mut rng, cols, 2, 1);
+        check_fused_matvec::<f16>(&ctx, &mut rng, cols, 5, 1);
+    }
+    // Thousands of rows, short and long.
+    for cols in [1024, 4096] {
+        check_fused_matvec::<bf16>(&ctx, &mut rng, cols, 1, 64);
+        check_fused_matvec::<bf16>(&ctx, &mut rng, cols, 2, 64);
     }
 }
 
@@ -1004,11 +1012,33 @@ fn check_attention<T: Elem>(
         n,
         shape,
         scale,
+        PrefillPrecision::F32,
         &mut out.as_mut_slice(),
     )
     .unwrap();
     let err = max_abs_err(&ctx.download::<f32>(&out), &want);
     assert!(err < 1e-4, "attention_prefill, {what}: error {err:e}");
+
+    // On the tensor cores (heads of 64 and 128): bf16 operands, so a bf16-sized error.
+    let mut out = ctx.poisoned::<f32>(n * n_heads * head_dim);
+    cuda::attention_prefill(
+        &ctx.device,
+        qbuf.as_slice(),
+        kbuf.as_slice::<T>(),
+        vbuf.as_slice::<T>(),
+        pos0,
+        n,
+        shape,
+        scale,
+        PrefillPrecision::Bf16,
+        &mut out.as_mut_slice(),
+    )
+    .unwrap();
+    let err = rel_err(&ctx.download::<f32>(&out), &want);
+    assert!(
+        err < 2e-2,
+        "attention_prefill in bf16, {what}: error {err:e}"
+    );
 
     // Decode: the last query alone over every position.
     let q_last = &q[(n - 1) * n_heads * head_dim..];
@@ -1151,6 +1181,9 @@ fn attention_matches_f64_reference() {
         (shape(12, 2, 80), 100, 17),
         (shape(20, 1, 128), 64, 16),
         (shape(4, 2, 256), 700, 3),
+        // Several tensor-core blocks of queries, with and without earlier positions.
+        (shape(8, 2, 64), 0, 130),
+        (shape(16, 8, 128), 37, 300),
     ];
     for (s, pos0, n) in cases {
         check_attention::<f32>(&ctx, &mut rng, s, pos0, n);

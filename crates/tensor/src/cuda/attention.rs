@@ -88,7 +88,7 @@ fn check_cache<T: FloatElem>(
 /// positions of the cache (the token's own included), into `out`.
 ///
 /// The context is split into up to 64 chunks, each taken by its own blocks; a second pass
-/// merges them. The kernels work the chunks out from the context alone, so a context read on
+/// merges them (and leaves at once when one chunk took the whole context and wrote `out`). The kernels work the chunks out from the context alone, so a context read on
 /// the device ([`Position::Device`], at most `keys.len()` positions: checked on the host only
 /// for [`Position::Host`]) gives the same bits as the same context known on the host.
 /// `scratch` holds [`attention_decode_scratch_len`] values.
@@ -166,7 +166,7 @@ pub fn attention_decode<T: FloatElem>(
         int(OP, "blocks", blocks_per_split)? as u32,
     );
     launch!(device, kernel, config(grid, THREADS, smem);
-        qp, kp, vp, mlp, accp, ctx, ctx_dev, heads, kv_heads, d, scale, target, vec)?;
+        qp, kp, vp, mlp, accp, outp, ctx, ctx_dev, heads, kv_heads, d, scale, target, vec)?;
     launch!(device, Kernel::AttentionCombine, config((n_heads as u32, 1), THREADS, 0);
         mlp, accp, outp, ctx, ctx_dev, target, heads, d)
 }
@@ -237,6 +237,23 @@ pub fn kv_store<T: FloatElem>(
         kp, vp, kcp, vcp, n, dim, p0, p0_dev, cap)
 }
 
+/// How [`attention_prefill`] may compute.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefillPrecision {
+    /// f32 products throughout (CUDA cores), as the CPU computes.
+    F32,
+    /// bf16 queries, keys, values and probabilities with f32 sums, on the tensor cores
+    /// (FlashAttention-2), where the device and head size allow; else as `F32`. For models
+    /// whose prefill already runs in bf16 GEMMs.
+    Bf16,
+}
+
+/// Heads the tensor-core kernel takes.
+const MMA_HEAD_DIMS: [usize; 2] = [64, 128];
+/// Query rows a tensor-core block takes (`MMA_ROWS` in attention_mma.cu), and its threads.
+const MMA_ROWS: usize = 64;
+const MMA_THREADS: u32 = 128;
+
 /// Causal attention of `n` new tokens at positions `pos0..pos0 + n` (their keys and values
 /// already in the cache): query `i` sees positions `..=pos0 + i`. `q` and `out` are
 /// `[n, n_heads · head_dim]`.
@@ -250,6 +267,7 @@ pub fn attention_prefill<T: FloatElem>(
     n: usize,
     shape: AttentionShape,
     scale: f32,
+    precision: PrefillPrecision,
     out: &mut DevSliceMut<'_, f32>,
 ) -> Result<(), CudaError> {
     const OP: &str = "attention_prefill";
@@ -284,6 +302,19 @@ pub fn attention_prefill<T: FloatElem>(
         int(OP, "n_kv_heads", n_kv_heads)?,
         int(OP, "head_dim", head_dim)?,
     );
+    let tensor_cores = precision == PrefillPrecision::Bf16
+        && MMA_HEAD_DIMS.contains(&head_dim)
+        && device.info().compute_capability >= super::Module::AttentionMma.min_compute_capability()
+        && [kp, vp].iter().all(|p| p.is_multiple_of(16));
+    if tensor_cores {
+        let kernel = Kernel::AttentionPrefillMma {
+            kv: T::FLOAT,
+            head_dim: head_dim as u16,
+        };
+        let grid = (n.div_ceil(MMA_ROWS) as u32, n_heads as u32);
+        return launch!(device, kernel, config(grid, MMA_THREADS, 0);
+            qp, kp, vp, op, tokens, p0, heads, kv_heads, scale);
+    }
     let vec = vectorised(keys, values, head_dim);
     let kernel = Kernel::AttentionPrefill {
         kv: T::FLOAT,

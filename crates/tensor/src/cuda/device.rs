@@ -241,8 +241,11 @@ impl CudaDevice {
     /// first use (and none does while a graph is being captured).
     pub fn load_all(&self) -> Result<(), CudaError> {
         let mut kernels = self.kernels();
+        let capability = self.info().compute_capability;
         for module in Module::ALL {
-            self.module(&mut kernels, module)?;
+            if capability >= module.min_compute_capability() {
+                self.module(&mut kernels, module)?;
+            }
         }
         Ok(())
     }

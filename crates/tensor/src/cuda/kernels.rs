@@ -19,10 +19,12 @@ pub enum Module {
     Embedding,
     Argmax,
     Attention,
+    /// Tensor-core attention (mma.sync with bf16 operands): compute capability 8.0 and later.
+    AttentionMma,
 }
 
 impl Module {
-    pub const ALL: [Module; 7] = [
+    pub const ALL: [Module; 8] = [
         Module::Matvec,
         Module::RmsNorm,
         Module::Rope,
@@ -30,6 +32,7 @@ impl Module {
         Module::Embedding,
         Module::Argmax,
         Module::Attention,
+        Module::AttentionMma,
     ];
 
     /// The file name without `.cu`.
@@ -42,6 +45,7 @@ impl Module {
             Module::Embedding => "embedding",
             Module::Argmax => "argmax",
             Module::Attention => "attention",
+            Module::AttentionMma => "attention_mma",
         }
     }
 
@@ -54,6 +58,15 @@ impl Module {
             Module::Embedding => include_str!("kernels/embedding.cu"),
             Module::Argmax => include_str!("kernels/argmax.cu"),
             Module::Attention => include_str!("kernels/attention.cu"),
+            Module::AttentionMma => include_str!("kernels/attention_mma.cu"),
+        }
+    }
+
+    /// The oldest compute capability the module compiles for.
+    pub fn min_compute_capability(self) -> (i32, i32) {
+        match self {
+            Module::AttentionMma => (8, 0),
+            _ => (5, 0),
         }
     }
 
@@ -132,6 +145,11 @@ pub enum Kernel {
     KvStore {
         kv: Float,
     },
+    /// Prompt attention on the tensor cores, heads of `head_dim` 64 or 128.
+    AttentionPrefillMma {
+        kv: Float,
+        head_dim: u16,
+    },
 }
 
 impl Kernel {
@@ -147,6 +165,7 @@ impl Kernel {
             | Kernel::AttentionCombine
             | Kernel::AttentionPrefill { .. }
             | Kernel::KvStore { .. } => Module::Attention,
+            Kernel::AttentionPrefillMma { .. } => Module::AttentionMma,
         }
     }
 
@@ -177,6 +196,9 @@ impl Kernel {
             Kernel::AttentionCombine => "attention_combine".into(),
             Kernel::AttentionPrefill { kv, width } => format!("attention_prefill_{kv}_e{width}"),
             Kernel::KvStore { kv } => format!("kv_store_{kv}"),
+            Kernel::AttentionPrefillMma { kv, head_dim } => {
+                format!("attention_prefill_mma_{kv}_d{head_dim}")
+            }
         }
     }
 }
@@ -201,6 +223,9 @@ mod tests {
             kernels.push(Kernel::KvStore { kv: f });
             for batch in 1..=8 {
                 kernels.push(Kernel::Matvec { weights: f, batch });
+            }
+            for head_dim in [64, 128] {
+                kernels.push(Kernel::AttentionPrefillMma { kv: f, head_dim });
             }
             for width in [2, 4, 8] {
                 kernels.push(Kernel::AttentionDecode { kv: f, width });
@@ -236,6 +261,10 @@ mod tests {
                 Kernel::AttentionDecode { kv, width } | Kernel::AttentionPrefill { kv, width } => {
                     source.contains(&format!("ATTENTION(T, KV, {width})"))
                         && source.contains(&format!("ATTENTION_ALL_WIDTHS({kv},"))
+                }
+                Kernel::AttentionPrefillMma { kv, head_dim } => {
+                    source.contains(&format!("ATTENTION_MMA(T, KV, {head_dim})"))
+                        && source.contains(&format!("ATTENTION_MMA_ALL_DIMS({kv},"))
                 }
                 Kernel::KvStore { kv } => {
                     source.contains("kv_store_##T(") && source.contains(&format!("KV_STORE({kv},"))

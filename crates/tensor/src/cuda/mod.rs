@@ -42,7 +42,8 @@ mod rope;
 
 pub use argmax::argmax;
 pub use attention::{
-    MAX_HEAD_DIM, attention_decode, attention_decode_scratch_len, attention_prefill, kv_store,
+    MAX_HEAD_DIM, PrefillPrecision, attention_decode, attention_decode_scratch_len,
+    attention_prefill, kv_store,
 };
 pub use device::{CudaDevice, DeviceInfo};
 pub use elementwise::{add, convert, silu_mul, silu_mul_in_place};

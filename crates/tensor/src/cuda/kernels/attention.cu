@@ -13,7 +13,8 @@
 // - attention_decode: one query per head, the keys split into chunks across blocks
 //   (flash-decoding); a block takes one chunk for the query heads of one kv head, so each
 //   key is read once for the whole group, and writes its unnormalised partial result.
-//   attention_combine merges the chunks. The context length may be read from device memory
+//   attention_combine merges the chunks; a context of one chunk is written out finished by
+//   the decode kernel and the merge has nothing to do. The context length may be read from device memory
 //   (a recorded graph's step), so the chunking is worked out on the device, from it alone:
 //   the grid may have more chunks than there are, and those blocks leave at once.
 // - attention_prefill: causal attention of a prompt chunk of n tokens at positions
@@ -162,7 +163,8 @@ __device__ __forceinline__ void attention_decode(const float* __restrict__ q,
                                                  const KV* __restrict__ kc,
                                                  const KV* __restrict__ vc,
                                                  float* __restrict__ part_ml,
-                                                 float* __restrict__ part_acc, int context,
+                                                 float* __restrict__ part_acc,
+                                                 float* __restrict__ out, int context,
                                                  const int* __restrict__ context_dev,
                                                  int n_heads, int n_kv_heads, int d, float scale,
                                                  int target_splits, int vec) {
@@ -200,10 +202,22 @@ __device__ __forceinline__ void attention_decode(const float* __restrict__ q,
         }
     }
 
+    // One chunk: this block saw every key, so its result is the answer.
+    const bool alone = decode_splits(context, target_splits) == 1;
 #pragma unroll
     for (int i = 0; i < ATT_ROWS_PER_WARP; ++i) {
         const int g = g0 + i * ATT_WARPS + warp;
         if (g >= group) continue;
+        if (alone) {
+            const float inv = 1.0f / st[i].l;
+            float* o = out + (size_t)(kvh * group + g) * d;
+#pragma unroll
+            for (int j = 0; j < E; ++j) {
+                const int e = j * 32 + lane;
+                if (e < d) o[e] = st[i].acc[j] * inv;
+            }
+            continue;
+        }
         const size_t part = (size_t)split * n_heads + kvh * group + g;
         if (lane == 0) {
             part_ml[2 * part] = st[i].m;
@@ -225,6 +239,7 @@ extern "C" __global__ void attention_combine(const float* __restrict__ part_ml,
                                              int target_splits, int n_heads, int d) {
     if (context_dev) context = *context_dev;
     const int splits = decode_splits(context, target_splits);
+    if (splits == 1) return;  // the decode kernel wrote the result
     const int h = blockIdx.x;
     float m = NEG_INF;
     for (int s = 0; s < splits; ++s) m = fmaxf(m, part_ml[2 * ((size_t)s * n_heads + h)]);
@@ -299,10 +314,10 @@ __device__ __forceinline__ void attention_prefill(const float* __restrict__ q,
 #define ATTENTION(T, KV, E)                                                                    \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_decode_##T##_e##E(      \
         const float* q, const KV* kc, const KV* vc, float* part_ml, float* part_acc,           \
-        int context, const int* context_dev, int n_heads, int n_kv_heads, int d, float scale,  \
-        int target_splits, int vec) {                                                          \
-        attention_decode<KV, E>(q, kc, vc, part_ml, part_acc, context, context_dev, n_heads,   \
-                                n_kv_heads, d, scale, target_splits, vec);                     \
+        float* out, int context, const int* context_dev, int n_heads, int n_kv_heads, int d,   \
+        float scale, int target_splits, int vec) {                                             \
+        attention_decode<KV, E>(q, kc, vc, part_ml, part_acc, out, context, context_dev,       \
+                                n_heads, n_kv_heads, d, scale, target_splits, vec);            \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_prefill_##T##_e##E(     \
         const float* q, const KV* kc, const KV* vc, float* out, int n, int pos0, int n_heads,  \
