@@ -256,8 +256,8 @@ pub trait Backend {
     ) -> Result<()>;
     /// `dst_i[..rows.len()] = rms_norm(src[rows]) · weight_iᵀ + bias_i` for each projection:
     /// the projections that read one normalised input (q, k and v). The default normalises
-    /// into `Normed` and projects from there; a backend may fuse the norm and the products
-    /// into one pass over the weights.
+    /// into `Normed` and projects from there ([`norm_linears_step_by_step`]); a backend may
+    /// fuse the norm and the products into one pass over the weights.
     fn norm_linears(
         &mut self,
         src: Slot,
@@ -269,30 +269,25 @@ pub trait Backend {
     where
         Self: Sized,
     {
-        self.rms_norm(src, rows.clone(), norm, eps, Slot::Normed)?;
-        for p in projections {
-            self.linear(p.weight, p.bias, Slot::Normed, rows.len(), p.dst)?;
-        }
-        Ok(())
+        norm_linears_step_by_step(self, src, rows, norm, eps, projections)
     }
-    /// `Gate[..] = silu(h · gateᵀ) · (h · upᵀ)` with `h = rms_norm(src[rows])`: the first half
-    /// of a SwiGLU MLP (`gate` writes `Gate`, `up` writes `Up`). The default runs it step by
-    /// step through `Normed`.
-    fn norm_swiglu(
+    /// A SwiGLU MLP added into the residual stream: `Residual[rows] += down(silu(gate(h)) ·
+    /// up(h))` with `h = rms_norm(Residual[rows])` (`gate` writes `Gate`, `up` writes `Up`;
+    /// `down`'s slot is the residual's). The default runs it step by step
+    /// ([`norm_mlp_step_by_step`]).
+    fn norm_mlp(
         &mut self,
-        src: Slot,
         rows: Range<usize>,
         norm: &Self::Vector,
         eps: f32,
         gate: Projection<'_, Self>,
         up: Projection<'_, Self>,
+        down: Projection<'_, Self>,
     ) -> Result<()>
     where
         Self: Sized,
     {
-        let len = rows.len() * gate.weight.rows();
-        self.norm_linears(src, rows, norm, eps, &[gate, up])?;
-        self.silu_mul(len)
+        norm_mlp_step_by_step(self, rows, norm, eps, gate, up, down)
     }
     /// `Residual[offset..] += src[..rows] · weightᵀ`: an output projection added straight
     /// into the residual stream. The default goes through `BlockOut`; a backend whose kernels
@@ -373,4 +368,44 @@ pub trait Backend {
     fn project_logits(&mut self, head: &Self::Matrix, rows: usize) -> Result<()>;
     /// The first `len` logits of the last pass, on the host.
     fn logits(&mut self, len: usize) -> Result<&[f32]>;
+}
+
+/// [`Backend::norm_linears`] one step at a time: the norm into `Normed`, then each product.
+pub fn norm_linears_step_by_step<B: Backend>(
+    b: &mut B,
+    src: Slot,
+    rows: Range<usize>,
+    norm: &B::Vector,
+    eps: f32,
+    projections: &[Projection<'_, B>],
+) -> Result<()> {
+    b.rms_norm(src, rows.clone(), norm, eps, Slot::Normed)?;
+    for p in projections {
+        b.linear(p.weight, p.bias, Slot::Normed, rows.len(), p.dst)?;
+    }
+    Ok(())
+}
+
+/// [`Backend::norm_mlp`] one step at a time: gate and up, SwiGLU into `Gate`, and the down
+/// projection added into the residual (through `BlockOut` when it has a bias).
+pub fn norm_mlp_step_by_step<B: Backend>(
+    b: &mut B,
+    rows: Range<usize>,
+    norm: &B::Vector,
+    eps: f32,
+    gate: Projection<'_, B>,
+    up: Projection<'_, B>,
+    down: Projection<'_, B>,
+) -> Result<()> {
+    let (n, width, hidden) = (rows.len(), gate.weight.rows(), down.weight.rows());
+    let offset = rows.start * hidden;
+    b.norm_linears(Slot::Residual, rows, norm, eps, &[gate, up])?;
+    b.silu_mul(n * width)?;
+    match down.bias {
+        Some(bias) => {
+            b.linear(down.weight, Some(bias), Slot::Gate, n, Slot::BlockOut)?;
+            b.add(Slot::Residual, offset, Slot::BlockOut, n * hidden)
+        }
+        None => b.linear_into_residual(down.weight, Slot::Gate, n, offset),
+    }
 }

@@ -26,7 +26,8 @@ use ember_tensor::{BufferId, BufferKind, BufferOwner, DType};
 use half::{bf16, f16};
 
 use crate::backend::{
-    AttentionParams, Backend, KvFill, KvStore, PassShape, Projection, RopeStyle, Slot, WeightMatrix,
+    AttentionParams, Backend, KvFill, KvStore, PassShape, Projection, RopeStyle, Slot,
+    WeightMatrix, norm_linears_step_by_step, norm_mlp_step_by_step,
 };
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
@@ -338,6 +339,53 @@ impl CudaBackend {
 }
 
 impl CudaBackend {
+    /// `gemm_input[..rows.len()] = rms_norm(src[rows])` in bf16: a prefill GEMM's input made
+    /// by the norm itself.
+    fn norm_into_gemm_input(
+        &mut self,
+        src: Slot,
+        rows: Range<usize>,
+        norm: &CudaVector,
+        eps: f32,
+    ) -> Result<()> {
+        let width = norm.0.len() / 4;
+        let x = self.slots[src.index()]
+            .as_slice::<f32>()
+            .slice(rows.start * width..rows.end * width);
+        let mut a = self.gemm_input.as_mut_slice::<bf16>();
+        let mut a = a.slice_mut(0..rows.len() * width);
+        cuda::rms_norm(&self.device, x, norm.slice(), eps, &mut a)?;
+        Ok(())
+    }
+
+    /// `dst[offset..] (+)= gemm_input[..rows] · Wᵀ` for bf16 weights whose input the caller
+    /// left in `gemm_input` as bf16.
+    fn gemm_from_input(
+        &mut self,
+        w: &CudaMatrix,
+        rows: usize,
+        dst: Slot,
+        offset: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        let mat = w.as_mat()?;
+        let a = self.gemm_input.as_slice::<bf16>().slice(0..rows * w.cols);
+        let mut y = self.slots[dst.index()].as_mut_slice::<f32>();
+        let mut y = y.slice_mut(offset..offset + rows * w.rows);
+        self.gemm.matmul(a, &mat, &mut y, accumulate)?;
+        Ok(())
+    }
+
+    /// `dst[r] += bias` for each of `rows` rows of `width`.
+    fn add_bias(&mut self, bias: &CudaVector, dst: Slot, rows: usize, width: usize) -> Result<()> {
+        let mut y = self.slots[dst.index()].as_mut_slice::<f32>();
+        for r in 0..rows {
+            let mut row = y.slice_mut(r * width..(r + 1) * width);
+            cuda::add(&self.device, &mut row, bias.slice())?;
+        }
+        Ok(())
+    }
+
     /// Whether [`Self::fused_products`] takes these: the matrix-vector road (a decode batch,
     /// or f32 weights, which never take a GEMM), and matrices that can share a launch.
     fn fusible(&self, rows: usize, weights: &[&CudaMatrix]) -> bool {
@@ -562,11 +610,7 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         self.project(weight, src, rows, dst, 0, false)?;
         if let Some(bias) = bias {
-            let mut y = self.slots[dst.index()].as_mut_slice::<f32>();
-            for r in 0..rows {
-                let mut row = y.slice_mut(r * weight.rows..(r + 1) * weight.rows);
-                cuda::add(&self.device, &mut row, bias.slice())?;
-            }
+            self.add_bias(bias, dst, rows, weight.rows)?;
         }
         Ok(())
     }
@@ -583,31 +627,74 @@ impl Backend for CudaBackend {
         if self.fusible(rows.len(), &weights) {
             return self.fused_products(src, rows, norm, eps, projections, Epilogue::Store);
         }
-        // Prefill: normalise once, then a GEMM per projection.
+        if !weights.iter().all(|w| w.dtype == DType::BF16) {
+            return norm_linears_step_by_step(self, src, rows, norm, eps, projections);
+        }
+        // Prefill: normalised once, straight to bf16, then a GEMM per projection.
         let n = rows.len();
-        self.rms_norm(src, rows, norm, eps, Slot::Normed)?;
+        self.norm_into_gemm_input(src, rows, norm, eps)?;
         for p in projections {
-            self.linear(p.weight, p.bias, Slot::Normed, n, p.dst)?;
+            self.gemm_from_input(p.weight, n, p.dst, 0, false)?;
+            if let Some(bias) = p.bias {
+                self.add_bias(bias, p.dst, n, p.weight.rows)?;
+            }
         }
         Ok(())
     }
 
-    fn norm_swiglu(
+    fn norm_mlp(
         &mut self,
-        src: Slot,
         rows: Range<usize>,
         norm: &CudaVector,
         eps: f32,
         gate: Projection<'_, Self>,
         up: Projection<'_, Self>,
+        down: Projection<'_, Self>,
     ) -> Result<()> {
-        let len = rows.len() * gate.weight.rows;
-        if self.fusible(rows.len(), &[gate.weight, up.weight]) {
+        let (n, width, hidden) = (rows.len(), gate.weight.rows, down.weight.rows);
+        let offset = rows.start * hidden;
+        let bf16 = [gate.weight, up.weight, down.weight]
+            .iter()
+            .all(|w| w.dtype == DType::BF16);
+        if self.fusible(n, &[gate.weight, up.weight]) {
+            let down_bias = down.bias;
             let projections = [gate, up];
-            return self.fused_products(src, rows, norm, eps, &projections, Epilogue::SwiGlu);
+            self.fused_products(
+                Slot::Residual,
+                rows,
+                norm,
+                eps,
+                &projections,
+                Epilogue::SwiGlu,
+            )?;
+            if let Some(bias) = down_bias {
+                self.linear(down.weight, Some(bias), Slot::Gate, n, Slot::BlockOut)?;
+                return self.add(Slot::Residual, offset, Slot::BlockOut, n * hidden);
+            }
+            return self.project(down.weight, Slot::Gate, n, Slot::Residual, offset, true);
         }
-        self.norm_linears(src, rows, norm, eps, &[gate, up])?;
-        self.silu_mul(len)
+        if !bf16 || [&gate, &up, &down].iter().any(|p| p.bias.is_some()) {
+            return norm_mlp_step_by_step(self, rows, norm, eps, gate, up, down);
+        }
+        // Prefill in bf16 GEMMs, the activations converted only where they are made: the norm
+        // and SwiGLU write bf16 for the next GEMM.
+        self.norm_into_gemm_input(Slot::Residual, rows, norm, eps)?;
+        self.gemm_from_input(gate.weight, n, Slot::Gate, 0, false)?;
+        self.gemm_from_input(up.weight, n, Slot::Up, 0, false)?;
+        {
+            let len = n * width;
+            let [g, u] = self
+                .slots
+                .get_disjoint_mut([Slot::Gate.index(), Slot::Up.index()])
+                .expect("distinct slots");
+            let (g, u) = (
+                g.as_slice::<f32>().slice(0..len),
+                u.as_slice::<f32>().slice(0..len),
+            );
+            let mut a = self.gemm_input.as_mut_slice::<bf16>();
+            cuda::silu_mul(&self.device, g, u, &mut a.slice_mut(0..len))?;
+        }
+        self.gemm_from_input(down.weight, n, Slot::Residual, offset, true)
     }
 
     fn linear_into_residual(

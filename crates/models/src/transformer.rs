@@ -94,12 +94,9 @@ impl<B: Backend> Mlp<B> {
         rows: Range<usize>,
         norm: &B::Vector,
         eps: f32,
-        hidden: usize,
     ) -> Result<()> {
         let (gate, up) = (self.gate.writing(Slot::Gate), self.up.writing(Slot::Up));
-        b.norm_swiglu(Slot::Residual, rows.clone(), norm, eps, gate, up)?;
-        self.down
-            .apply_to_residual(b, Slot::Gate, rows.len(), rows.start * hidden)
+        b.norm_mlp(rows, norm, eps, gate, up, self.down.writing(Slot::Residual))
     }
 }
 
@@ -344,7 +341,7 @@ impl<B: Backend> Transformer<B> {
             let m = n - first;
             let norm = &layer.post_attention_norm;
             match &layer.feed_forward {
-                FeedForward::Dense(mlp) => mlp.apply_to_residual(b, first..n, norm, eps, hidden)?,
+                FeedForward::Dense(mlp) => mlp.apply_to_residual(b, first..n, norm, eps)?,
                 FeedForward::Sparse(moe) => {
                     b.rms_norm(Slot::Residual, first..n, norm, eps, Slot::Normed)?;
                     b.moe(moe, m)?;

@@ -111,10 +111,11 @@ impl fmt::Display for Float {
 /// One kernel entry point.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Kernel {
-    /// `batch` in 1..=8.
+    /// `batch` in 1..=8; `norm`: the form with the RMS norm inside.
     Matvec {
         weights: Float,
         batch: u8,
+        norm: bool,
     },
     RmsNorm {
         out: Float,
@@ -184,7 +185,14 @@ impl Kernel {
     /// The `extern "C"` name in the module.
     pub fn symbol(self) -> String {
         match self {
-            Kernel::Matvec { weights, batch } => format!("matvec_{weights}_b{batch}"),
+            Kernel::Matvec {
+                weights,
+                batch,
+                norm,
+            } => format!(
+                "matvec_{weights}_b{batch}{}",
+                if norm { "_norm" } else { "" }
+            ),
             Kernel::RmsNorm { out } => format!("rms_norm_{out}"),
             Kernel::Rope => "rope".into(),
             Kernel::SiluMul { out } => format!("silu_mul_{out}"),
@@ -222,7 +230,13 @@ mod tests {
             kernels.push(Kernel::Embedding { table: f });
             kernels.push(Kernel::KvStore { kv: f });
             for batch in 1..=8 {
-                kernels.push(Kernel::Matvec { weights: f, batch });
+                for norm in [false, true] {
+                    kernels.push(Kernel::Matvec {
+                        weights: f,
+                        batch,
+                        norm,
+                    });
+                }
             }
             for head_dim in [64, 128] {
                 kernels.push(Kernel::AttentionPrefillMma { kv: f, head_dim });
@@ -254,8 +268,9 @@ mod tests {
             let direct =
                 source.contains(&format!(" {symbol}(")) || source.contains(&format!("{symbol},"));
             let pasted = match k {
-                Kernel::Matvec { weights, batch } => {
-                    source.contains(&format!("matvec_##T##_b{batch},"))
+                Kernel::Matvec { weights, batch, .. } => {
+                    source.contains("NAME##_norm(")
+                        && source.contains(&format!("matvec_##T##_b{batch},"))
                         && source.contains(&format!("MATVEC_ALL_BATCHES({weights},"))
                 }
                 Kernel::AttentionDecode { kv, width } | Kernel::AttentionPrefill { kv, width } => {

@@ -221,6 +221,7 @@ pub fn matvec_fused(
     let kernel = Kernel::Matvec {
         weights: dtype,
         batch: batch as u8,
+        norm: norm.is_some(),
     };
     launch!(device, kernel, config((blocks, 1), THREADS, 0); args)
 }

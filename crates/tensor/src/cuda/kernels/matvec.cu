@@ -68,7 +68,9 @@ __device__ __forceinline__ int matvec_locate(const MatvecArgs& a, int row, int* 
     return i;
 }
 
-template <typename W, int B, int ROWS, int UNROLL>
+// NORM: whether `a.norm` is set, known when compiling, so a plain product's inner loop holds
+// nothing of the norm (a runtime test there cost the bf16 kernels a fifth of their speed).
+template <typename W, int B, int ROWS, int UNROLL, bool NORM>
 __device__ __forceinline__ void matvec(const MatvecArgs& a) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int wpr = a.wpr, cols = a.cols;
@@ -103,7 +105,7 @@ __device__ __forceinline__ void matvec(const MatvecArgs& a) {
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) Chunk<W>::unpack(load_stream16(wr[r] + c * N), wf[r]);
             float gv[N];
-            if (g) {
+            if (NORM) {
 #pragma unroll
                 for (int i = 0; i < N; i += 4) {
                     const float4 v = load_f4(g + c * N + i);
@@ -124,7 +126,7 @@ __device__ __forceinline__ void matvec(const MatvecArgs& a) {
                     xv[i + 2] = v.z;
                     xv[i + 3] = v.w;
                 }
-                if (g) {
+                if (NORM) {
 #pragma unroll
                     for (int i = 0; i < N; ++i) {
                         ss[b] = fmaf(xv[i], xv[i], ss[b]);
@@ -139,12 +141,12 @@ __device__ __forceinline__ void matvec(const MatvecArgs& a) {
         }
     } else {
         for (int c = tg; c < cols; c += width) {
-            const float gc = g ? g[c] : 1.0f;
+            const float gc = NORM ? g[c] : 1.0f;
 #pragma unroll
             for (int b = 0; b < B; ++b) {
                 const float xc = x[(size_t)b * cols + c];
-                if (g) ss[b] = fmaf(xc, xc, ss[b]);
-                const float xg = g ? xc * gc : xc;
+                if (NORM) ss[b] = fmaf(xc, xc, ss[b]);
+                const float xg = NORM ? xc * gc : xc;
 #pragma unroll
                 for (int r = 0; r < ROWS; ++r) acc[r][b] = fmaf(to_f32(wr[r][c]), xg, acc[r][b]);
             }
@@ -160,7 +162,7 @@ __device__ __forceinline__ void matvec(const MatvecArgs& a) {
             const float s = warp_sum(acc[r][b]);
             if (lane == 0) partial[warp][r * B + b] = s;
         }
-    if (g) {
+    if (NORM) {
 #pragma unroll
         for (int b = 0; b < B; ++b) {
             const float s = warp_sum(ss[b]);
@@ -177,7 +179,7 @@ __device__ __forceinline__ void matvec(const MatvecArgs& a) {
     const int b = i % B, rr = i / B;
     const int first = grp * wpr;
     float scale = 1.0f;
-    if (g) {
+    if (NORM) {
         float s = 0.0f;
         for (int w = 0; w < wpr; ++w) s += partial_ss[first + w][b];
         scale = 1.0f / sqrtf(s / (float)cols + a.eps);
@@ -217,7 +219,10 @@ __device__ __forceinline__ void matvec(const MatvecArgs& a) {
 // there, so the registers still leave room for two blocks per multiprocessor.
 #define MATVEC(NAME, W, B, ROWS, UNROLL)                                                       \
     extern "C" __global__ void __launch_bounds__(MATVEC_THREADS) NAME(const MatvecArgs a) {    \
-        matvec<W, B, ROWS, UNROLL>(a);                                                         \
+        matvec<W, B, ROWS, UNROLL, false>(a);                                                  \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(MATVEC_THREADS) NAME##_norm(const MatvecArgs a) { \
+        matvec<W, B, ROWS, UNROLL, true>(a);                                                   \
     }
 // (8 rows per group at batch 1, each x load feeding 8 rows, measured slower on the H200:
 // qwen3-8b decode 148 tok/s against 167.)
