@@ -7,6 +7,7 @@ works here) with torch.compile. Prints one JSON line per mode with medians, to b
 `ember bench decode --device cuda --json` run on the same checkpoint in the same session.
 
     python3 scripts/torch_decode_bench.py CHECKPOINT_DIR [--prompt-tokens 512] [--decode-tokens 128]
+        [--repeats 3] [--modes eager,generate,compile]
 """
 
 import argparse
@@ -84,12 +85,16 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--modes", default="eager,generate,compile",
+                    help="comma-separated: eager, generate (generate() with a static cache, which "
+                         "transformers compiles), compile (torch.compile reduce-overhead)")
     a = ap.parse_args()
     model = AutoModelForCausalLM.from_pretrained(a.checkpoint, dtype=torch.bfloat16).cuda().eval()
     ids = prompt_ids(a.prompt_tokens, model.config.vocab_size)
     # "compile" last: torch.compile with CUDA graphs has crashed the process here.
-    modes = ["eager"] + ([] if a.no_compile else ["generate", "compile"])
+    order = ["eager", "generate", "compile"]
+    wanted = a.modes.split(",")
+    modes = [m for m in order if m in wanted]
     for mode in modes:
         try:
             if mode == "generate":

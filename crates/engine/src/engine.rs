@@ -315,6 +315,14 @@ impl Engine {
                     (Box::new(runner), scratch, Some(weights))
                 }
                 Some(device) => {
+                    // Every kernel compiled (or read from the disk cache) now, not inside the
+                    // first request: a fresh machine's NVRTC pass takes tens of seconds.
+                    let started = std::time::Instant::now();
+                    device.load_all().map_err(Error::Cuda)?;
+                    tracing::info!(
+                        "cuda kernels ready in {:.2} s",
+                        started.elapsed().as_secs_f64()
+                    );
                     let backend = CudaBackend::new(
                         device.clone(),
                         &config,
