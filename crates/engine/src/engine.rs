@@ -284,71 +284,72 @@ impl Engine {
         };
         let kv_dtype = options.kv_dtype.unwrap_or(default_kv);
         let source = weights.source();
-        let (runner, keepalive_scratch, weights): (Box<dyn Runner>, _, _) =
-            match choose_device(options.device, &weights, &config)? {
-                None => {
-                    let pool = ThreadPool::new(threads);
-                    // An f16 cache is the GGUF path, checked against llama.cpp: imitate its
-                    // arithmetic there; elsewhere transformers' (the golden fixtures).
-                    let arithmetic = match kv_dtype {
-                        KvDtype::F16 => Arithmetic::LlamaCpp,
-                        KvDtype::F32 => Arithmetic::Transformers,
-                    };
-                    let backend = CpuBackend::new(
-                        &config,
-                        pool,
-                        &owner,
-                        options.max_batch,
-                        context,
-                        1,
-                        arithmetic,
-                    )?;
-                    let model = Transformer::load(&backend, config, source, context)?;
-                    let kv = KvCache::new(&model.config, context, kv_dtype, &owner)?;
-                    let scratch = owner.alloc(
+        let cuda = choose_device(options.device, &weights, &config)?;
+        let device_memory = cuda.as_ref().map(|d| d.info().memory_bytes as u64);
+        let (runner, keepalive_scratch, weights): (Box<dyn Runner>, _, _) = match cuda {
+            None => {
+                let pool = ThreadPool::new(threads);
+                // An f16 cache is the GGUF path, checked against llama.cpp: imitate its
+                // arithmetic there; elsewhere transformers' (the golden fixtures).
+                let arithmetic = match kv_dtype {
+                    KvDtype::F16 => Arithmetic::LlamaCpp,
+                    KvDtype::F32 => Arithmetic::Transformers,
+                };
+                let backend = CpuBackend::new(
+                    &config,
+                    pool,
+                    &owner,
+                    options.max_batch,
+                    context,
+                    1,
+                    arithmetic,
+                )?;
+                let model = Transformer::load(&backend, config, source, context)?;
+                let kv = KvCache::new(&model.config, context, kv_dtype, &owner)?;
+                let scratch = owner.alloc(
+                    BufferKind::Scratch,
+                    "keepalive scratch",
+                    KEEPALIVE_SCRATCH_BYTES,
+                )?;
+                let runner = ModelRunner { backend, model, kv };
+                let scratch = KeepaliveScratch::Host(Arc::new(Mutex::new(scratch)));
+                (Box::new(runner), scratch, Some(weights))
+            }
+            Some(device) => {
+                // Every kernel compiled (or read from the disk cache) now, not inside the
+                // first request: a fresh machine's NVRTC pass takes tens of seconds.
+                let started = std::time::Instant::now();
+                device.load_all().map_err(Error::Cuda)?;
+                tracing::info!(
+                    "cuda kernels ready in {:.2} s",
+                    started.elapsed().as_secs_f64()
+                );
+                let backend = CudaBackend::new(
+                    device.clone(),
+                    &config,
+                    &owner,
+                    options.max_batch,
+                    1,
+                    options.cuda_graphs,
+                )?;
+                let model = Transformer::load(&backend, config, source, context)?;
+                let kv = CudaKv::new(&device, &owner, &model.config, context, kv_dtype)?;
+                let scratch = owner
+                    .alloc_device(
                         BufferKind::Scratch,
                         "keepalive scratch",
+                        &device,
                         KEEPALIVE_SCRATCH_BYTES,
-                    )?;
-                    let runner = ModelRunner { backend, model, kv };
-                    let scratch = KeepaliveScratch::Host(Arc::new(Mutex::new(scratch)));
-                    (Box::new(runner), scratch, Some(weights))
-                }
-                Some(device) => {
-                    // Every kernel compiled (or read from the disk cache) now, not inside the
-                    // first request: a fresh machine's NVRTC pass takes tens of seconds.
-                    let started = std::time::Instant::now();
-                    device.load_all().map_err(Error::Cuda)?;
-                    tracing::info!(
-                        "cuda kernels ready in {:.2} s",
-                        started.elapsed().as_secs_f64()
-                    );
-                    let backend = CudaBackend::new(
-                        device.clone(),
-                        &config,
-                        &owner,
-                        options.max_batch,
-                        1,
-                        options.cuda_graphs,
-                    )?;
-                    let model = Transformer::load(&backend, config, source, context)?;
-                    let kv = CudaKv::new(&device, &owner, &model.config, context, kv_dtype)?;
-                    let scratch = owner
-                        .alloc_device(
-                            BufferKind::Scratch,
-                            "keepalive scratch",
-                            &device,
-                            KEEPALIVE_SCRATCH_BYTES,
-                        )
-                        .map_err(Error::Cuda)?;
-                    let runner = ModelRunner { backend, model, kv };
-                    let scratch = KeepaliveScratch::Device(device, Arc::new(Mutex::new(scratch)));
-                    // The weights live on the device now: unmap the files.
-                    drop(weights);
-                    (Box::new(runner), scratch, None)
-                }
-            };
-        let residency = establish_residency(&owner, options)?;
+                    )
+                    .map_err(Error::Cuda)?;
+                let runner = ModelRunner { backend, model, kv };
+                let scratch = KeepaliveScratch::Device(device, Arc::new(Mutex::new(scratch)));
+                // The weights live on the device now: unmap the files.
+                drop(weights);
+                (Box::new(runner), scratch, None)
+            }
+        };
+        let residency = establish_residency(&owner, options, device_memory)?;
         let encoder = PromptEncoder {
             dir: dir.to_path_buf(),
             tokenizer,
@@ -584,7 +585,11 @@ impl Engine {
 /// Holds every listed buffer and the program's own code in one set, whole or not at all, logs
 /// the one load line that says which way it went, and attaches the set to the owner so later
 /// buffers join it.
-fn establish_residency(owner: &BufferOwner, options: &EngineOptions) -> Result<Arc<ResidencySet>> {
+fn establish_residency(
+    owner: &BufferOwner,
+    options: &EngineOptions,
+    device_memory: Option<u64>,
+) -> Result<Arc<ResidencySet>> {
     let (set, report) = match options.residency {
         ResidencyMode::Off => ResidencySet::disabled(),
         ResidencyMode::Auto | ResidencyMode::Required => {
@@ -600,11 +605,13 @@ fn establish_residency(owner: &BufferOwner, options: &EngineOptions) -> Result<A
                     .enumerate()
                     .map(|(i, r)| (CODE_ID_BASE + i as u64, r)),
             );
-            ResidencySet::establish(
-                Arc::new(MlockBackend::new()),
-                Bound::from_system(options.load_limit_gib),
-                regions,
-            )
+            let mut bound = Bound::from_system(options.load_limit_gib);
+            if let Some(bytes) = device_memory {
+                // Device buffers are resident by nature; the bound keeps later joins (KV
+                // growth, caches) inside the GPU's memory.
+                bound = bound.with_device_limit(bytes);
+            }
+            ResidencySet::establish(Arc::new(MlockBackend::new()), bound, regions)
         }
     };
     if options.residency != ResidencyMode::Off {

@@ -79,22 +79,33 @@ pub struct LoadReport {
 impl LoadReport {
     /// The load line, e.g.
     /// `residency: 412 buffers (1.23 GiB) held between requests, inside 70% of 23.4 GiB RAM less 2 GiB (14.4 GiB)`
-    /// or
+    /// (with device memory in the set, `(17.1 GiB: 0.58 GiB host, 16.5 GiB device)` and the
+    /// device bound after the host's) or
     /// `residency: none: engine 1.23 GiB + 2 GiB margin pass the 1.00 GiB load limit; raise --load-limit-gib or lower --context`.
     pub fn line(&self) -> String {
         let bound = self.bound.as_ref();
-        let bound_text = bound.map(Bound::describe).unwrap_or_default();
+        let mut bound_text = bound.map(Bound::describe).unwrap_or_default();
+        let mut size = fmt_gib(self.bytes);
+        if self.device_bytes > 0 {
+            size = format!(
+                "{size}: {} host, {} device",
+                fmt_gib(self.host_bytes),
+                fmt_gib(self.device_bytes)
+            );
+            if let Some(limit) = bound.and_then(Bound::device_bytes) {
+                bound_text = format!("{bound_text} and {} of device memory", fmt_gib(limit));
+            }
+        }
         let advice = bound.map(Bound::advice).unwrap_or_default();
         match &self.reason {
             None => format!(
-                "residency: {} {} ({}) held between requests, inside {bound_text}",
+                "residency: {} {} ({size}) held between requests, inside {bound_text}",
                 self.buffers,
                 if self.buffers == 1 {
                     "buffer"
                 } else {
                     "buffers"
                 },
-                fmt_gib(self.bytes)
             ),
             Some(NoSet::Disabled) => "residency: off (--no-residency)".into(),
             Some(NoSet::OverBound) => {

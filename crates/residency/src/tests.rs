@@ -205,6 +205,21 @@ fn load_lines_read_as_specified() {
          inside 70% of 23.4 GiB RAM less 2 GiB (14.4 GiB)"
     );
 
+    // With GPU memory in the set, the line splits host from device and names both bounds.
+    let mut regions = sized(2, GIB);
+    regions.push((3, Region::device(0xd000_0000, 16 * GIB as usize)));
+    let (_, gpu) = establish(
+        &TestBackend::new(),
+        Bound::from_figures(Some(ram), None, None).with_device_limit(140 * GIB),
+        regions,
+    );
+    assert_eq!(
+        gpu.line(),
+        "residency: 3 buffers (17.0 GiB: 1.00 GiB host, 16.0 GiB device) held between \
+         requests, inside 70% of 23.4 GiB RAM less 2 GiB (14.4 GiB) and 140.0 GiB of device \
+         memory"
+    );
+
     let (_, off) = ResidencySet::disabled();
     assert_eq!(off.line(), "residency: off (--no-residency)");
 
