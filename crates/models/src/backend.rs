@@ -397,15 +397,28 @@ pub fn norm_mlp_step_by_step<B: Backend>(
     up: Projection<'_, B>,
     down: Projection<'_, B>,
 ) -> Result<()> {
-    let (n, width, hidden) = (rows.len(), gate.weight.rows(), down.weight.rows());
-    let offset = rows.start * hidden;
+    let (n, width) = (rows.len(), gate.weight.rows());
+    let offset = rows.start * down.weight.rows();
     b.norm_linears(Slot::Residual, rows, norm, eps, &[gate, up])?;
     b.silu_mul(n * width)?;
-    match down.bias {
+    add_to_residual(b, &down, Slot::Gate, n, offset)
+}
+
+/// `Residual[offset..] += src[..rows] · weightᵀ + bias`: straight into the residual
+/// ([`Backend::linear_into_residual`]), or through `BlockOut` when there is a bias.
+pub fn add_to_residual<B: Backend>(
+    b: &mut B,
+    projection: &Projection<'_, B>,
+    src: Slot,
+    rows: usize,
+    offset: usize,
+) -> Result<()> {
+    let weight = projection.weight;
+    match projection.bias {
         Some(bias) => {
-            b.linear(down.weight, Some(bias), Slot::Gate, n, Slot::BlockOut)?;
-            b.add(Slot::Residual, offset, Slot::BlockOut, n * hidden)
+            b.linear(weight, Some(bias), src, rows, Slot::BlockOut)?;
+            b.add(Slot::Residual, offset, Slot::BlockOut, rows * weight.rows())
         }
-        None => b.linear_into_residual(down.weight, Slot::Gate, n, offset),
+        None => b.linear_into_residual(weight, src, rows, offset),
     }
 }

@@ -27,7 +27,7 @@ use half::{bf16, f16};
 
 use crate::backend::{
     AttentionParams, Backend, KvFill, KvStore, PassShape, Projection, RopeStyle, Slot,
-    WeightMatrix, norm_linears_step_by_step, norm_mlp_step_by_step,
+    WeightMatrix, add_to_residual, norm_linears_step_by_step, norm_mlp_step_by_step,
 };
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
@@ -336,9 +336,7 @@ impl CudaBackend {
         }
         Ok(())
     }
-}
 
-impl CudaBackend {
     /// `gemm_input[..rows.len()] = rms_norm(src[rows])` in bf16: a prefill GEMM's input made
     /// by the norm itself.
     fn norm_into_gemm_input(
@@ -657,7 +655,6 @@ impl Backend for CudaBackend {
             .iter()
             .all(|w| w.dtype == DType::BF16);
         if self.fusible(n, &[gate.weight, up.weight]) {
-            let down_bias = down.bias;
             let projections = [gate, up];
             self.fused_products(
                 Slot::Residual,
@@ -667,11 +664,7 @@ impl Backend for CudaBackend {
                 &projections,
                 Epilogue::SwiGlu,
             )?;
-            if let Some(bias) = down_bias {
-                self.linear(down.weight, Some(bias), Slot::Gate, n, Slot::BlockOut)?;
-                return self.add(Slot::Residual, offset, Slot::BlockOut, n * hidden);
-            }
-            return self.project(down.weight, Slot::Gate, n, Slot::Residual, offset, true);
+            return add_to_residual(self, &down, Slot::Gate, n, offset);
         }
         if !bf16 || [&gate, &up, &down].iter().any(|p| p.bias.is_some()) {
             return norm_mlp_step_by_step(self, rows, norm, eps, gate, up, down);

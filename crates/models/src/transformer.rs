@@ -11,6 +11,7 @@ use ember_checkpoint::TensorSource;
 
 use crate::backend::{
     AttentionParams, Backend, KvStore, PassShape, Projection, RopeStyle, Slot, WeightMatrix,
+    add_to_residual,
 };
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
@@ -40,10 +41,6 @@ impl<B: Backend> Linear<B> {
         })
     }
 
-    fn apply(&self, b: &mut B, src: Slot, rows: usize, dst: Slot) -> Result<()> {
-        b.linear(&self.weight, self.bias.as_ref(), src, rows, dst)
-    }
-
     /// This projection writing `dst`, as one of a group ([`Backend::norm_linears`]).
     fn writing(&self, dst: Slot) -> Projection<'_, B> {
         Projection {
@@ -55,16 +52,7 @@ impl<B: Backend> Linear<B> {
 
     /// `Residual[offset..] += src[..rows] · weightᵀ + bias`.
     fn apply_to_residual(&self, b: &mut B, src: Slot, rows: usize, offset: usize) -> Result<()> {
-        if self.bias.is_some() {
-            self.apply(b, src, rows, Slot::BlockOut)?;
-            return b.add(
-                Slot::Residual,
-                offset,
-                Slot::BlockOut,
-                rows * self.weight.rows(),
-            );
-        }
-        b.linear_into_residual(&self.weight, src, rows, offset)
+        add_to_residual(b, &self.writing(Slot::Residual), src, rows, offset)
     }
 }
 
