@@ -86,24 +86,28 @@ impl Faults {
 }
 
 pub fn faults(pid: u32) -> io::Result<Faults> {
+    // minflt(10), majflt(12).
+    let [minor, major] = stat_fields(pid, [10, 12])?;
+    Ok(Faults { minor, major })
+}
+
+/// Numeric fields of /proc/PID/stat by their 1-based numbers in proc(5) (3 or more).
+fn stat_fields<const N: usize>(pid: u32, numbers: [usize; N]) -> io::Result<[u64; N]> {
     let stat = fs::read_to_string(format!("/proc/{pid}/stat"))?;
     // The command name (field 2) may hold spaces and parentheses: count from its last ')'.
     let after_name = stat
         .rfind(')')
         .map(|i| &stat[i + 1..])
         .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "unexpected stat format"))?;
-    // Fields from 3 on: state(3) ppid pgrp session tty_nr tpgid flags minflt(10) cminflt majflt(12).
     let fields: Vec<&str> = after_name.split_whitespace().collect();
-    let field = |n: usize| {
-        fields
+    let mut out = [0; N];
+    for (value, n) in out.iter_mut().zip(numbers) {
+        *value = fields
             .get(n - 3)
             .and_then(|s| s.parse().ok())
-            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "short /proc/PID/stat"))
-    };
-    Ok(Faults {
-        minor: field(10)?,
-        major: field(12)?,
-    })
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "short /proc/PID/stat"))?;
+    }
+    Ok(out)
 }
 
 /// Clock ticks per second of the times in /proc (`USER_HZ`).
@@ -115,20 +119,9 @@ fn clock_ticks() -> f64 {
 
 /// CPU seconds a process has used so far (user and system, all threads), from /proc/PID/stat.
 pub fn cpu_seconds(pid: u32) -> io::Result<f64> {
-    let stat = fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    let after_name = stat
-        .rfind(')')
-        .map(|i| &stat[i + 1..])
-        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "unexpected stat format"))?;
-    // Fields from 3 on: ... utime(14) stime(15).
-    let fields: Vec<&str> = after_name.split_whitespace().collect();
-    let field = |n: usize| -> io::Result<u64> {
-        fields
-            .get(n - 3)
-            .and_then(|s| s.parse().ok())
-            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "short /proc/PID/stat"))
-    };
-    Ok((field(14)? + field(15)?) as f64 / clock_ticks())
+    // utime(14), stime(15).
+    let [user, system] = stat_fields(pid, [14, 15])?;
+    Ok((user + system) as f64 / clock_ticks())
 }
 
 /// CPU seconds the whole machine has been busy so far, from the first line of /proc/stat:

@@ -1002,43 +1002,33 @@ fn check_attention<T: Elem>(
     let what = format!("{} cache, {shape:?}, pos0 {pos0}, n {n}", T::FLOAT);
 
     let want = attention_reference(&q, &kf, &vf, pos0, n, shape, scale);
-    let mut out = ctx.poisoned::<f32>(n * n_heads * head_dim);
-    cuda::attention_prefill(
-        &ctx.device,
-        qbuf.as_slice(),
-        kbuf.as_slice::<T>(),
-        vbuf.as_slice::<T>(),
-        pos0,
-        n,
-        shape,
-        scale,
-        PrefillPrecision::F32,
-        &mut out.as_mut_slice(),
-    )
-    .unwrap();
-    let err = max_abs_err(&ctx.download::<f32>(&out), &want);
-    assert!(err < 1e-4, "attention_prefill, {what}: error {err:e}");
-
-    // On the tensor cores (heads of 64 and 128): bf16 operands, so a bf16-sized error.
-    let mut out = ctx.poisoned::<f32>(n * n_heads * head_dim);
-    cuda::attention_prefill(
-        &ctx.device,
-        qbuf.as_slice(),
-        kbuf.as_slice::<T>(),
-        vbuf.as_slice::<T>(),
-        pos0,
-        n,
-        shape,
-        scale,
-        PrefillPrecision::Bf16,
-        &mut out.as_mut_slice(),
-    )
-    .unwrap();
-    let err = rel_err(&ctx.download::<f32>(&out), &want);
-    assert!(
-        err < 2e-2,
-        "attention_prefill in bf16, {what}: error {err:e}"
-    );
+    // f32 throughout, then on the tensor cores (heads of 64 and 128) with bf16 operands and
+    // so a bf16-sized error.
+    for precision in [PrefillPrecision::F32, PrefillPrecision::Bf16] {
+        let mut out = ctx.poisoned::<f32>(n * n_heads * head_dim);
+        cuda::attention_prefill(
+            &ctx.device,
+            qbuf.as_slice(),
+            kbuf.as_slice::<T>(),
+            vbuf.as_slice::<T>(),
+            pos0,
+            n,
+            shape,
+            scale,
+            precision,
+            &mut out.as_mut_slice(),
+        )
+        .unwrap();
+        let got = ctx.download::<f32>(&out);
+        let (err, bound) = match precision {
+            PrefillPrecision::F32 => (max_abs_err(&got, &want), 1e-4),
+            PrefillPrecision::Bf16 => (rel_err(&got, &want), 2e-2),
+        };
+        assert!(
+            err < bound,
+            "attention_prefill {precision:?}, {what}: error {err:e}"
+        );
+    }
 
     // Decode: the last query alone over every position.
     let q_last = &q[(n - 1) * n_heads * head_dim..];
