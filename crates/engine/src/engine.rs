@@ -12,7 +12,7 @@ use ember_models::{
 use ember_residency::{
     Bound, CODE_ID_BASE, MlockBackend, Region, ResidencySet, executable_regions,
 };
-use ember_tensor::cuda::{CudaDevice, DeviceBuffer};
+use ember_tensor::cuda::{self, CudaDevice, DeviceBuffer};
 use ember_tensor::{Buffer, BufferInfo, BufferKind, BufferOwner, ThreadPool};
 use serde_json::Value;
 
@@ -639,8 +639,10 @@ fn choose_device(
     // What the CUDA backend cannot run yet, said before anything is uploaded.
     let cpu_only = if matches!(weights, WeightFiles::Gguf(_)) {
         Some("GGUF (quantized) models run on the CPU; quantized CUDA kernels come later")
-    } else if config.moe.is_some() {
-        Some("mixture-of-experts models run on the CPU; routing on CUDA comes later")
+    } else if config.moe.as_ref().is_some_and(|m| {
+        m.num_experts > cuda::MAX_EXPERTS || m.num_experts_per_tok > cuda::MAX_TOP_K
+    }) {
+        Some("CUDA routes at most 1024 experts, and at most 32 per token")
     } else {
         None
     };

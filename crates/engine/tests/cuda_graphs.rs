@@ -50,6 +50,8 @@ fn graph_replays_equal_unrecorded_steps() {
         "qwen2-bf16",
         "llama-f32",
         "llama-bf16",
+        "qwen3moe-f32",
+        "qwen3moe-bf16",
     ] {
         let mut eager = load(name, false);
         let prompt = eager

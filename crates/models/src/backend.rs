@@ -12,7 +12,7 @@ use ember_checkpoint::TensorSource;
 
 use crate::config::ModelConfig;
 use crate::error::Result;
-use crate::transformer::Moe;
+use crate::transformer::{Mlp, Moe};
 
 /// The activation buffers of one forward pass, each `max_batch` rows wide.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -185,6 +185,9 @@ pub trait Backend {
     /// Rotary cos/sin tables for the context.
     type Rope;
     type Kv: KvStore;
+    /// What a mixture-of-experts layer needs besides its experts' matrices to run them (the
+    /// CUDA backend: device tables of their addresses, so routing never visits the host).
+    type Experts;
 
     /// Rows the activation slots hold: the longest batch one forward pass may run.
     fn max_batch(&self) -> usize;
@@ -359,6 +362,10 @@ pub trait Backend {
     fn silu_mul(&mut self, len: usize) -> Result<()>;
     /// `dst[offset..offset + len] += src[..len]`.
     fn add(&mut self, dst: Slot, offset: usize, src: Slot, len: usize) -> Result<()>;
+    /// Made once per MoE layer at load, kept in [`Moe::prepared`].
+    fn prepare_experts(&self, experts: &[Mlp<Self>]) -> Result<Self::Experts>
+    where
+        Self: Sized;
     /// A mixture-of-experts block: routes each of `rows` tokens of `Normed` to its top-k
     /// experts and writes their weighted sum to `BlockOut`.
     fn moe(&mut self, moe: &Moe<Self>, rows: usize) -> Result<()>

@@ -96,6 +96,7 @@ impl Backend for CpuBackend {
     type Vector = Vector;
     type Rope = RopeTable;
     type Kv = KvCache;
+    type Experts = ();
 
     fn max_batch(&self) -> usize {
         self.ws.max_batch
@@ -285,6 +286,10 @@ impl Backend for CpuBackend {
 
     /// Routes each token to its top-k experts and sums their outputs, weighted, in expert order
     /// (the order transformers uses, and the same whether a token runs alone or in a batch).
+    fn prepare_experts(&self, _experts: &[Mlp<Self>]) -> Result<()> {
+        Ok(())
+    }
+
     fn moe(&mut self, moe: &Moe<Self>, n: usize) -> Result<()> {
         let pool = &self.pool;
         let n_experts = moe.experts.len();

@@ -18,8 +18,9 @@ use std::sync::Arc;
 use ember_checkpoint::TensorSource;
 use ember_tensor::cpu::{AttentionShape, RopeLayout};
 use ember_tensor::cuda::{
-    self, CudaDevice, DevMat, DevSlice, DevSliceMut, DeviceBuffer, Epilogue, Float, Gemm, Graph,
-    MatvecNorm, MatvecOutput, Position, PrefillPrecision, RopeHeads, RopeNorm,
+    self, CudaDevice, DevMat, DevSlice, DevSliceMut, DeviceBuffer, Epilogue, ExpertTable, Float,
+    Gemm, Graph, MatvecNorm, MatvecOutput, Position, PrefillPrecision, RopeHeads, RopeNorm, Routes,
+    Routing,
 };
 use ember_tensor::quant::dequantize_row;
 use ember_tensor::{BufferId, BufferKind, BufferOwner, DType};
@@ -33,7 +34,7 @@ use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::kv_cache::KvDtype;
 use crate::rope::RopeTable;
-use crate::transformer::Moe;
+use crate::transformer::{Mlp, Moe};
 
 /// Weights on the device, in their stored dtype.
 pub struct CudaMatrix {
@@ -139,6 +140,61 @@ impl KvStore for CudaKv {
     }
 }
 
+/// A MoE layer's experts as the device kernels address them: tables of each expert's gate
+/// and up (together, for one SwiGLU product) and down matrices.
+pub struct CudaExperts {
+    gate_up: ExpertTable,
+    down: ExpertTable,
+    /// The buffers the tables point into, kept alive as long as the tables.
+    _weights: Vec<Arc<DeviceBuffer>>,
+}
+
+/// A MoE layer's buffers besides the slots, for the longest batch: router logits, the routes
+/// (expert, weight, grouping and tiles per routed pair), and each pair's SwiGLU activations
+/// and expert output.
+struct MoeWorkspace {
+    router: DeviceBuffer,
+    ids: DeviceBuffer,
+    weights: DeviceBuffer,
+    order: DeviceBuffer,
+    tiles: DeviceBuffer,
+    act: DeviceBuffer,
+    expert_out: DeviceBuffer,
+}
+
+impl MoeWorkspace {
+    fn new(
+        device: &CudaDevice,
+        owner: &BufferOwner,
+        config: &ModelConfig,
+        tokens: usize,
+    ) -> Result<Option<Self>> {
+        let Some(moe) = &config.moe else {
+            return Ok(None);
+        };
+        let routing = Routing {
+            experts: moe.num_experts,
+            top_k: moe.num_experts_per_tok,
+            normalize: moe.norm_topk_prob,
+        };
+        let pairs = tokens * routing.top_k;
+        // One token takes a tile per pair, more take tiles of 8: either may need more tiles.
+        let tiles = routing.tiles_len(1).max(routing.tiles_len(tokens));
+        let alloc = |label: &str, n: usize| {
+            owner.alloc_device(BufferKind::Activations, label, device, n * 4)
+        };
+        Ok(Some(MoeWorkspace {
+            router: alloc("moe router logits", tokens * routing.experts)?,
+            ids: alloc("moe routed experts", pairs)?,
+            weights: alloc("moe routed weights", pairs)?,
+            order: alloc("moe pairs by expert", pairs)?,
+            tiles: alloc("moe expert tiles", tiles)?,
+            act: alloc("moe expert activations", pairs * moe.moe_intermediate_size)?,
+            expert_out: alloc("moe expert outputs", pairs * config.hidden_size)?,
+        }))
+    }
+}
+
 pub struct CudaBackend {
     device: CudaDevice,
     owner: BufferOwner,
@@ -155,6 +211,7 @@ pub struct CudaBackend {
     attention_scratch: DeviceBuffer,
     logits: DeviceBuffer,
     logits_host: Vec<f32>,
+    moe: Option<MoeWorkspace>,
     /// Recorded one-token passes; `None` turns recording off.
     graphs: Option<HashMap<GraphKey, Recording>>,
     /// Prompt attention in bf16 on the tensor cores: for 16-bit checkpoints, whose prompts
@@ -233,6 +290,7 @@ impl CudaBackend {
         )?;
         let logits = f32s("logits", logit_rows * config.vocab_size)?;
         let gemm = Gemm::new(&device, owner)?;
+        let moe = MoeWorkspace::new(&device, owner, config, b)?;
         Ok(CudaBackend {
             owner: owner.clone(),
             gemm,
@@ -245,6 +303,7 @@ impl CudaBackend {
             attention_scratch,
             logits,
             logits_host: vec![0.0; logit_rows * config.vocab_size],
+            moe,
             graphs: graphs.then(HashMap::new),
             prefill_precision: match config.dtype.as_deref() {
                 Some("bfloat16" | "float16") => PrefillPrecision::Bf16,
@@ -311,13 +370,14 @@ impl CudaBackend {
         let mut y = d.as_mut_slice::<f32>();
         let mut y = y.slice_mut(offset..offset + rows * n_out);
         if rows <= cuda::MAX_BATCH || mat.dtype == Float::F32 {
-            for start in (0..rows).step_by(cuda::MAX_BATCH) {
-                let batch = (rows - start).min(cuda::MAX_BATCH);
-                let x = x.slice(start * n_in..(start + batch) * n_in);
-                let mut y = y.slice_mut(start * n_out..(start + batch) * n_out);
-                cuda::matvec(&self.device, &mat, x, batch, &mut y, accumulate)?;
-            }
-            return Ok(());
+            return Ok(cuda::matvec(
+                &self.device,
+                &mat,
+                x,
+                rows,
+                &mut y,
+                accumulate,
+            )?);
         }
         match mat.dtype {
             Float::Bf16 => {
@@ -395,8 +455,8 @@ impl CudaBackend {
                 .all(|w| w.dtype == first.dtype && w.cols == first.cols)
     }
 
-    /// `dst_i[..] = rms_norm(src[rows]) · W_iᵀ + bias_i` in one matrix-vector launch per
-    /// [`cuda::MAX_BATCH`] rows (the norm computed inside it), finished by `epilogue`.
+    /// `dst_i[..] = rms_norm(src[rows]) · W_iᵀ + bias_i` by matrix-vector kernels (the norm
+    /// computed inside them), finished by `epilogue`.
     fn fused_products(
         &mut self,
         src: Slot,
@@ -427,21 +487,18 @@ impl CudaBackend {
             weight: norm.slice(),
             eps,
         };
-        for start in (0..rows.len()).step_by(cuda::MAX_BATCH) {
-            let batch = (rows.len() - start).min(cuda::MAX_BATCH);
-            let mut outputs: Vec<MatvecOutput<'_, '_>> = projections
-                .iter()
-                .zip(&mats)
-                .zip(&mut ys)
-                .map(|((p, w), y)| MatvecOutput {
-                    w,
-                    bias: p.bias.map(|b| b.slice()),
-                    y: y.slice_mut(start * w.rows..(start + batch) * w.rows),
-                })
-                .collect();
-            let x = x.slice(start * width..(start + batch) * width);
-            cuda::matvec_fused(&self.device, &mut outputs, x, batch, Some(norm), epilogue)?;
-        }
+        let mut outputs: Vec<MatvecOutput<'_, '_>> = projections
+            .iter()
+            .zip(&mats)
+            .zip(&mut ys)
+            .map(|((p, w), y)| MatvecOutput {
+                w,
+                bias: p.bias.map(|b| b.slice()),
+                y: y.reborrow(),
+            })
+            .collect();
+        let batch = rows.len();
+        cuda::matvec_fused(&self.device, &mut outputs, x, batch, Some(norm), epilogue)?;
         Ok(())
     }
 }
@@ -451,6 +508,7 @@ impl Backend for CudaBackend {
     type Vector = CudaVector;
     type Rope = CudaRope;
     type Kv = CudaKv;
+    type Experts = CudaExperts;
 
     fn max_batch(&self) -> usize {
         self.max_batch
@@ -868,11 +926,104 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    fn moe(&mut self, _moe: &Moe<Self>, _rows: usize) -> Result<()> {
-        Err(Error::Unsupported {
-            what: "mixture-of-experts routing".into(),
-            backend: "CUDA",
+    fn prepare_experts(&self, experts: &[Mlp<Self>]) -> Result<CudaExperts> {
+        if experts
+            .iter()
+            .any(|e| [&e.gate, &e.up, &e.down].iter().any(|l| l.bias.is_some()))
+        {
+            return Err(Error::Unsupported {
+                what: "experts with biases".into(),
+                backend: "CUDA",
+            });
+        }
+        let mats = |pick: &dyn Fn(&Mlp<Self>) -> Vec<&CudaMatrix>| {
+            experts
+                .iter()
+                .map(|e| pick(e).into_iter().map(CudaMatrix::as_mat).collect())
+                .collect::<Result<Vec<Vec<DevMat<'_>>>>>()
+        };
+        let gate_up = mats(&|e| vec![&e.gate.weight, &e.up.weight])?;
+        let down = mats(&|e| vec![&e.down.weight])?;
+        let (device, owner) = (&self.device, &self.owner);
+        // SAFETY: the tables point into the experts' buffers, which `_weights` keeps alive for
+        // as long as the tables.
+        let (gate_up, down) = unsafe {
+            (
+                ExpertTable::new(device, owner, "moe gate/up table", &gate_up)?,
+                ExpertTable::new(device, owner, "moe down table", &down)?,
+            )
+        };
+        let weights = experts
+            .iter()
+            .flat_map(|e| [&e.gate.weight, &e.up.weight, &e.down.weight])
+            .map(|w| Arc::clone(&w.buffer))
+            .collect();
+        Ok(CudaExperts {
+            gate_up,
+            down,
+            _weights: weights,
         })
+    }
+
+    /// Routed on the device: router logits in f32 (as the CPU and transformers compute them,
+    /// so a prompt's bf16 rounding never changes an expert), top-k and grouping by expert in
+    /// one block, each routed pair's SwiGLU and down products in one launch each, and the
+    /// weighted sum.
+    fn moe(&mut self, moe: &Moe<Self>, rows: usize) -> Result<()> {
+        let experts = &moe.prepared;
+        let routing = Routing {
+            experts: moe.experts.len(),
+            top_k: moe.top_k,
+            normalize: moe.norm_topk_prob,
+        };
+        let (hidden, width) = (experts.down.rows(), experts.gate_up.rows());
+        let pairs = rows * routing.top_k;
+        let ws = self
+            .moe
+            .as_mut()
+            .expect("a MoE model's backend has MoE buffers");
+        let dev = &self.device;
+        let [normed, block_out] = self
+            .slots
+            .get_disjoint_mut([Slot::Normed.index(), Slot::BlockOut.index()])
+            .expect("distinct slots");
+        let x = normed.as_slice::<f32>().slice(0..rows * hidden);
+        let mut logits = ws.router.as_mut_slice::<f32>();
+        let mut logits = logits.slice_mut(0..rows * routing.experts);
+        cuda::matvec(dev, &moe.router.as_mat()?, x, rows, &mut logits, false)?;
+        let mut routes = Routes {
+            ids: ws.ids.as_mut_slice(),
+            weights: ws.weights.as_mut_slice(),
+            order: ws.order.as_mut_slice(),
+            tiles: ws.tiles.as_mut_slice(),
+        };
+        cuda::moe_route(dev, logits.as_slice(), rows, &routing, &mut routes)?;
+        let tiles = routes.tiles(&routing, rows);
+        let mut act = ws.act.as_mut_slice::<f32>();
+        let mut act = act.slice_mut(0..pairs * width);
+        cuda::matvec_experts(dev, &experts.gate_up, tiles, x, routing.top_k, &mut act)?;
+        let mut expert_out = ws.expert_out.as_mut_slice::<f32>();
+        let mut expert_out = expert_out.slice_mut(0..pairs * hidden);
+        cuda::matvec_experts(
+            dev,
+            &experts.down,
+            tiles,
+            act.as_slice(),
+            1,
+            &mut expert_out,
+        )?;
+        let weights = routes.weights.as_slice().slice(0..pairs);
+        let mut out = block_out.as_mut_slice::<f32>();
+        let mut out = out.slice_mut(0..rows * hidden);
+        cuda::moe_combine(
+            dev,
+            expert_out.as_slice(),
+            weights,
+            routing.top_k,
+            &mut out,
+            hidden,
+        )?;
+        Ok(())
     }
 
     fn logits(&mut self, len: usize) -> Result<&[f32]> {
@@ -887,12 +1038,8 @@ impl Backend for CudaBackend {
             .as_slice::<f32>()
             .slice(0..rows * head.cols);
         let mut y = self.logits.as_mut_slice::<f32>();
-        for start in (0..rows).step_by(cuda::MAX_BATCH) {
-            let batch = (rows - start).min(cuda::MAX_BATCH);
-            let x = x.slice(start * head.cols..(start + batch) * head.cols);
-            let mut y = y.slice_mut(start * head.rows..(start + batch) * head.rows);
-            cuda::matvec(&self.device, &mat, x, batch, &mut y, false)?;
-        }
+        let mut y = y.slice_mut(0..rows * head.rows);
+        cuda::matvec(&self.device, &mat, x, rows, &mut y, false)?;
         Ok(())
     }
 }

@@ -92,6 +92,8 @@ impl<B: Backend> Mlp<B> {
 pub struct Moe<B: Backend> {
     pub router: B::Matrix,
     pub experts: Vec<Mlp<B>>,
+    /// The backend's own form of `experts` ([`Backend::prepare_experts`]).
+    pub prepared: B::Experts,
     pub top_k: usize,
     /// Renormalise the chosen experts' probabilities to sum to 1 (Qwen3-MoE's option).
     pub norm_topk_prob: bool,
@@ -486,9 +488,11 @@ fn load_moe<B: Backend>(
             })
             .collect::<Result<Vec<_>>>()?
     };
+    let prepared = b.prepare_experts(&experts)?;
     Ok(Moe {
         router,
         experts,
+        prepared,
         top_k: moe.num_experts_per_tok,
         norm_topk_prob: moe.norm_topk_prob,
     })

@@ -352,6 +352,11 @@ fn matvec_matches_f64_reference() {
     for batch in [4, 6, 7] {
         check_matvec::<bf16>(&ctx, &mut rng, 129, 520, batch);
     }
+    // Longer batches: whole blocks of 8 rows in one launch, then the rest.
+    for batch in [13, 16, 21] {
+        check_matvec::<bf16>(&ctx, &mut rng, 129, 520, batch);
+        check_matvec::<f32>(&ctx, &mut rng, 65, 2048, batch);
+    }
 }
 
 /// `rms_norm(x[b]) · g` in f64.
@@ -1198,7 +1203,11 @@ fn bad_arguments_are_errors_that_name_the_op() {
         false,
     )
     .unwrap_err();
-    assert!(err.to_string().starts_with("matvec: batch 9"), "{err}");
+    assert!(
+        err.to_string()
+            .starts_with("matvec: x has 8 values for batch 9"),
+        "{err}"
+    );
     assert!(DevMat::new(ember_tensor::DType::Q4_0, w.as_slice::<u8>(), 8, 8).is_err());
     let shape = AttentionShape {
         n_heads: 4,
@@ -1219,4 +1228,237 @@ fn bad_arguments_are_errors_that_name_the_op() {
     )
     .unwrap_err();
     assert!(err.to_string().contains("head_dim 512"), "{err}");
+}
+
+/// A mixture-of-experts layer in f64: softmax over the router logits, the top-k (ties to the
+/// lower index), weights renormalised with `normalize`, and the weighted sum of each chosen
+/// expert's SwiGLU MLP. Returns the experts chosen per token and the layer's output.
+#[allow(clippy::too_many_arguments)]
+fn moe_reference(
+    logits: &[f32],
+    x: &[f32],
+    gate_up: &[f32],
+    down: &[f32],
+    routing: cuda::Routing,
+    hidden: usize,
+    width: usize,
+) -> (Vec<i32>, Vec<f64>) {
+    let (experts, k) = (routing.experts, routing.top_k);
+    let tokens = logits.len() / experts;
+    let (mut ids, mut out) = (Vec::new(), vec![0f64; tokens * hidden]);
+    for t in 0..tokens {
+        let row = &logits[t * experts..(t + 1) * experts];
+        let max = row.iter().fold(f64::MIN, |m, &v| m.max(v as f64));
+        let exp: Vec<f64> = row.iter().map(|&v| (v as f64 - max).exp()).collect();
+        let sum: f64 = exp.iter().sum();
+        let mut order: Vec<usize> = (0..experts).collect();
+        order.sort_by(|&a, &b| exp[b].total_cmp(&exp[a]).then(a.cmp(&b)));
+        let chosen = &order[..k];
+        let total: f64 = chosen.iter().map(|&e| exp[e] / sum).sum();
+        let xt = &x[t * hidden..(t + 1) * hidden];
+        for &e in chosen {
+            ids.push(e as i32);
+            let p = exp[e] / sum;
+            let weight = if routing.normalize { p / total } else { p };
+            let dot = |w: &[f32], v: &[f64]| -> f64 {
+                w.iter().zip(v).map(|(&a, &b)| a as f64 * b).sum::<f64>()
+            };
+            let xd: Vec<f64> = xt.iter().map(|&v| v as f64).collect();
+            let act: Vec<f64> = (0..width)
+                .map(|i| {
+                    let g = dot(&gate_up[(e * 2 * width + i) * hidden..][..hidden], &xd);
+                    let u = dot(
+                        &gate_up[(e * 2 * width + width + i) * hidden..][..hidden],
+                        &xd,
+                    );
+                    g / (1.0 + (-g).exp()) * u
+                })
+                .collect();
+            for h in 0..hidden {
+                out[t * hidden + h] +=
+                    weight * dot(&down[(e * hidden + h) * width..][..width], &act);
+            }
+        }
+    }
+    (ids, out)
+}
+
+/// Runs a MoE layer on the device: route, gate and up with SwiGLU, down, combine. Returns
+/// the experts chosen per pair, the tile list and order, and the output.
+struct MoeRun {
+    ids: Vec<i32>,
+    tiles: Vec<i32>,
+    order: Vec<i32>,
+    out: Vec<f32>,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_moe(
+    ctx: &Ctx,
+    logits: &[f32],
+    x: &[f32],
+    gate_up: &DeviceBuffer,
+    down: &DeviceBuffer,
+    routing: cuda::Routing,
+    hidden: usize,
+    width: usize,
+) -> MoeRun {
+    let (experts, k) = (routing.experts, routing.top_k);
+    let tokens = logits.len() / experts;
+    let pairs = tokens * k;
+    let gate_up_mat =
+        DevMat::from_slice(gate_up.as_slice::<bf16>(), experts * 2 * width, hidden).unwrap();
+    let down_mat = DevMat::from_slice(down.as_slice::<bf16>(), experts * hidden, width).unwrap();
+    let first: Vec<Vec<DevMat<'_>>> = (0..experts)
+        .map(|e| {
+            let base = e * 2 * width;
+            vec![
+                gate_up_mat.slice_rows(base..base + width),
+                gate_up_mat.slice_rows(base + width..base + 2 * width),
+            ]
+        })
+        .collect();
+    let second: Vec<Vec<DevMat<'_>>> = (0..experts)
+        .map(|e| vec![down_mat.slice_rows(e * hidden..(e + 1) * hidden)])
+        .collect();
+    // SAFETY: the weight buffers outlive the tables (all live until this function returns).
+    let (gate_up_table, down_table) = unsafe {
+        (
+            cuda::ExpertTable::new(&ctx.device, &ctx.owner, "gate/up", &first).unwrap(),
+            cuda::ExpertTable::new(&ctx.device, &ctx.owner, "down", &second).unwrap(),
+        )
+    };
+    let logits_buf = ctx.upload(logits);
+    let x_buf = ctx.upload(x);
+    let mut ids = ctx.poisoned::<i32>(pairs);
+    let mut weights = ctx.poisoned::<f32>(pairs);
+    let mut order = ctx.poisoned::<i32>(pairs);
+    let mut tiles = ctx.poisoned::<i32>(routing.tiles_len(tokens));
+    let mut act = ctx.poisoned::<f32>(pairs * width);
+    let mut expert_out = ctx.poisoned::<f32>(pairs * hidden);
+    let mut out = ctx.poisoned::<f32>(tokens * hidden);
+    let mut routes = cuda::Routes {
+        ids: ids.as_mut_slice(),
+        weights: weights.as_mut_slice(),
+        order: order.as_mut_slice(),
+        tiles: tiles.as_mut_slice(),
+    };
+    let dev = &ctx.device;
+    cuda::moe_route(dev, logits_buf.as_slice(), tokens, &routing, &mut routes).unwrap();
+    let t = routes.tiles(&routing, tokens);
+    cuda::matvec_experts(
+        dev,
+        &gate_up_table,
+        t,
+        x_buf.as_slice(),
+        k,
+        &mut act.as_mut_slice(),
+    )
+    .unwrap();
+    cuda::matvec_experts(
+        dev,
+        &down_table,
+        t,
+        act.as_slice(),
+        1,
+        &mut expert_out.as_mut_slice(),
+    )
+    .unwrap();
+    let w = routes.weights.as_slice();
+    cuda::moe_combine(
+        dev,
+        expert_out.as_slice(),
+        w,
+        k,
+        &mut out.as_mut_slice(),
+        hidden,
+    )
+    .unwrap();
+    MoeRun {
+        ids: ctx.download(&ids),
+        tiles: ctx.download(&tiles),
+        order: ctx.download(&order),
+        out: ctx.download(&out),
+    }
+}
+
+#[test]
+fn moe_routes_on_the_device_and_matches_the_reference() {
+    let Some(ctx) = Ctx::new() else { return };
+    let mut rng = Rng(11);
+    // Tiny (the golden fixtures' shape), and Qwen3-30B-A3B's routing (128 experts, top 8)
+    // over narrow experts; one token (decode: a tile per pair) and batches (tiles of 8).
+    for (experts, top_k, normalize, hidden, width) in
+        [(8, 2, false, 64, 32), (128, 8, true, 256, 96)]
+    {
+        let routing = cuda::Routing {
+            experts,
+            top_k,
+            normalize,
+        };
+        let gate_up: Vec<bf16> = round(&rng.vec(experts * 2 * width * hidden));
+        let down: Vec<bf16> = round(&rng.vec(experts * hidden * width));
+        let (gate_up_f, down_f) = (widen(&gate_up), widen(&down));
+        let (gate_up_buf, down_buf) = (ctx.upload(&gate_up), ctx.upload(&down));
+        for tokens in [1, 3, 37] {
+            let mut logits: Vec<f32> = rng.vec(tokens * experts).iter().map(|v| v * 4.0).collect();
+            // The last token's logits all equal: the lowest indices win the ties.
+            logits[(tokens - 1) * experts..].fill(0.5);
+            let x = rng.vec(tokens * hidden);
+            let run = run_moe(
+                &ctx,
+                &logits,
+                &x,
+                &gate_up_buf,
+                &down_buf,
+                routing,
+                hidden,
+                width,
+            );
+            let (ids, want) =
+                moe_reference(&logits, &x, &gate_up_f, &down_f, routing, hidden, width);
+            let what = format!("{experts} experts top {top_k}, {tokens} tokens");
+            assert_eq!(run.ids, ids, "{what}: experts chosen");
+            let tail: Vec<i32> = (0..top_k as i32).collect();
+            assert_eq!(&ids[(tokens - 1) * top_k..], &tail[..], "{what}: ties");
+            let err = rel_err(&run.out, &want);
+            assert!(err < 1e-5, "{what}: error {err:e}");
+
+            // The tiles: each expert's pairs in pair order, experts ascending, every pair once.
+            let tile_rows = routing.tile_rows(tokens);
+            let mut seen = Vec::new();
+            for tile in run.tiles[1..].chunks(3).take(run.tiles[0] as usize) {
+                let (e, first, n) = (tile[0], tile[1] as usize, tile[2] as usize);
+                assert!((1..=tile_rows).contains(&n), "{what}: tile of {n}");
+                for &p in &run.order[first..first + n] {
+                    assert_eq!(ids[p as usize], e, "{what}: pair {p} in expert {e}'s tile");
+                    seen.push((e, p));
+                }
+            }
+            let mut sorted = seen.clone();
+            sorted.sort();
+            assert_eq!(seen, sorted, "{what}: tiles out of order");
+            assert_eq!(seen.len(), tokens * top_k, "{what}: pairs in tiles");
+
+            // A token's output alone is its output in the batch, bit for bit.
+            if tokens > 1 {
+                let t = tokens / 2;
+                let alone = run_moe(
+                    &ctx,
+                    &logits[t * experts..(t + 1) * experts],
+                    &x[t * hidden..(t + 1) * hidden],
+                    &gate_up_buf,
+                    &down_buf,
+                    routing,
+                    hidden,
+                    width,
+                );
+                assert_eq!(
+                    bits(&alone.out),
+                    bits(&run.out[t * hidden..(t + 1) * hidden]),
+                    "{what}: token {t} alone"
+                );
+            }
+        }
+    }
 }

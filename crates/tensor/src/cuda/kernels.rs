@@ -21,10 +21,11 @@ pub enum Module {
     Attention,
     /// Tensor-core attention (mma.sync with bf16 operands): compute capability 8.0 and later.
     AttentionMma,
+    Moe,
 }
 
 impl Module {
-    pub const ALL: [Module; 8] = [
+    pub const ALL: [Module; 9] = [
         Module::Matvec,
         Module::RmsNorm,
         Module::Rope,
@@ -33,6 +34,7 @@ impl Module {
         Module::Argmax,
         Module::Attention,
         Module::AttentionMma,
+        Module::Moe,
     ];
 
     /// The file name without `.cu`.
@@ -46,6 +48,7 @@ impl Module {
             Module::Argmax => "argmax",
             Module::Attention => "attention",
             Module::AttentionMma => "attention_mma",
+            Module::Moe => "moe",
         }
     }
 
@@ -59,6 +62,7 @@ impl Module {
             Module::Argmax => include_str!("kernels/argmax.cu"),
             Module::Attention => include_str!("kernels/attention.cu"),
             Module::AttentionMma => include_str!("kernels/attention_mma.cu"),
+            Module::Moe => include_str!("kernels/moe.cu"),
         }
     }
 
@@ -117,6 +121,11 @@ pub enum Kernel {
         batch: u8,
         norm: bool,
     },
+    /// Routed experts' products, tiles of `batch` (1 or 8) pairs.
+    MatvecExperts {
+        weights: Float,
+        batch: u8,
+    },
     RmsNorm {
         out: Float,
     },
@@ -151,12 +160,14 @@ pub enum Kernel {
         kv: Float,
         head_dim: u16,
     },
+    MoeRoute,
+    MoeCombine,
 }
 
 impl Kernel {
     pub fn module(self) -> Module {
         match self {
-            Kernel::Matvec { .. } => Module::Matvec,
+            Kernel::Matvec { .. } | Kernel::MatvecExperts { .. } => Module::Matvec,
             Kernel::RmsNorm { .. } => Module::RmsNorm,
             Kernel::Rope => Module::Rope,
             Kernel::SiluMul { .. } | Kernel::Add | Kernel::Convert { .. } => Module::Elementwise,
@@ -167,6 +178,7 @@ impl Kernel {
             | Kernel::AttentionPrefill { .. }
             | Kernel::KvStore { .. } => Module::Attention,
             Kernel::AttentionPrefillMma { .. } => Module::AttentionMma,
+            Kernel::MoeRoute | Kernel::MoeCombine => Module::Moe,
         }
     }
 
@@ -193,6 +205,9 @@ impl Kernel {
                 "matvec_{weights}_b{batch}{}",
                 if norm { "_norm" } else { "" }
             ),
+            Kernel::MatvecExperts { weights, batch } => {
+                format!("matvec_{weights}_b{batch}_experts")
+            }
             Kernel::RmsNorm { out } => format!("rms_norm_{out}"),
             Kernel::Rope => "rope".into(),
             Kernel::SiluMul { out } => format!("silu_mul_{out}"),
@@ -207,6 +222,8 @@ impl Kernel {
             Kernel::AttentionPrefillMma { kv, head_dim } => {
                 format!("attention_prefill_mma_{kv}_d{head_dim}")
             }
+            Kernel::MoeRoute => "moe_route".into(),
+            Kernel::MoeCombine => "moe_combine".into(),
         }
     }
 }
@@ -225,6 +242,8 @@ mod tests {
             Kernel::Add,
             Kernel::Argmax,
             Kernel::AttentionCombine,
+            Kernel::MoeRoute,
+            Kernel::MoeCombine,
         ];
         for f in floats {
             kernels.push(Kernel::Embedding { table: f });
@@ -237,6 +256,9 @@ mod tests {
                         norm,
                     });
                 }
+            }
+            for batch in [1, 8] {
+                kernels.push(Kernel::MatvecExperts { weights: f, batch });
             }
             for head_dim in [64, 128] {
                 kernels.push(Kernel::AttentionPrefillMma { kv: f, head_dim });
@@ -271,6 +293,11 @@ mod tests {
                 Kernel::Matvec { weights, batch, .. } => {
                     source.contains("NAME##_norm(")
                         && source.contains(&format!("matvec_##T##_b{batch},"))
+                        && source.contains(&format!("MATVEC_ALL_BATCHES({weights},"))
+                }
+                Kernel::MatvecExperts { weights, batch } => {
+                    source.contains("NAME##_experts(")
+                        && source.contains(&format!("MATVEC_EXPERTS(matvec_##T##_b{batch},"))
                         && source.contains(&format!("MATVEC_ALL_BATCHES({weights},"))
                 }
                 Kernel::AttentionDecode { kv, width } | Kernel::AttentionPrefill { kv, width } => {

@@ -4,9 +4,14 @@
 
 use super::device::launch;
 use super::kernels::{Float, Kernel};
-use super::{CudaDevice, CudaError, DevMat, DevSlice, DevSliceMut, config, ensure, int};
+use super::{
+    CudaDevice, CudaError, DevMat, DevSlice, DevSliceMut, DeviceBuffer, config, ensure, int,
+};
+use crate::{BufferKind, BufferOwner};
 
-/// The most activation rows one [`matvec`] takes; larger batches are prefill ([`super::Gemm`]).
+/// The most activation rows one block of a [`matvec`] kernel takes; longer batches run in
+/// blocks of this many (prefill of f32 weights and routed experts; bf16 prompts take
+/// [`super::Gemm`]).
 pub const MAX_BATCH: usize = 8;
 
 /// The most matrices one [`matvec_fused`] takes (`MATVEC_MAX_OUTPUTS` in matvec.cu).
@@ -67,6 +72,11 @@ struct KernelArgs {
     swiglu: i32,
     vec: i32,
     wpr: i32,
+    tiles: u64,
+    order: u64,
+    experts: u64,
+    x_div: i32,
+    pad: i32,
 }
 
 // SAFETY: plain old data, laid out as the kernel's `MatvecArgs` (repr(C), the same field
@@ -100,9 +110,10 @@ pub fn matvec(
     matvec_fused(device, &mut [output], x, batch, None, epilogue)
 }
 
-/// One launch for up to [`MAX_OUTPUTS`] matrices of the same dtype and row length reading the
-/// same `x` (`[batch, cols]`): `y_i[b] = W_i · norm(x[b]) + bias_i`, finished by `epilogue`.
-/// With `norm`, `x` is the un-normalised input and the norm is computed inside the product.
+/// Up to [`MAX_OUTPUTS`] matrices of the same dtype and row length reading the same `x`
+/// (`[batch, cols]`): `y_i[b] = W_i · norm(x[b]) + bias_i`, finished by `epilogue`. One launch
+/// for whole blocks of [`MAX_BATCH`] rows and one for the rest. With `norm`, `x` is the
+/// un-normalised input and the norm is computed inside the product.
 pub fn matvec_fused(
     device: &CudaDevice,
     outputs: &mut [MatvecOutput<'_, '_>],
@@ -112,11 +123,7 @@ pub fn matvec_fused(
     epilogue: Epilogue,
 ) -> Result<(), CudaError> {
     const OP: &str = "matvec";
-    ensure!(
-        (1..=MAX_BATCH).contains(&batch),
-        OP,
-        "batch {batch} outside 1..={MAX_BATCH}"
-    );
+    ensure!(batch >= 1, OP, "an empty batch");
     ensure!(
         (1..=MAX_OUTPUTS).contains(&outputs.len()),
         OP,
@@ -130,16 +137,6 @@ pub fn matvec_fused(
         "x has {} values for batch {batch} of {cols}",
         x.len()
     );
-    let mut args = KernelArgs {
-        x: x.device_ptr(),
-        eps: norm.map_or(0.0, |n| n.eps),
-        norm: norm.map_or(0, |n| n.weight.device_ptr()),
-        outputs: outputs.len() as i32,
-        cols: int(OP, "cols", cols)?,
-        accumulate: i32::from(epilogue == Epilogue::Accumulate),
-        swiglu: i32::from(epilogue == Epilogue::SwiGlu),
-        ..KernelArgs::default()
-    };
     if let Some(n) = norm {
         ensure!(
             n.weight.len() == cols,
@@ -148,8 +145,7 @@ pub fn matvec_fused(
             n.weight.len()
         );
     }
-    let mut total_rows = 0;
-    for (o, out) in outputs.iter_mut().zip(&mut args.out) {
+    for o in outputs.iter() {
         let w = o.w;
         ensure!(
             w.dtype == dtype && w.cols == cols,
@@ -176,14 +172,6 @@ pub fn matvec_fused(
                 w.rows
             );
         }
-        total_rows += w.rows;
-        *out = KernelOut {
-            w: w.data.device_ptr(),
-            bias: o.bias.map_or(0, |b| b.device_ptr()),
-            y: o.y.device_ptr(),
-            rows: int(OP, "rows", w.rows)?,
-            pad: 0,
-        };
     }
     if epilogue == Epilogue::SwiGlu {
         ensure!(
@@ -192,17 +180,296 @@ pub fn matvec_fused(
             "SwiGLU takes a gate and an up matrix of the same shape"
         );
     }
-    if total_rows == 0 {
+    // Whole blocks of rows in one launch (blockIdx.y picks the block), then the rest.
+    let per_block = batch.min(MAX_BATCH);
+    let blocks = batch / per_block;
+    let done = blocks * per_block;
+    let rows_of = |o: &MatvecOutput<'_, '_>, range: std::ops::Range<usize>| {
+        o.y.device_ptr() + (range.start * o.w.rows * 4) as u64
+    };
+    for (first, rows, grid_y) in [(0, per_block, blocks), (done, batch - done, 1)] {
+        if rows == 0 {
+            continue;
+        }
+        let mut args = KernelArgs {
+            x: x.slice(first * cols..batch * cols).device_ptr(),
+            eps: norm.map_or(0.0, |n| n.eps),
+            norm: norm.map_or(0, |n| n.weight.device_ptr()),
+            ..KernelArgs::default()
+        };
+        for (o, out) in outputs.iter().zip(&mut args.out) {
+            *out = KernelOut {
+                w: o.w.data.device_ptr(),
+                bias: o.bias.map_or(0, |b| b.device_ptr()),
+                y: rows_of(o, first..batch),
+                rows: int(OP, "rows", o.w.rows)?,
+                pad: 0,
+            };
+        }
+        let shape = Shape {
+            dtype,
+            cols,
+            outputs: outputs.len(),
+            total_rows: outputs.iter().map(|o| o.w.rows).sum(),
+            aligned: outputs.iter().all(|o| aligned(o.w.data.device_ptr()))
+                && aligned(args.x)
+                && norm.is_none_or(|n| aligned(n.weight.device_ptr())),
+        };
+        let kernel = Kernel::Matvec {
+            weights: dtype,
+            batch: rows as u8,
+            norm: norm.is_some(),
+        };
+        let grid_y = int(OP, "row blocks", grid_y)? as u32;
+        launch_product(device, kernel, &mut args, &shape, epilogue, rows, grid_y)?;
+    }
+    Ok(())
+}
+
+/// The weights of a mixture-of-experts layer's experts for [`matvec_experts`]: a device table
+/// of each expert's matrix addresses (`[experts][matrices]`, u64), all `rows × cols` of `dtype`.
+pub struct ExpertTable {
+    addresses: DeviceBuffer,
+    experts: usize,
+    matrices: usize,
+    dtype: Float,
+    rows: usize,
+    cols: usize,
+    /// Every matrix starts on 16 bytes (the kernels' wide loads).
+    aligned: bool,
+}
+
+impl ExpertTable {
+    /// `experts[e]` are expert `e`'s matrices (the same number for each, 1 or 2: with two,
+    /// gate and up for [`Epilogue::SwiGlu`]).
+    ///
+    /// # Safety
+    /// The table holds the matrices' addresses, not the matrices: the memory behind each must
+    /// outlive it (ember's MoE layer keeps the weights and their table together).
+    pub unsafe fn new(
+        device: &CudaDevice,
+        owner: &BufferOwner,
+        label: &str,
+        experts: &[Vec<DevMat<'_>>],
+    ) -> Result<ExpertTable, CudaError> {
+        const OP: &str = "expert table";
+        ensure!(!experts.is_empty(), OP, "no experts");
+        let first = &experts[0];
+        ensure!(
+            (1..=2).contains(&first.len()),
+            OP,
+            "{} matrices per expert, 1 or 2",
+            first.len()
+        );
+        let (dtype, rows, cols) = (first[0].dtype, first[0].rows, first[0].cols);
+        let mut addresses = Vec::with_capacity(experts.len() * first.len());
+        for (e, mats) in experts.iter().enumerate() {
+            ensure!(
+                mats.len() == first.len(),
+                OP,
+                "expert {e} has {} matrices, expert 0 {}",
+                mats.len(),
+                first.len()
+            );
+            for m in mats {
+                ensure!(
+                    m.dtype == dtype && m.rows == rows && m.cols == cols,
+                    OP,
+                    "expert {e}: a {}×{} {} matrix among {rows}×{cols} {dtype} ones",
+                    m.rows,
+                    m.cols,
+                    m.dtype
+                );
+                addresses.push(m.data.device_ptr());
+            }
+        }
+        let mut buffer = owner.alloc_device(
+            BufferKind::Weights,
+            label,
+            device,
+            addresses.len() * std::mem::size_of::<u64>(),
+        )?;
+        buffer.upload(&addresses)?;
+        let aligned = addresses.iter().all(|&a| aligned(a));
+        Ok(ExpertTable {
+            addresses: buffer,
+            experts: experts.len(),
+            matrices: first.len(),
+            dtype,
+            rows,
+            cols,
+            aligned,
+        })
+    }
+
+    pub fn experts(&self) -> usize {
+        self.experts
+    }
+
+    /// Rows of each matrix.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+}
+
+/// Routed (token, expert) pairs grouped into tiles by [`super::moe_route`].
+#[derive(Clone, Copy)]
+pub struct ExpertTiles<'a> {
+    /// `[1 + 3·max_tiles]`: the tile count, then (expert, first, pairs) per tile.
+    pub tiles: DevSlice<'a, i32>,
+    /// `[pairs]`: pair indices grouped by expert.
+    pub order: DevSlice<'a, i32>,
+    pub pairs: usize,
+    /// Pairs per tile at most: 1 or [`MAX_BATCH`].
+    pub tile_rows: usize,
+}
+
+/// `y[p] = W_e · x[p / x_div]` for each routed pair `p` and its expert `e` (with two matrices,
+/// gate and up, `y[p] = silu(W_gate · x) · (W_up · x)`): the products of a mixture-of-experts
+/// layer, every routed pair of a batch in one launch. `x` is `[pairs / x_div, cols]`, `y` is
+/// `[pairs, rows]`.
+pub fn matvec_experts(
+    device: &CudaDevice,
+    table: &ExpertTable,
+    tiles: ExpertTiles<'_>,
+    x: DevSlice<'_, f32>,
+    x_div: usize,
+    y: &mut DevSliceMut<'_, f32>,
+) -> Result<(), CudaError> {
+    const OP: &str = "matvec_experts";
+    let (pairs, cols, rows) = (tiles.pairs, table.cols, table.rows);
+    ensure!(
+        x_div >= 1 && pairs.is_multiple_of(x_div),
+        OP,
+        "{pairs} pairs read x rows in steps of {x_div}"
+    );
+    ensure!(
+        x.len() == pairs / x_div * cols,
+        OP,
+        "x has {} values for {} rows of {cols}",
+        x.len(),
+        pairs / x_div
+    );
+    ensure!(
+        y.len() == pairs * rows,
+        OP,
+        "y has {} values for {pairs} pairs of {rows}",
+        y.len()
+    );
+    ensure!(
+        tiles.order.len() >= pairs,
+        OP,
+        "order has {} places for {pairs} pairs",
+        tiles.order.len()
+    );
+    ensure!(
+        tiles.tile_rows == 1 || tiles.tile_rows == MAX_BATCH,
+        OP,
+        "tiles of {} pairs, 1 or {MAX_BATCH}",
+        tiles.tile_rows
+    );
+    let max_tiles = max_tiles(pairs, table.experts, tiles.tile_rows);
+    ensure!(
+        tiles.tiles.len() > 3 * max_tiles,
+        OP,
+        "a tile list of {} values for up to {max_tiles} tiles",
+        tiles.tiles.len()
+    );
+    if pairs == 0 {
         return Ok(());
     }
-    args.total_rows = int(OP, "rows", total_rows)?;
+    let epilogue = if table.matrices == 2 {
+        Epilogue::SwiGlu
+    } else {
+        Epilogue::Store
+    };
+    let mut args = KernelArgs {
+        x: x.device_ptr(),
+        tiles: tiles.tiles.device_ptr(),
+        order: tiles.order.device_ptr(),
+        experts: table.addresses.device_ptr(),
+        x_div: int(OP, "x_div", x_div)?,
+        ..KernelArgs::default()
+    };
+    for out in &mut args.out[..table.matrices] {
+        *out = KernelOut {
+            w: 0,
+            bias: 0,
+            y: y.device_ptr(),
+            rows: int(OP, "rows", rows)?,
+            pad: 0,
+        };
+    }
+    let shape = Shape {
+        dtype: table.dtype,
+        cols,
+        outputs: table.matrices,
+        total_rows: rows * table.matrices,
+        aligned: table.aligned && aligned(x.device_ptr()),
+    };
+    let kernel = Kernel::MatvecExperts {
+        weights: table.dtype,
+        batch: tiles.tile_rows as u8,
+    };
+    let grid_y = int(OP, "tiles", max_tiles)? as u32;
+    launch_product(
+        device,
+        kernel,
+        &mut args,
+        &shape,
+        epilogue,
+        tiles.tile_rows,
+        grid_y,
+    )
+}
 
-    let per_chunk = 16 / dtype.size_in_bytes();
-    let aligned = |p: u64| p.is_multiple_of(16);
-    let vectorised = cols.is_multiple_of(per_chunk)
-        && outputs.iter().all(|o| aligned(o.w.data.device_ptr()))
-        && aligned(x.device_ptr())
-        && norm.is_none_or(|n| aligned(n.weight.device_ptr()));
+/// The most tiles `pairs` routed pairs make over `experts` experts in tiles of `tile_rows`:
+/// each expert's pairs fill whole tiles but its last.
+pub fn max_tiles(pairs: usize, experts: usize, tile_rows: usize) -> usize {
+    (pairs + (tile_rows - 1) * experts.min(pairs)) / tile_rows
+}
+
+/// What [`launch_product`] needs to know of the matrices.
+struct Shape {
+    dtype: Float,
+    cols: usize,
+    outputs: usize,
+    total_rows: usize,
+    /// The matrices, `x` and the norm weight start on 16 bytes.
+    aligned: bool,
+}
+
+fn aligned(p: u64) -> bool {
+    p.is_multiple_of(16)
+}
+
+/// Completes `args` from `shape` and launches `kernel` (whose batch is `batch`) over
+/// `grid_y` blocks of rows or tiles.
+fn launch_product(
+    device: &CudaDevice,
+    kernel: Kernel,
+    args: &mut KernelArgs,
+    shape: &Shape,
+    epilogue: Epilogue,
+    batch: usize,
+    grid_y: u32,
+) -> Result<(), CudaError> {
+    const OP: &str = "matvec";
+    if shape.total_rows == 0 || grid_y == 0 {
+        return Ok(());
+    }
+    let cols = shape.cols;
+    args.outputs = shape.outputs as i32;
+    args.total_rows = int(OP, "rows", shape.total_rows)?;
+    args.cols = int(OP, "cols", cols)?;
+    args.accumulate = i32::from(epilogue == Epilogue::Accumulate);
+    args.swiglu = i32::from(epilogue == Epilogue::SwiGlu);
+    let per_chunk = 16 / shape.dtype.size_in_bytes();
+    let vectorised = cols.is_multiple_of(per_chunk) && shape.aligned;
     // Warps sharing a group of rows: enough that each lane takes about 4 steps of a row (more
     // would leave lanes idle on short rows, fewer too few loads in flight on long ones).
     let steps = if vectorised { cols / per_chunk } else { cols };
@@ -215,15 +482,11 @@ pub fn matvec_fused(
     // Rows per group, as the MATVEC_ALL_BATCHES table in matvec.cu sets them.
     let rows_per_group = if batch <= 2 { 2 } else { 4 };
     let rows_per_block = (THREADS as usize / 32 / warps_per_rows) * rows_per_group;
-    let blocks = int(OP, "blocks", total_rows.div_ceil(rows_per_block))? as u32;
+    let blocks = int(OP, "blocks", shape.total_rows.div_ceil(rows_per_block))? as u32;
     args.vec = i32::from(vectorised);
     args.wpr = warps_per_rows as i32;
-    let kernel = Kernel::Matvec {
-        weights: dtype,
-        batch: batch as u8,
-        norm: norm.is_some(),
-    };
-    launch!(device, kernel, config((blocks, 1), THREADS, 0); args)
+    let args = *args;
+    launch!(device, kernel, config((blocks, grid_y), THREADS, 0); args)
 }
 
 /// Bytes one [`matvec`] must move at least: the weights once, `x` and `y` once.

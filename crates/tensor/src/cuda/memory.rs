@@ -24,6 +24,7 @@ pub trait DeviceElem: bytemuck::Pod + Send + Sync + 'static {}
 impl DeviceElem for u8 {}
 impl DeviceElem for u32 {}
 impl DeviceElem for i32 {}
+impl DeviceElem for u64 {}
 impl DeviceElem for f32 {}
 impl DeviceElem for half::bf16 {}
 impl DeviceElem for half::f16 {}
@@ -344,6 +345,19 @@ impl<'a> DevMat<'a> {
             rows,
             cols,
         })
+    }
+
+    /// Rows `range` as a matrix of their own (an expert of a stacked tensor).
+    pub fn slice_rows(&self, range: Range<usize>) -> DevMat<'a> {
+        let row_bytes = self.cols * self.dtype.size_in_bytes();
+        DevMat {
+            dtype: self.dtype,
+            data: self
+                .data
+                .slice(range.start * row_bytes..range.end * row_bytes),
+            rows: range.len(),
+            cols: self.cols,
+        }
     }
 
     /// A matrix over typed elements.

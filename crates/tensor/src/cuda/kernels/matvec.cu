@@ -10,6 +10,13 @@
 // Without it, g = 1 and s_b = 1. With `swiglu` the two matrices are gate and up, their rows
 // interleaved (gate r, up r) so one group holds both, and y_0 = silu(gate) · up.
 //
+// Longer batches run B rows per block, blockIdx.y the block of rows. The `_experts` kernels
+// take a mixture-of-experts layer's routed (token, expert) pairs instead: blockIdx.y is a tile
+// of up to B pairs routed to one expert (moe.cu makes the tiles), the matrices are that
+// expert's, read from a table of their addresses, and pair p reads x row p / x_div and writes
+// y row p. A pair's sums do not depend on the tile it shares, so a token's result is the same
+// alone or in any batch.
+//
 // W is [rows, cols] row-major (a HF Linear), f32, bf16 or f16; x and y are f32. A group of
 // `wpr` warps (1, 2, 4 or 8, set by the host from the row length) takes ROWS rows and splits
 // their columns: each thread streams 16 bytes of every row per step (consecutive threads,
@@ -43,6 +50,12 @@ struct MatvecArgs {
     int swiglu;
     int vec;  // every row and x start on 16 bytes and cols is a whole number of chunks
     int wpr;
+    // The `_experts` kernels only:
+    const int* tiles;  // [1 + 3·tiles]: the tile count, then (expert, first, pairs) per tile
+    const int* order;  // pair indices grouped by expert; a tile's are order[first..first + pairs]
+    const unsigned long long* experts;  // [experts][outputs] weight addresses (out[i].w unused)
+    int x_div;         // pair p reads x row p / x_div
+    int pad;
 };
 
 __device__ __forceinline__ MatvecOut matvec_out(const MatvecArgs& a, int i) {
@@ -70,7 +83,8 @@ __device__ __forceinline__ int matvec_locate(const MatvecArgs& a, int row, int* 
 
 // NORM: whether `a.norm` is set, known when compiling, so a plain product's inner loop holds
 // nothing of the norm (a runtime test there cost the bf16 kernels a fifth of their speed).
-template <typename W, int B, int ROWS, int UNROLL, bool NORM>
+// EXPERTS: the routed form (see the top of the file), also known when compiling.
+template <typename W, int B, int ROWS, int UNROLL, bool NORM, bool EXPERTS>
 __device__ __forceinline__ void matvec(const MatvecArgs& a) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int wpr = a.wpr, cols = a.cols;
@@ -78,8 +92,23 @@ __device__ __forceinline__ void matvec(const MatvecArgs& a) {
     const int row0 = (blockIdx.x * groups + warp / wpr) * ROWS;
     // This thread's place in its group, and the group's width in threads.
     const int tg = (warp % wpr) * 32 + lane, width = wpr * 32;
-    const float* __restrict__ x = a.x;
+    const float* __restrict__ x = a.x + (EXPERTS ? 0 : (size_t)blockIdx.y * B * cols);
     const float* __restrict__ g = a.norm;
+    // A tile's expert, its first pair in `order`, its pairs, and their x rows (rows past the
+    // last pair re-read it; their sums are dropped below).
+    int expert = 0, first_pair = 0, count = B;
+    const float* xp[B];
+    if (EXPERTS) {
+        const int tile = blockIdx.y;
+        if (tile >= a.tiles[0]) return;  // the grid covers the most tiles a routing can make
+        const int* t = a.tiles + 1 + 3 * tile;
+        expert = t[0];
+        first_pair = t[1];
+        count = t[2];
+#pragma unroll
+        for (int b = 0; b < B; ++b) xp[b] = a.x + (size_t)(a.order[first_pair + min(b, count - 1)] / a.x_div) * cols;
+    }
+    auto xrow = [&](int b) -> const float* { return EXPERTS ? xp[b] : x + (size_t)b * cols; };
     float acc[ROWS][B], ss[B];
 #pragma unroll
     for (int b = 0; b < B; ++b) {
@@ -92,8 +121,9 @@ __device__ __forceinline__ void matvec(const MatvecArgs& a) {
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         int local;
-        const MatvecOut o = matvec_out(a, matvec_locate(a, min(row0 + r, a.total_rows - 1), &local));
-        wr[r] = (const W*)o.w + (size_t)local * cols;
+        const int i = matvec_locate(a, min(row0 + r, a.total_rows - 1), &local);
+        const void* w = EXPERTS ? (const void*)a.experts[expert * a.outputs + i] : matvec_out(a, i).w;
+        wr[r] = (const W*)w + (size_t)local * cols;
     }
 
     if (a.vec) {
@@ -120,7 +150,7 @@ __device__ __forceinline__ void matvec(const MatvecArgs& a) {
                 float xv[N];
 #pragma unroll
                 for (int i = 0; i < N; i += 4) {
-                    const float4 v = load_f4(x + (size_t)b * cols + c * N + i);
+                    const float4 v = load_f4(xrow(b) + c * N + i);
                     xv[i] = v.x;
                     xv[i + 1] = v.y;
                     xv[i + 2] = v.z;
@@ -144,7 +174,7 @@ __device__ __forceinline__ void matvec(const MatvecArgs& a) {
             const float gc = NORM ? g[c] : 1.0f;
 #pragma unroll
             for (int b = 0; b < B; ++b) {
-                const float xc = x[(size_t)b * cols + c];
+                const float xc = xrow(b)[c];
                 if (NORM) ss[b] = fmaf(xc, xc, ss[b]);
                 const float xg = NORM ? xc * gc : xc;
 #pragma unroll
@@ -177,6 +207,9 @@ __device__ __forceinline__ void matvec(const MatvecArgs& a) {
     if (threadIdx.x >= groups * per_group) return;
     const int grp = threadIdx.x / per_group, i = threadIdx.x % per_group;
     const int b = i % B, rr = i / B;
+    if (b >= count) return;
+    // The row of y this batch row (or pair) writes.
+    const size_t yb = EXPERTS ? (size_t)a.order[first_pair + b] : (size_t)blockIdx.y * B + b;
     const int first = grp * wpr;
     float scale = 1.0f;
     if (NORM) {
@@ -198,7 +231,7 @@ __device__ __forceinline__ void matvec(const MatvecArgs& a) {
         up *= scale;
         if (a.out[0].bias) gate += a.out[0].bias[r];
         if (a.out[1].bias) up += a.out[1].bias[r];
-        float* out = a.out[0].y + (size_t)b * a.out[0].rows + r;
+        float* out = a.out[0].y + yb * a.out[0].rows + r;
         const float v = silu(gate) * up;
         *out = a.accumulate ? *out + v : v;
         return;
@@ -211,7 +244,7 @@ __device__ __forceinline__ void matvec(const MatvecArgs& a) {
     const MatvecOut o = matvec_out(a, matvec_locate(a, row, &local));
     float v = sum * scale;
     if (o.bias) v += o.bias[local];
-    float* out = o.y + (size_t)b * o.rows + local;
+    float* out = o.y + yb * o.rows + local;
     *out = a.accumulate ? *out + v : v;
 }
 
@@ -219,10 +252,16 @@ __device__ __forceinline__ void matvec(const MatvecArgs& a) {
 // there, so the registers still leave room for two blocks per multiprocessor.
 #define MATVEC(NAME, W, B, ROWS, UNROLL)                                                       \
     extern "C" __global__ void __launch_bounds__(MATVEC_THREADS) NAME(const MatvecArgs a) {    \
-        matvec<W, B, ROWS, UNROLL, false>(a);                                                  \
+        matvec<W, B, ROWS, UNROLL, false, false>(a);                                           \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(MATVEC_THREADS) NAME##_norm(const MatvecArgs a) { \
-        matvec<W, B, ROWS, UNROLL, true>(a);                                                   \
+        matvec<W, B, ROWS, UNROLL, true, false>(a);                                            \
+    }
+// Routed experts: one pair per tile for a decoded token (its experts differ), eight for
+// prompts, where each expert takes many tokens and reads its weights once per eight.
+#define MATVEC_EXPERTS(NAME, W, B, ROWS, UNROLL)                                                  \
+    extern "C" __global__ void __launch_bounds__(MATVEC_THREADS) NAME##_experts(const MatvecArgs a) { \
+        matvec<W, B, ROWS, UNROLL, false, true>(a);                                               \
     }
 // (8 rows per group at batch 1, each x load feeding 8 rows, measured slower on the H200:
 // qwen3-8b decode 148 tok/s against 167.)
@@ -234,7 +273,9 @@ __device__ __forceinline__ void matvec(const MatvecArgs& a) {
     MATVEC(matvec_##T##_b5, W, 5, 4, 1)       \
     MATVEC(matvec_##T##_b6, W, 6, 4, 1)       \
     MATVEC(matvec_##T##_b7, W, 7, 4, 1)       \
-    MATVEC(matvec_##T##_b8, W, 8, 4, 1)
+    MATVEC(matvec_##T##_b8, W, 8, 4, 1)       \
+    MATVEC_EXPERTS(matvec_##T##_b1, W, 1, 2, 4) \
+    MATVEC_EXPERTS(matvec_##T##_b8, W, 8, 4, 1)
 
 MATVEC_ALL_BATCHES(f32, float)
 MATVEC_ALL_BATCHES(bf16, bf16_t)
