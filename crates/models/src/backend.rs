@@ -366,9 +366,9 @@ pub trait Backend {
     fn prepare_experts(&self, experts: &[Mlp<Self>]) -> Result<Self::Experts>
     where
         Self: Sized;
-    /// A mixture-of-experts block: routes each of `rows` tokens of `Normed` to its top-k
-    /// experts and writes their weighted sum to `BlockOut`.
-    fn moe(&mut self, moe: &Moe<Self>, rows: usize) -> Result<()>
+    /// A mixture-of-experts block: routes each token of `Normed[..rows.len()]` to its top-k
+    /// experts and adds their weighted sum to `Residual[rows]`.
+    fn moe(&mut self, moe: &Moe<Self>, rows: Range<usize>) -> Result<()>
     where
         Self: Sized;
     /// Logits of the first `rows` rows of `Normed`, `head.rows()` each.

@@ -290,7 +290,54 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn moe(&mut self, moe: &Moe<Self>, n: usize) -> Result<()> {
+    fn moe(&mut self, moe: &Moe<Self>, rows: Range<usize>) -> Result<()> {
+        let hidden = moe.router.cols;
+        self.moe_into_block_out(moe, rows.len());
+        self.add(
+            Slot::Residual,
+            rows.start * hidden,
+            Slot::BlockOut,
+            rows.len() * hidden,
+        )
+    }
+
+    fn project_logits(&mut self, head: &Matrix, rows: usize) -> Result<()> {
+        let pool = &self.pool;
+        let Workspace {
+            slots,
+            logits,
+            matmul_scratch,
+            ..
+        } = &mut self.ws;
+        let h = &slots[Slot::Normed.index()].as_slice::<f32>()[..rows * head.cols];
+        let out = &mut logits.as_mut_slice::<f32>()[..rows * head.rows];
+        cpu::matmul(
+            pool,
+            h,
+            rows,
+            &head.as_mat(),
+            out,
+            matmul_scratch.as_mut_slice(),
+        );
+        Ok(())
+    }
+
+    fn logits(&mut self, len: usize) -> Result<&[f32]> {
+        Ok(&self.ws.logits.as_slice::<f32>()[..len])
+    }
+}
+
+impl CpuBackend {
+    fn loader<'a>(&'a self, source: &'a dyn TensorSource) -> WeightLoader<'a> {
+        WeightLoader {
+            set: source,
+            owner: &self.owner,
+        }
+    }
+
+    /// `BlockOut[..n]` = the weighted sum of the top-k experts of each of `n` tokens of
+    /// `Normed`.
+    fn moe_into_block_out(&mut self, moe: &Moe<Self>, n: usize) {
         let pool = &self.pool;
         let n_experts = moe.experts.len();
         let Workspace {
@@ -364,41 +411,6 @@ impl Backend for CpuBackend {
                     *d += o * weight;
                 }
             }
-        }
-        Ok(())
-    }
-
-    fn project_logits(&mut self, head: &Matrix, rows: usize) -> Result<()> {
-        let pool = &self.pool;
-        let Workspace {
-            slots,
-            logits,
-            matmul_scratch,
-            ..
-        } = &mut self.ws;
-        let h = &slots[Slot::Normed.index()].as_slice::<f32>()[..rows * head.cols];
-        let out = &mut logits.as_mut_slice::<f32>()[..rows * head.rows];
-        cpu::matmul(
-            pool,
-            h,
-            rows,
-            &head.as_mat(),
-            out,
-            matmul_scratch.as_mut_slice(),
-        );
-        Ok(())
-    }
-
-    fn logits(&mut self, len: usize) -> Result<&[f32]> {
-        Ok(&self.ws.logits.as_slice::<f32>()[..len])
-    }
-}
-
-impl CpuBackend {
-    fn loader<'a>(&'a self, source: &'a dyn TensorSource) -> WeightLoader<'a> {
-        WeightLoader {
-            set: source,
-            owner: &self.owner,
         }
     }
 }

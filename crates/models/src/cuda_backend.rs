@@ -968,8 +968,9 @@ impl Backend for CudaBackend {
     /// Routed on the device: router logits in f32 (as the CPU and transformers compute them,
     /// so a prompt's bf16 rounding never changes an expert), top-k and grouping by expert in
     /// one block, each routed pair's SwiGLU and down products in one launch each, and the
-    /// weighted sum.
-    fn moe(&mut self, moe: &Moe<Self>, rows: usize) -> Result<()> {
+    /// weighted sum added to the residual.
+    fn moe(&mut self, moe: &Moe<Self>, rows: Range<usize>) -> Result<()> {
+        let (offset, rows) = (rows.start, rows.len());
         let experts = &moe.prepared;
         let routing = Routing {
             experts: moe.experts.len(),
@@ -983,9 +984,9 @@ impl Backend for CudaBackend {
             .as_mut()
             .expect("a MoE model's backend has MoE buffers");
         let dev = &self.device;
-        let [normed, block_out] = self
+        let [normed, residual] = self
             .slots
-            .get_disjoint_mut([Slot::Normed.index(), Slot::BlockOut.index()])
+            .get_disjoint_mut([Slot::Normed.index(), Slot::Residual.index()])
             .expect("distinct slots");
         let x = normed.as_slice::<f32>().slice(0..rows * hidden);
         let mut logits = ws.router.as_mut_slice::<f32>();
@@ -1013,8 +1014,8 @@ impl Backend for CudaBackend {
             &mut expert_out,
         )?;
         let weights = routes.weights.as_slice().slice(0..pairs);
-        let mut out = block_out.as_mut_slice::<f32>();
-        let mut out = out.slice_mut(0..rows * hidden);
+        let mut out = residual.as_mut_slice::<f32>();
+        let mut out = out.slice_mut(offset * hidden..(offset + rows) * hidden);
         cuda::moe_combine(
             dev,
             expert_out.as_slice(),

@@ -316,7 +316,7 @@ impl<B: Backend> Transformer<B> {
     /// The device work of a forward pass of `n` tokens at `pos0..`.
     fn pass(&self, b: &mut B, kv: &mut B::Kv, n: usize, pos0: usize, logits: Logits) -> Result<()> {
         let c = &self.config;
-        let (hidden, eps) = (c.hidden_size, c.rms_norm_eps);
+        let eps = c.rms_norm_eps;
         b.embed(&self.embed_tokens, n)?;
         for (index, layer) in self.layers.iter().enumerate() {
             self.attention(b, kv, index, layer, n, pos0)?;
@@ -328,14 +328,12 @@ impl<B: Backend> Transformer<B> {
             } else {
                 0
             };
-            let m = n - first;
             let norm = &layer.post_attention_norm;
             match &layer.feed_forward {
                 FeedForward::Dense(mlp) => mlp.apply_to_residual(b, first..n, norm, eps)?,
                 FeedForward::Sparse(moe) => {
                     b.rms_norm(Slot::Residual, first..n, norm, eps, Slot::Normed)?;
-                    b.moe(moe, m)?;
-                    b.add(Slot::Residual, first * hidden, Slot::BlockOut, m * hidden)?;
+                    b.moe(moe, first..n)?;
                 }
             }
         }

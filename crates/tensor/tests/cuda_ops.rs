@@ -1232,7 +1232,8 @@ fn bad_arguments_are_errors_that_name_the_op() {
 
 /// A mixture-of-experts layer in f64: softmax over the router logits, the top-k (ties to the
 /// lower index), weights renormalised with `normalize`, and the weighted sum of each chosen
-/// expert's SwiGLU MLP. Returns the experts chosen per token and the layer's output.
+/// expert's SwiGLU MLP added to `x` (standing for the residual). Returns the experts chosen
+/// per token and the residual after the layer.
 #[allow(clippy::too_many_arguments)]
 fn moe_reference(
     logits: &[f32],
@@ -1245,7 +1246,8 @@ fn moe_reference(
 ) -> (Vec<i32>, Vec<f64>) {
     let (experts, k) = (routing.experts, routing.top_k);
     let tokens = logits.len() / experts;
-    let (mut ids, mut out) = (Vec::new(), vec![0f64; tokens * hidden]);
+    // The output is added to the residual, which is `x` here.
+    let (mut ids, mut out) = (Vec::new(), x.iter().map(|&v| v as f64).collect::<Vec<_>>());
     for t in 0..tokens {
         let row = &logits[t * experts..(t + 1) * experts];
         let max = row.iter().fold(f64::MIN, |m, &v| m.max(v as f64));
@@ -1283,8 +1285,9 @@ fn moe_reference(
     (ids, out)
 }
 
-/// Runs a MoE layer on the device: route, gate and up with SwiGLU, down, combine. Returns
-/// the experts chosen per pair, the tile list and order, and the output.
+/// Runs a MoE layer on the device: route, gate and up with SwiGLU, down, combine into a
+/// residual that starts as `x`. Returns the experts chosen per pair, the tile list and order,
+/// and the residual.
 struct MoeRun {
     ids: Vec<i32>,
     tiles: Vec<i32>,
@@ -1336,7 +1339,7 @@ fn run_moe(
     let mut tiles = ctx.poisoned::<i32>(routing.tiles_len(tokens));
     let mut act = ctx.poisoned::<f32>(pairs * width);
     let mut expert_out = ctx.poisoned::<f32>(pairs * hidden);
-    let mut out = ctx.poisoned::<f32>(tokens * hidden);
+    let mut out = ctx.upload(x);
     let mut routes = cuda::Routes {
         ids: ids.as_mut_slice(),
         weights: weights.as_mut_slice(),

@@ -11,8 +11,8 @@ use super::{
     int, stride_blocks,
 };
 
-/// Threads of the routing block (`MOE_THREADS` in moe.cu).
-const ROUTE_THREADS: u32 = 1024;
+/// The most threads of the routing block (`MOE_THREADS` in moe.cu).
+const ROUTE_THREADS: usize = 1024;
 /// The most experts a layer may have (`MOE_MAX_EXPERTS` in moe.cu).
 pub const MAX_EXPERTS: usize = 1024;
 /// The most experts a token may take (one lane of a warp keeps each).
@@ -124,12 +124,17 @@ pub fn moe_route(
     );
     let (n, e, k) = (int(OP, "tokens", tokens)?, experts as i32, top_k as i32);
     let (norm, tile_rows) = (i32::from(normalize), routing.tile_rows(tokens) as i32);
-    launch!(device, Kernel::MoeRoute, config((1, 1), ROUTE_THREADS, 0);
+    // A warp per token to pick experts, a thread per expert to group pairs.
+    let threads = (tokens * 32)
+        .max(experts)
+        .next_multiple_of(32)
+        .min(ROUTE_THREADS) as u32;
+    launch!(device, Kernel::MoeRoute, config((1, 1), threads, 0);
         lp, n, e, k, norm, tile_rows, ip, wp, op, tp)
 }
 
-/// `out[t] = Σ_r weights[t·top_k + r] · expert_out[t·top_k + r]` for `out` `[tokens, hidden]`
-/// and `expert_out` `[tokens · top_k, hidden]`, summed in rank order.
+/// `out[t] += Σ_r weights[t·top_k + r] · expert_out[t·top_k + r]` for `out` `[tokens, hidden]`
+/// (the residual stream) and `expert_out` `[tokens · top_k, hidden]`, summed in rank order.
 pub fn moe_combine(
     device: &CudaDevice,
     expert_out: DevSlice<'_, f32>,

@@ -8,43 +8,59 @@
 //   2. the pairs are grouped by expert for matvec's `_experts` kernels: `order` lists each
 //      expert's pairs in pair order (expert 0's first), and `tiles` cuts each expert's run
 //      into tiles of at most `tile_rows` pairs: tiles[0] is their count, then (expert, first
-//      index into order, pairs) per tile. Each expert's run is gathered by one thread that
-//      scans the pairs in order, so the grouping never depends on timing.
+//      index into order, pairs) per tile. Where each expert's pairs and tiles start are sums
+//      over the experts before it; its run is gathered by one thread that scans the pairs in
+//      order, so the grouping never depends on timing.
+// The block takes a warp per token for step 1 and a thread per expert for step 2, so the host
+// sizes it to the batch and the experts.
 //
-// moe_combine: out[t] = sum over ranks r of weight[t, r] · expert_out[t · top_k + r], in rank
-// order, one thread per output value.
+// moe_combine: out[t] += sum over ranks r of weight[t, r] · expert_out[t · top_k + r], in rank
+// order, one thread per output value: the layer's output added to the residual stream.
 
 #define MOE_THREADS 1024
-#define MOE_MAX_EXPERTS 1024  // 32 per lane: `taken` is a 32-bit mask
+#define MOE_MAX_EXPERTS 1024
+#define MOE_PER_LANE (MOE_MAX_EXPERTS / 32)
 #define MOE_NO_EXPERT 0x7fffffff
 
 extern "C" __global__ void __launch_bounds__(MOE_THREADS)
     moe_route(const float* __restrict__ logits, int tokens, int experts, int top_k, int normalize,
               int tile_rows, int* __restrict__ ids, float* __restrict__ weights,
               int* __restrict__ order, int* __restrict__ tiles) {
-    __shared__ int runs[MOE_MAX_EXPERTS];  // pairs per expert, then where its run starts
+    __shared__ int run_start[MOE_MAX_EXPERTS];   // pairs per expert, then where its run starts
+    __shared__ int tile_start[MOE_MAX_EXPERTS];  // each expert's first tile
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
 
     for (int t = warp; t < tokens; t += warps) {
         const float* row = logits + (size_t)t * experts;
+        // Lane l holds experts l, l + 32, ...; the probabilities stay in registers.
+        float prob[MOE_PER_LANE];
         float m = NEG_INF;
-        for (int e = lane; e < experts; e += 32) m = fmaxf(m, row[e]);
+#pragma unroll
+        for (int i = 0; i < MOE_PER_LANE; ++i) {
+            const int e = lane + 32 * i;
+            prob[i] = e < experts ? row[e] : NEG_INF;
+            m = fmaxf(m, prob[i]);
+        }
         m = warp_max(m);
         float sum = 0.0f;
-        for (int e = lane; e < experts; e += 32) sum += expf(row[e] - m);
+#pragma unroll
+        for (int i = 0; i < MOE_PER_LANE; ++i)
+            if (lane + 32 * i < experts) sum += expf(prob[i] - m);
         sum = warp_sum(sum);
-        unsigned taken = 0;  // bit i: expert lane + 32·i is chosen already
+        // Taken and absent experts read -1, below every probability; NaN never wins.
+#pragma unroll
+        for (int i = 0; i < MOE_PER_LANE; ++i)
+            prob[i] = lane + 32 * i < experts ? expf(prob[i] - m) / sum : -1.0f;
         float total = 0.0f, mine = 0.0f;
         int mine_id = 0;
         for (int r = 0; r < top_k; ++r) {
-            float best = -1.0f;  // below every probability; NaN never wins
+            float best = -1.0f;
             int best_id = MOE_NO_EXPERT;
-            for (int i = 0, e = lane; e < experts; ++i, e += 32) {
-                if ((taken >> i) & 1u) continue;
-                const float p = expf(row[e] - m) / sum;
-                if (p > best) {  // e rises, so the first of equal values stays
-                    best = p;
-                    best_id = e;
+#pragma unroll
+            for (int i = 0; i < MOE_PER_LANE; ++i) {
+                if (prob[i] > best) {  // experts rise with i, so the first of equals stays
+                    best = prob[i];
+                    best_id = lane + 32 * i;
                 }
             }
 #pragma unroll
@@ -59,8 +75,11 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS)
             if (best_id == MOE_NO_EXPERT) {  // only NaN left: any valid expert, weight 0
                 best_id = r;
                 best = 0.0f;
+            } else if ((best_id & 31) == lane) {
+#pragma unroll
+                for (int i = 0; i < MOE_PER_LANE; ++i)
+                    if (i == (best_id >> 5)) prob[i] = -1.0f;
             }
-            if ((best_id & 31) == lane) taken |= 1u << (best_id >> 5);
             if (lane == r) {
                 mine = best;
                 mine_id = best_id;
@@ -78,29 +97,52 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS)
     for (int e = threadIdx.x; e < experts; e += blockDim.x) {
         int n = 0;
         for (int p = 0; p < pairs; ++p) n += ids[p] == e;
-        runs[e] = n;
+        run_start[e] = n;
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        int count = 0, start = 0;
-        for (int e = 0; e < experts; ++e) {
-            const int n = runs[e];
-            for (int j = 0; j < n; j += tile_rows) {
-                int* tile = tiles + 1 + 3 * count++;
-                tile[0] = e;
-                tile[1] = start + j;
-                tile[2] = min(tile_rows, n - j);
-            }
-            runs[e] = start;
-            start += n;
+    // Where each expert's pairs and tiles start: exclusive sums over experts, lane l of warp 0
+    // taking a contiguous share of them.
+    if (warp == 0) {
+        const int per = (experts + 31) / 32;
+        const int lo = min(experts, lane * per), hi = min(experts, lo + per);
+        int pair_sum = 0, tile_sum = 0;
+        for (int e = lo; e < hi; ++e) {
+            pair_sum += run_start[e];
+            tile_sum += (run_start[e] + tile_rows - 1) / tile_rows;
         }
-        tiles[0] = count;
+        int pair_incl = pair_sum, tile_incl = tile_sum;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int p = __shfl_up_sync(FULL_MASK, pair_incl, o);
+            const int t = __shfl_up_sync(FULL_MASK, tile_incl, o);
+            if (lane >= o) {
+                pair_incl += p;
+                tile_incl += t;
+            }
+        }
+        int p = pair_incl - pair_sum, t = tile_incl - tile_sum;
+        for (int e = lo; e < hi; ++e) {
+            const int n = run_start[e];
+            run_start[e] = p;
+            tile_start[e] = t;
+            p += n;
+            t += (n + tile_rows - 1) / tile_rows;
+        }
+        if (lane == 31) tiles[0] = tile_incl;
     }
     __syncthreads();
+    // Each expert's pairs in pair order, then its tiles.
     for (int e = threadIdx.x; e < experts; e += blockDim.x) {
-        int at = runs[e];
+        const int start = run_start[e];
+        int at = start;
         for (int p = 0; p < pairs; ++p)
             if (ids[p] == e) order[at++] = p;
+        int* tile = tiles + 1 + 3 * tile_start[e];
+        for (int j = 0; j < at - start; j += tile_rows, tile += 3) {
+            tile[0] = e;
+            tile[1] = start + j;
+            tile[2] = min(tile_rows, at - start - j);
+        }
     }
 }
 
@@ -116,6 +158,6 @@ extern "C" __global__ void moe_combine(const float* __restrict__ expert_out,
             const size_t p = t * top_k + r;
             s = fmaf(weights[p], expert_out[p * hidden + h], s);
         }
-        out[i] = s;
+        out[i] += s;
     }
 }
