@@ -12,7 +12,7 @@ use ember_models::{
 use ember_residency::{
     Bound, CODE_ID_BASE, MlockBackend, Region, ResidencySet, executable_regions,
 };
-use ember_tensor::cuda::{self, CudaDevice, DeviceBuffer};
+use ember_tensor::cuda::{self, CudaDevice, CudaResidency, DeviceBuffer};
 use ember_tensor::{Buffer, BufferInfo, BufferKind, BufferOwner, ThreadPool};
 use serde_json::Value;
 
@@ -285,7 +285,7 @@ impl Engine {
         let kv_dtype = options.kv_dtype.unwrap_or(default_kv);
         let source = weights.source();
         let cuda = choose_device(options.device, &weights, &config)?;
-        let device_memory = cuda.as_ref().map(|d| d.info().memory_bytes as u64);
+        let residency_device = cuda.clone();
         let (runner, keepalive_scratch, weights): (Box<dyn Runner>, _, _) = match cuda {
             None => {
                 let pool = ThreadPool::new(threads);
@@ -349,7 +349,7 @@ impl Engine {
                 (Box::new(runner), scratch, None)
             }
         };
-        let residency = establish_residency(&owner, options, device_memory)?;
+        let residency = establish_residency(&owner, options, residency_device)?;
         let encoder = PromptEncoder {
             dir: dir.to_path_buf(),
             tokenizer,
@@ -588,7 +588,7 @@ impl Engine {
 fn establish_residency(
     owner: &BufferOwner,
     options: &EngineOptions,
-    device_memory: Option<u64>,
+    cuda: Option<CudaDevice>,
 ) -> Result<Arc<ResidencySet>> {
     let (set, report) = match options.residency {
         ResidencyMode::Off => ResidencySet::disabled(),
@@ -605,13 +605,18 @@ fn establish_residency(
                     .enumerate()
                     .map(|(i, r)| (CODE_ID_BASE + i as u64, r)),
             );
-            let mut bound = Bound::from_system(options.load_limit_gib);
-            if let Some(bytes) = device_memory {
+            let bound = Bound::from_system(options.load_limit_gib);
+            match cuda {
                 // Device buffers are resident by nature; the bound keeps later joins (KV
-                // growth, caches) inside the GPU's memory.
-                bound = bound.with_device_limit(bytes);
+                // growth, caches) inside the GPU's memory. Staging buffers are page-locked
+                // with the driver.
+                Some(device) => {
+                    let bound = bound.with_device_limit(device.info().memory_bytes as u64);
+                    let backend = Arc::new(CudaResidency::new(device));
+                    ResidencySet::establish(backend, bound, regions)
+                }
+                None => ResidencySet::establish(Arc::new(MlockBackend::new()), bound, regions),
             }
-            ResidencySet::establish(Arc::new(MlockBackend::new()), bound, regions)
         }
     };
     if options.residency != ResidencyMode::Off {

@@ -20,8 +20,8 @@
 //! reference's tokens are fed back, because a greedy id may flip where the reference's top two
 //! are closer than that error (llama-bf16, case 0, step 1: margin 0.028), and every later step
 //! would then see another context ([`check_teacher_forced`]). Mixture-of-experts layers route
-//! on the device with f32 router logits, and their experts run matrix-vector kernels in f32
-//! activations at every batch size.
+//! on the device from f32 router logits; on that road a step whose reference routing is within
+//! [`BF16_ROUTER_GAP`] of a tie is not checked (a flipped expert is not a bug).
 
 use std::ops::ControlFlow;
 use std::path::PathBuf;
@@ -39,6 +39,14 @@ const LOGPROB_TOLERANCE: f32 = 1e-3;
 const CUDA_GEMM_BF16_TOLERANCE: f32 = 0.15;
 /// The longest batch CUDA computes with matrix-vector kernels (f32 activations).
 const CUDA_MATVEC_BATCH: usize = 8;
+/// How far bf16 activations may move a mixture-of-experts router logit on the bf16-GEMM road.
+/// Where the reference's gap between the k-th and (k+1)-th router logit is smaller
+/// (`router_gaps` in the fixture, per step, from `scripts/golden_router_gaps.py`), the run may
+/// pick another expert: a whole other MLP, a legitimate difference of whole units in the
+/// logits, so that step is not held to the tolerance. Measured on the H200: qwen3moe-bf16,
+/// case 4, step 1 (gap 0.011) picked another expert (logits 1.2 off the CPU's there, 0.03
+/// elsewhere); every checked step with a gap from 0.015 up stayed within the tolerance.
+const BF16_ROUTER_GAP: f64 = 0.02;
 
 /// The device under test: `EMBER_TEST_DEVICE` (cpu, cuda, cuda:N), the CPU by default.
 fn device() -> Device {
@@ -116,7 +124,10 @@ fn check_logprobs(
 /// may legitimately differ where the reference's top two are closer than the error, and then
 /// every later step would see another context. So the reference's own tokens are fed back
 /// (teacher forcing), every step's log-probabilities are checked, and the greedy id must
-/// match wherever the reference's top-1 margin is more than twice the tolerance.
+/// match wherever the reference's top-1 margin is more than twice the tolerance. Steps whose
+/// reference routing is closer to a tie than `min_router_gap` are skipped (see
+/// [`BF16_ROUTER_GAP`]), at most a quarter of them.
+#[allow(clippy::too_many_arguments)]
 fn check_teacher_forced(
     name: &str,
     tolerance: f32,
@@ -125,10 +136,26 @@ fn check_teacher_forced(
     prompt: &[u32],
     want: &[u32],
     tops: &[Value],
+    (router_gaps, min_router_gap): (&[f64], f64),
 ) {
     engine.reset();
     let mut logits = engine.prefill(prompt).unwrap().to_vec();
+    let mut skipped = 0;
     for (step, &token) in want.iter().enumerate() {
+        if router_gaps
+            .get(step)
+            .is_some_and(|&gap| gap < min_router_gap)
+        {
+            skipped += 1;
+            eprintln!(
+                "{name} case {case} step {step}: not checked (reference router gap {:.4} < {min_router_gap})",
+                router_gaps[step]
+            );
+            if step + 1 < want.len() {
+                logits = engine.step(token).unwrap().to_vec();
+            }
+            continue;
+        }
         check_logprobs(name, tolerance, case, step, &logits, &tops[step]);
         let top = tops[step].as_array().unwrap();
         let margin = top[0][1].as_f64().unwrap() - top[1][1].as_f64().unwrap();
@@ -145,6 +172,11 @@ fn check_teacher_forced(
             logits = engine.step(token).unwrap().to_vec();
         }
     }
+    assert!(
+        skipped * 4 <= want.len(),
+        "{name} case {case}: {skipped} of {} steps too close to a routing tie to check",
+        want.len()
+    );
 }
 
 fn check_fixture(name: &str) {
@@ -177,6 +209,21 @@ fn check_fixture(name: &str) {
                 ..greedy
             };
             let tolerance = tolerance(name, max_batch);
+            let router_gaps: Vec<f64> = case
+                .get("router_gaps")
+                .map(|g| {
+                    g.as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|v| v.as_f64().unwrap())
+                        .collect()
+                })
+                .unwrap_or_default();
+            let min_router_gap = if tolerance > LOGPROB_TOLERANCE {
+                BF16_ROUTER_GAP
+            } else {
+                0.0
+            };
             // Teacher-forced everywhere (so the check is itself checked on the CPU), and
             // free-running greedy too wherever the tolerance is tight enough for exact ids.
             check_teacher_forced(
@@ -187,6 +234,7 @@ fn check_fixture(name: &str) {
                 &prompt,
                 &want,
                 tops,
+                (&router_gaps, min_router_gap),
             );
             if tolerance > LOGPROB_TOLERANCE {
                 continue;

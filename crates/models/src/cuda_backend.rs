@@ -18,12 +18,12 @@ use std::sync::Arc;
 use ember_checkpoint::TensorSource;
 use ember_tensor::cpu::{AttentionShape, RopeLayout};
 use ember_tensor::cuda::{
-    self, CudaDevice, DevMat, DevSlice, DevSliceMut, DeviceBuffer, Epilogue, ExpertTable, Float,
-    Gemm, Graph, MatvecNorm, MatvecOutput, Position, PrefillPrecision, RopeHeads, RopeNorm, Routes,
-    Routing,
+    self, CudaDevice, DevMat, DevSlice, DevSliceMut, DeviceBuffer, Epilogue, ExpertRoad,
+    ExpertTable, Float, Gemm, Graph, MatvecNorm, MatvecOutput, Position, PrefillPrecision,
+    RopeHeads, RopeNorm, Routes, Routing,
 };
 use ember_tensor::quant::dequantize_row;
-use ember_tensor::{BufferId, BufferKind, BufferOwner, DType};
+use ember_tensor::{Buffer, BufferId, BufferKind, BufferOwner, DType};
 use half::{bf16, f16};
 
 use crate::backend::{
@@ -178,8 +178,10 @@ impl MoeWorkspace {
             normalize: moe.norm_topk_prob,
         };
         let pairs = tokens * routing.top_k;
-        // One token takes a tile per pair, more take tiles of 8: either may need more tiles.
-        let tiles = routing.tiles_len(1).max(routing.tiles_len(tokens));
+        // One token takes a tile per pair, more take tiles of 8 or 64: the most tiles.
+        let tiles = routing
+            .tiles_len(1, ExpertRoad::Decode)
+            .max(routing.tiles_len(tokens, ExpertRoad::Matvec));
         let alloc = |label: &str, n: usize| {
             owner.alloc_device(BufferKind::Activations, label, device, n * 4)
         };
@@ -207,10 +209,12 @@ pub struct CudaBackend {
     gemm_input: DeviceBuffer,
     /// The pass's inputs as the kernels read them, i32: `[pos0, pos0 + n, token ids...]`.
     step: DeviceBuffer,
-    step_host: Vec<i32>,
+    /// The host side of `step` and `logits`: staging buffers, page-locked with the driver
+    /// while the residency set holds them.
+    step_host: Buffer,
     attention_scratch: DeviceBuffer,
     logits: DeviceBuffer,
-    logits_host: Vec<f32>,
+    logits_host: Buffer,
     moe: Option<MoeWorkspace>,
     /// Recorded one-token passes; `None` turns recording off.
     graphs: Option<HashMap<GraphKey, Recording>>,
@@ -299,10 +303,18 @@ impl CudaBackend {
             slots: slots.try_into().expect("one buffer per slot"),
             gemm_input,
             step,
-            step_host: Vec::with_capacity(STEP_TOKENS + b),
+            step_host: owner.alloc_staging(
+                BufferKind::Activations,
+                "pass inputs (host)",
+                (STEP_TOKENS + b) * 4,
+            )?,
             attention_scratch,
             logits,
-            logits_host: vec![0.0; logit_rows * config.vocab_size],
+            logits_host: owner.alloc_staging(
+                BufferKind::Activations,
+                "logits (host)",
+                logit_rows * config.vocab_size * 4,
+            )?,
             moe,
             graphs: graphs.then(HashMap::new),
             prefill_precision: match config.dtype.as_deref() {
@@ -561,11 +573,15 @@ impl Backend for CudaBackend {
 
     fn begin_pass(&mut self, tokens: &[u32], pos0: usize) -> Result<()> {
         let int = |v: usize| i32::try_from(v).expect("positions fit the kernels' int");
-        self.step_host.clear();
-        self.step_host.push(int(pos0));
-        self.step_host.push(int(pos0 + tokens.len()));
-        self.step_host.extend(tokens.iter().map(|&t| t as i32));
-        self.step.upload(&self.step_host)?;
+        let len = STEP_TOKENS + tokens.len();
+        let host = &mut self.step_host.as_mut_slice::<i32>()[..len];
+        host[STEP_POS0] = int(pos0);
+        host[STEP_END] = int(pos0 + tokens.len());
+        for (slot, &t) in host[STEP_TOKENS..].iter_mut().zip(tokens) {
+            *slot = t as i32;
+        }
+        let mut step = self.step.as_mut_slice::<i32>();
+        self.device.upload(&mut step.slice_mut(0..len), host)?;
         Ok(())
     }
 
@@ -965,10 +981,10 @@ impl Backend for CudaBackend {
         })
     }
 
-    /// Routed on the device: router logits in f32 (as the CPU and transformers compute them,
-    /// so a prompt's bf16 rounding never changes an expert), top-k and grouping by expert in
-    /// one block, each routed pair's SwiGLU and down products in one launch each, and the
-    /// weighted sum added to the residual.
+    /// Routed on the device: router logits in f32 from the f32 normed rows, top-k and grouping
+    /// by expert in one block, each routed pair's SwiGLU and down products in one launch each
+    /// (tensor cores for the prompts of bf16 experts), and the weighted sum added to the
+    /// residual.
     fn moe(&mut self, moe: &Moe<Self>, rows: Range<usize>) -> Result<()> {
         let (offset, rows) = (rows.start, rows.len());
         let experts = &moe.prepared;
@@ -992,27 +1008,53 @@ impl Backend for CudaBackend {
         let mut logits = ws.router.as_mut_slice::<f32>();
         let mut logits = logits.slice_mut(0..rows * routing.experts);
         cuda::matvec(dev, &moe.router.as_mat()?, x, rows, &mut logits, false)?;
+        // Prompts of bf16 experts on the tensor cores (their input rounded to bf16, as the
+        // prompt GEMMs round theirs); decode and other dtypes in f32 activations.
+        let road = if rows == 1 {
+            ExpertRoad::Decode
+        } else if rows > cuda::MAX_BATCH
+            && experts.gate_up.takes_tensor_cores()
+            && experts.down.takes_tensor_cores()
+        {
+            ExpertRoad::TensorCores
+        } else {
+            ExpertRoad::Matvec
+        };
         let mut routes = Routes {
             ids: ws.ids.as_mut_slice(),
             weights: ws.weights.as_mut_slice(),
             order: ws.order.as_mut_slice(),
             tiles: ws.tiles.as_mut_slice(),
+            road,
         };
         cuda::moe_route(dev, logits.as_slice(), rows, &routing, &mut routes)?;
         let tiles = routes.tiles(&routing, rows);
         let mut act = ws.act.as_mut_slice::<f32>();
         let mut act = act.slice_mut(0..pairs * width);
-        cuda::matvec_experts(dev, &experts.gate_up, tiles, x, routing.top_k, &mut act)?;
         let mut expert_out = ws.expert_out.as_mut_slice::<f32>();
         let mut expert_out = expert_out.slice_mut(0..pairs * hidden);
-        cuda::matvec_experts(
-            dev,
-            &experts.down,
-            tiles,
-            act.as_slice(),
-            1,
-            &mut expert_out,
-        )?;
+        let top_k = routing.top_k;
+        if road == ExpertRoad::TensorCores {
+            cuda::experts_mma(dev, &experts.gate_up, tiles, x, top_k, &mut act)?;
+            cuda::experts_mma(
+                dev,
+                &experts.down,
+                tiles,
+                act.as_slice(),
+                1,
+                &mut expert_out,
+            )?;
+        } else {
+            cuda::matvec_experts(dev, &experts.gate_up, tiles, x, top_k, &mut act)?;
+            cuda::matvec_experts(
+                dev,
+                &experts.down,
+                tiles,
+                act.as_slice(),
+                1,
+                &mut expert_out,
+            )?;
+        }
         let weights = routes.weights.as_slice().slice(0..pairs);
         let mut out = residual.as_mut_slice::<f32>();
         let mut out = out.slice_mut(offset * hidden..(offset + rows) * hidden);
@@ -1028,8 +1070,10 @@ impl Backend for CudaBackend {
     }
 
     fn logits(&mut self, len: usize) -> Result<&[f32]> {
-        self.logits.download(&mut self.logits_host[..len])?;
-        Ok(&self.logits_host[..len])
+        let host = &mut self.logits_host.as_mut_slice::<f32>()[..len];
+        let logits = self.logits.as_slice::<f32>().slice(0..len);
+        self.device.download(logits, host)?;
+        Ok(&self.logits_host.as_slice::<f32>()[..len])
     }
 
     /// `logits[..rows] = Normed[..rows] · headᵀ` (matrix-vector: at most a few rows).

@@ -21,6 +21,18 @@ pub enum RegionKind {
     /// Memory on a discrete device: resident by nature, so only counted, against the device
     /// bound. Host backends never lock it.
     Device,
+    /// Host memory a device copies to and from (a GPU's staging buffers): host memory, counted
+    /// against the host bound, locked by a host backend; a device backend page-locks it with
+    /// the device instead (`cuMemHostRegister`), so transfers run straight from it. Whole pages
+    /// of its own, so registering one never touches another's.
+    Staging,
+}
+
+impl RegionKind {
+    /// Whether the memory is the host's (counted against the host bound).
+    pub fn is_host(self) -> bool {
+        matches!(self, RegionKind::Host | RegionKind::Staging)
+    }
 }
 
 /// A byte range `[addr, addr + len)` the set may hold.
@@ -53,6 +65,15 @@ impl Region {
             addr,
             len,
             kind: RegionKind::Device,
+        }
+    }
+
+    /// A staging region (host memory a device transfers to and from).
+    pub fn staging(addr: usize, len: usize) -> Self {
+        Region {
+            addr,
+            len,
+            kind: RegionKind::Staging,
         }
     }
 
@@ -122,10 +143,10 @@ fn errno_text(errno: i32) -> String {
 /// How the platforms map:
 /// - **mlock** ([`MlockBackend`]): `prepare` raises `RLIMIT_MEMLOCK`; `hold` = `mlock` of the
 ///   pages covering a host region; `release` = `munlock`. Device regions are no-ops.
-/// - **CUDA** (later): host regions the GPU reads (pinned staging, host prompt cache) are
-///   page-locked with `cuMemHostRegister` in `hold` and `cuMemHostUnregister` in `release`;
+/// - **CUDA** (`ember_tensor::cuda::CudaResidency`): staging regions (host memory the GPU
+///   copies to and from) are page-locked with `cuMemHostRegister` in `hold` and
+///   `cuMemHostUnregister` in `release`; other host regions are locked by mlock as above;
 ///   device regions stay resident on their own, so `hold`/`release` only count them.
-///   `prepare` is where the context is checked (and RLIMIT raised, as registering locks pages).
 /// - **Metal** (later, `MTLResidencySet`): `prepare` creates the set with an initial capacity;
 ///   `hold` = `addAllocation` of the region's `MTLBuffer`; `release` = `removeAllocation`.
 ///   Metal applies additions and removals only on `commit`, so that backend commits in each
@@ -274,7 +295,7 @@ impl Backend for MlockBackend {
     }
 
     fn warm(&self, r: &Region, skip: usize, stop: &dyn Fn() -> bool) -> usize {
-        if r.kind == RegionKind::Device || r.len == 0 {
+        if !r.kind.is_host() || r.len == 0 {
             return 0;
         }
         let mut touched = 0;
@@ -337,7 +358,7 @@ impl Backend for MlockBackend {
     }
 
     fn hold(&self, r: &Region) -> Result<(), BackendError> {
-        if r.kind == RegionKind::Device || r.len == 0 {
+        if !r.kind.is_host() || r.len == 0 {
             return Ok(());
         }
         let (first, last) = self.end_pages(r);
@@ -361,7 +382,7 @@ impl Backend for MlockBackend {
     }
 
     fn release(&self, r: &Region) -> Result<(), BackendError> {
-        if r.kind == RegionKind::Device || r.len == 0 {
+        if !r.kind.is_host() || r.len == 0 {
             return Ok(());
         }
         let (first, last) = self.end_pages(r);

@@ -259,15 +259,16 @@ struct Bytes {
 
 impl Bytes {
     fn of(r: &Region) -> Bytes {
-        match r.kind {
-            RegionKind::Host => Bytes {
+        if r.kind.is_host() {
+            Bytes {
                 host: r.len as u64,
                 device: 0,
-            },
-            RegionKind::Device => Bytes {
+            }
+        } else {
+            Bytes {
                 host: 0,
                 device: r.len as u64,
-            },
+            }
         }
     }
 
@@ -562,7 +563,7 @@ impl ResidencySet {
         // 2. The bound, against everything held and staged.
         let new = Bytes::of(&region);
         let (kind, held, staged, bound) = match region.kind {
-            RegionKind::Host => (
+            RegionKind::Host | RegionKind::Staging => (
                 "host",
                 inner.held_bytes.host,
                 inner.staged_bytes.host,

@@ -189,6 +189,26 @@ fn device_regions_are_counted_against_their_own_bound() {
     assert_eq!(over.reason, Some(NoSet::OverDeviceBound { limit: 5000 }));
 }
 
+#[test]
+fn staging_regions_are_host_memory_handed_to_the_backend() {
+    let backend = TestBackend::new();
+    let bound = Bound::fixed(3000, "3000 B").with_device_limit(5000);
+    let staging = Region::staging(0x2000_0000, 2000);
+    let regions = vec![(1, host(1, 1000)), (2, staging)];
+    let (set, report) = establish(&backend, bound, regions);
+    assert!(report.held, "{}", report.line());
+    assert_eq!((set.stats().bytes, set.stats().device_bytes), (3000, 0));
+    assert!(
+        holds(&backend).contains(&staging),
+        "the backend decides how to hold it"
+    );
+    // Counted against the host bound, which is full.
+    assert!(matches!(
+        set.join(3, Region::staging(0x2100_0000, 1)),
+        Err(JoinError::OverBound { kind: "host", .. })
+    ));
+}
+
 // ---- Rule 9: the load line ----
 
 #[test]

@@ -82,6 +82,9 @@ pub enum Location {
     Host,
     /// Memory of the CUDA device with this ordinal; `addr` is a device address.
     Device { ordinal: usize },
+    /// Host memory a device copies to and from (whole pages of its own), which a device's
+    /// residency backend page-locks with the driver.
+    Staging,
 }
 
 /// One entry of the owner's list.
@@ -108,6 +111,7 @@ impl BufferInfo {
         match self.location {
             Location::Host => Region::host(self.addr, self.bytes),
             Location::Device { .. } => Region::device(self.addr, self.bytes),
+            Location::Staging => Region::staging(self.addr, self.bytes),
         }
     }
 }
@@ -221,10 +225,7 @@ impl BufferOwner {
         Self::default()
     }
 
-    /// Allocates `bytes` of zeroed, 64-byte aligned host memory.
-    ///
-    /// The pages are written here, so the buffer is resident from the start: the memory the
-    /// list names is the memory the process really holds.
+    /// Allocates `bytes` of zeroed, 64-byte aligned host memory, resident from the start.
     pub fn alloc(
         &self,
         kind: BufferKind,
@@ -232,25 +233,23 @@ impl BufferOwner {
         bytes: usize,
     ) -> Result<Buffer> {
         let label = label.into();
-        let storage = if bytes == 0 {
-            Storage::Empty
-        } else {
-            let layout =
-                Layout::from_size_align(bytes, BUFFER_ALIGN).map_err(|_| Error::AllocFailed {
-                    label: label.clone(),
-                    bytes,
-                })?;
-            // SAFETY: layout has a non-zero size.
-            let ptr = unsafe { std::alloc::alloc(layout) };
-            let ptr = NonNull::new(ptr).ok_or_else(|| Error::AllocFailed {
-                label: label.clone(),
-                bytes,
-            })?;
-            // SAFETY: ptr points to `bytes` writable bytes just allocated.
-            unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, bytes) };
-            Storage::Heap { ptr, layout }
-        };
-        Ok(self.register(kind, label, storage))
+        let storage = Storage::heap(&label, bytes, BUFFER_ALIGN)?;
+        Ok(self.register(kind, label, storage, Location::Host))
+    }
+
+    /// Allocates zeroed host memory that a device copies to and from (a GPU's step inputs and
+    /// logits): whole pages of its own, listed as [`Location::Staging`], so a device's
+    /// residency backend can page-lock it with the driver and transfers run straight from it.
+    pub fn alloc_staging(
+        &self,
+        kind: BufferKind,
+        label: impl Into<String>,
+        bytes: usize,
+    ) -> Result<Buffer> {
+        let label = label.into();
+        let page = page_size();
+        let storage = Storage::heap(&label, bytes.next_multiple_of(page), page)?;
+        Ok(self.register(kind, label, storage, Location::Staging))
     }
 
     /// Allocates a buffer holding a copy of `data`.
@@ -281,7 +280,7 @@ impl BufferOwner {
             let map = unsafe { Mmap::map(&file) }.map_err(io_err)?;
             Storage::Mapped(map)
         };
-        Ok(self.register(kind, path.display().to_string(), storage))
+        Ok(self.register(kind, path.display().to_string(), storage, Location::Host))
     }
 
     /// Allocates `bytes` of memory on a CUDA device, listed here beside the host buffers
@@ -310,9 +309,15 @@ impl BufferOwner {
         Ok(DeviceBuffer::new(listing, memory))
     }
 
-    fn register(&self, kind: BufferKind, label: String, storage: Storage) -> Buffer {
+    fn register(
+        &self,
+        kind: BufferKind,
+        label: String,
+        storage: Storage,
+        location: Location,
+    ) -> Buffer {
         let (addr, bytes) = storage.region();
-        let id = self.registry.list(kind, label, Location::Host, addr, bytes);
+        let id = self.registry.list(kind, label, location, addr, bytes);
         Buffer {
             registry: Arc::clone(&self.registry),
             id,
@@ -365,6 +370,25 @@ enum Storage {
 }
 
 impl Storage {
+    /// `bytes` of zeroed heap memory aligned to `align`. The pages are written here, so the
+    /// buffer is resident from the start: the memory the list names is the memory the process
+    /// really holds.
+    fn heap(label: &str, bytes: usize, align: usize) -> Result<Storage> {
+        if bytes == 0 {
+            return Ok(Storage::Empty);
+        }
+        let failed = || Error::AllocFailed {
+            label: label.to_string(),
+            bytes,
+        };
+        let layout = Layout::from_size_align(bytes, align).map_err(|_| failed())?;
+        // SAFETY: layout has a non-zero size.
+        let ptr = NonNull::new(unsafe { std::alloc::alloc(layout) }).ok_or_else(failed)?;
+        // SAFETY: ptr points to `bytes` writable bytes just allocated.
+        unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, bytes) };
+        Ok(Storage::Heap { ptr, layout })
+    }
+
     fn region(&self) -> (usize, usize) {
         match self {
             Storage::Empty => (0, 0),
@@ -372,6 +396,13 @@ impl Storage {
             Storage::Mapped(map) => (map.as_ptr() as usize, map.len()),
         }
     }
+}
+
+/// The host's page size.
+pub fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(page).unwrap_or(4096).max(1)
 }
 
 /// A region of memory made by a [`BufferOwner`] and listed there until it is dropped.
@@ -484,6 +515,34 @@ mod tests {
         drop(b);
         assert!(owner.list().is_empty());
         assert_eq!(owner.total_bytes(), 0);
+    }
+
+    #[test]
+    fn staging_buffers_are_whole_pages_of_their_own_counted_as_host() {
+        use ember_residency::RegionKind;
+        let owner = BufferOwner::new();
+        let page = page_size();
+        let a = owner
+            .alloc_staging(BufferKind::Activations, "a", 100)
+            .unwrap();
+        let b = owner
+            .alloc_staging(BufferKind::Activations, "b", page + 1)
+            .unwrap();
+        for (buffer, pages) in [(&a, 1), (&b, 2)] {
+            let info = owner
+                .list()
+                .into_iter()
+                .find(|i| i.id == buffer.id())
+                .unwrap();
+            assert_eq!(info.location, Location::Staging);
+            assert_eq!(info.addr % page, 0, "starts on a page");
+            assert_eq!(info.bytes, pages * page, "whole pages");
+            assert_eq!(buffer.len(), pages * page);
+            assert!(buffer.bytes().iter().all(|&x| x == 0), "zeroed");
+            let region = info.region();
+            assert_eq!(region.kind, RegionKind::Staging);
+            assert!(region.kind.is_host());
+        }
     }
 
     #[test]

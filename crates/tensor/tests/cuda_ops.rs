@@ -13,8 +13,9 @@ use std::sync::Arc;
 use ember_residency::{Bound, Membership, RegionKind, ResidencySet, TestBackend};
 use ember_tensor::cpu::{self, AttentionShape, RopeLayout, RopeTables};
 use ember_tensor::cuda::{
-    self, CudaDevice, CudaError, DevMat, DeviceBuffer, DeviceElem, Epilogue, FloatElem, Gemm,
-    MatvecNorm, MatvecOutput, Module, Position, PrefillPrecision, RopeHeads, RopeNorm, compile,
+    self, CudaDevice, CudaError, DevMat, DeviceBuffer, DeviceElem, Epilogue, ExpertRoad, FloatElem,
+    Gemm, MatvecNorm, MatvecOutput, Module, Position, PrefillPrecision, RopeHeads, RopeNorm,
+    compile,
 };
 use ember_tensor::{BufferKind, BufferOwner, Location, ThreadPool};
 use half::{bf16, f16};
@@ -241,6 +242,65 @@ fn device_buffers_are_listed_and_counted_by_the_residency_set() {
     assert_eq!(set.stats().device_bytes, 0, "device buffers left the set");
     assert_eq!(owner.list().len(), 1);
     drop(host);
+}
+
+/// Whether the driver knows `addr` as page-locked host memory.
+fn page_locked(ctx: &Ctx, addr: usize) -> bool {
+    ctx.device.synchronize().unwrap(); // the context is current on this thread
+    let mut flags = 0u32;
+    // SAFETY: only asks the driver about an address; `flags` is a valid out pointer.
+    let rc = unsafe { cudarc::driver::sys::cuMemHostGetFlags(&mut flags, addr as *mut _) };
+    rc == cudarc::driver::sys::CUresult::CUDA_SUCCESS
+}
+
+#[test]
+fn staging_buffers_are_page_locked_while_the_set_holds_them() {
+    let Some(ctx) = Ctx::new() else { return };
+    let owner = &ctx.owner;
+    let held = owner
+        .alloc_staging(BufferKind::Activations, "logits (host)", 10_000)
+        .unwrap();
+    let plain = owner.alloc(BufferKind::Activations, "plain", 4096).unwrap();
+    let addr = |b: &ember_tensor::Buffer| b.bytes().as_ptr() as usize;
+    assert!(!page_locked(&ctx, addr(&held)), "not locked before the set");
+    let regions = owner
+        .list()
+        .iter()
+        .map(|b| (b.id.raw(), b.region()))
+        .collect();
+    let backend = Arc::new(cuda::CudaResidency::new(ctx.device.clone()));
+    let (set, report) =
+        ResidencySet::establish(backend, Bound::fixed(1 << 30, "a test bound"), regions);
+    assert!(report.held, "{}", report.line());
+    owner.attach_residency(Arc::clone(&set));
+    assert!(page_locked(&ctx, addr(&held)), "registered with the driver");
+    assert!(
+        !page_locked(&ctx, addr(&plain)),
+        "plain host memory is mlocked, not registered"
+    );
+
+    // Copies through it work, and a staging buffer made later is registered at the commit.
+    let mut later = owner
+        .alloc_staging(BufferKind::Activations, "pass inputs (host)", 64)
+        .unwrap();
+    assert_eq!(set.membership(later.id().raw()), Membership::Staged);
+    set.commit();
+    assert!(page_locked(&ctx, addr(&later)));
+    let values: Vec<i32> = (0..16).collect();
+    later.as_mut_slice::<i32>()[..16].copy_from_slice(&values);
+    let mut dev = ctx.poisoned::<i32>(16);
+    ctx.device
+        .upload(&mut dev.as_mut_slice(), &later.as_slice::<i32>()[..16])
+        .unwrap();
+    assert_eq!(ctx.download::<i32>(&dev), values);
+
+    // Leaving the set (before the free) unregisters: freeing a registered buffer would be a
+    // driver error the release reports.
+    drop(later);
+    set.leave(held.id().raw()).unwrap();
+    assert!(!page_locked(&ctx, addr(&held)), "unregistered when it left");
+    drop(held);
+    drop(plain);
 }
 
 #[test]
@@ -1300,11 +1360,10 @@ fn run_moe(
     ctx: &Ctx,
     logits: &[f32],
     x: &[f32],
-    gate_up: &DeviceBuffer,
-    down: &DeviceBuffer,
+    (gate_up, down): (&DeviceBuffer, &DeviceBuffer),
     routing: cuda::Routing,
-    hidden: usize,
-    width: usize,
+    (hidden, width): (usize, usize),
+    road: cuda::ExpertRoad,
 ) -> MoeRun {
     let (experts, k) = (routing.experts, routing.top_k);
     let tokens = logits.len() / experts;
@@ -1336,7 +1395,7 @@ fn run_moe(
     let mut ids = ctx.poisoned::<i32>(pairs);
     let mut weights = ctx.poisoned::<f32>(pairs);
     let mut order = ctx.poisoned::<i32>(pairs);
-    let mut tiles = ctx.poisoned::<i32>(routing.tiles_len(tokens));
+    let mut tiles = ctx.poisoned::<i32>(routing.tiles_len(tokens, road));
     let mut act = ctx.poisoned::<f32>(pairs * width);
     let mut expert_out = ctx.poisoned::<f32>(pairs * hidden);
     let mut out = ctx.upload(x);
@@ -1345,11 +1404,16 @@ fn run_moe(
         weights: weights.as_mut_slice(),
         order: order.as_mut_slice(),
         tiles: tiles.as_mut_slice(),
+        road,
     };
     let dev = &ctx.device;
     cuda::moe_route(dev, logits_buf.as_slice(), tokens, &routing, &mut routes).unwrap();
     let t = routes.tiles(&routing, tokens);
-    cuda::matvec_experts(
+    let products = match road {
+        cuda::ExpertRoad::TensorCores => cuda::experts_mma,
+        _ => cuda::matvec_experts,
+    };
+    products(
         dev,
         &gate_up_table,
         t,
@@ -1358,7 +1422,7 @@ fn run_moe(
         &mut act.as_mut_slice(),
     )
     .unwrap();
-    cuda::matvec_experts(
+    products(
         dev,
         &down_table,
         t,
@@ -1390,7 +1454,8 @@ fn moe_routes_on_the_device_and_matches_the_reference() {
     let Some(ctx) = Ctx::new() else { return };
     let mut rng = Rng(11);
     // Tiny (the golden fixtures' shape), and Qwen3-30B-A3B's routing (128 experts, top 8)
-    // over narrow experts; one token (decode: a tile per pair) and batches (tiles of 8).
+    // over narrow experts; one token (decode: a tile per pair) and batches (tiles of 8, and
+    // of 64 on the tensor cores).
     for (experts, top_k, normalize, hidden, width) in
         [(8, 2, false, 64, 32), (128, 8, true, 256, 96)]
     {
@@ -1403,64 +1468,78 @@ fn moe_routes_on_the_device_and_matches_the_reference() {
         let down: Vec<bf16> = round(&rng.vec(experts * hidden * width));
         let (gate_up_f, down_f) = (widen(&gate_up), widen(&down));
         let (gate_up_buf, down_buf) = (ctx.upload(&gate_up), ctx.upload(&down));
-        for tokens in [1, 3, 37] {
+        let roads = |tokens: usize| match tokens {
+            1 => vec![ExpertRoad::Decode],
+            2..=8 => vec![ExpertRoad::Matvec],
+            _ => vec![ExpertRoad::Matvec, ExpertRoad::TensorCores],
+        };
+        // 300 tokens of top 2 of 8: each expert's pairs fill more than one tile of 64.
+        for tokens in [1, 3, 37, 300] {
             let mut logits: Vec<f32> = rng.vec(tokens * experts).iter().map(|v| v * 4.0).collect();
             // The last token's logits all equal: the lowest indices win the ties.
             logits[(tokens - 1) * experts..].fill(0.5);
             let x = rng.vec(tokens * hidden);
-            let run = run_moe(
-                &ctx,
-                &logits,
-                &x,
-                &gate_up_buf,
-                &down_buf,
-                routing,
-                hidden,
-                width,
-            );
             let (ids, want) =
                 moe_reference(&logits, &x, &gate_up_f, &down_f, routing, hidden, width);
-            let what = format!("{experts} experts top {top_k}, {tokens} tokens");
-            assert_eq!(run.ids, ids, "{what}: experts chosen");
             let tail: Vec<i32> = (0..top_k as i32).collect();
-            assert_eq!(&ids[(tokens - 1) * top_k..], &tail[..], "{what}: ties");
-            let err = rel_err(&run.out, &want);
-            assert!(err < 1e-5, "{what}: error {err:e}");
+            assert_eq!(&ids[(tokens - 1) * top_k..], &tail[..], "reference ties");
+            for road in roads(tokens) {
+                let weights = (&gate_up_buf, &down_buf);
+                let shape = (hidden, width);
+                let run = run_moe(&ctx, &logits, &x, weights, routing, shape, road);
+                let what = format!("{experts} experts top {top_k}, {tokens} tokens, {road:?}");
+                assert_eq!(run.ids, ids, "{what}: experts chosen");
+                // The tensor cores take x and the activations rounded to bf16.
+                let tolerance = if road == ExpertRoad::TensorCores {
+                    1e-2
+                } else {
+                    1e-5
+                };
+                let err = rel_err(&run.out, &want);
+                assert!(err < tolerance, "{what}: error {err:e}");
 
-            // The tiles: each expert's pairs in pair order, experts ascending, every pair once.
-            let tile_rows = routing.tile_rows(tokens);
-            let mut seen = Vec::new();
-            for tile in run.tiles[1..].chunks(3).take(run.tiles[0] as usize) {
-                let (e, first, n) = (tile[0], tile[1] as usize, tile[2] as usize);
-                assert!((1..=tile_rows).contains(&n), "{what}: tile of {n}");
-                for &p in &run.order[first..first + n] {
-                    assert_eq!(ids[p as usize], e, "{what}: pair {p} in expert {e}'s tile");
-                    seen.push((e, p));
+                // The tiles: each expert's pairs in pair order, experts ascending, every
+                // pair once.
+                let tile_rows = road.tile_rows();
+                let mut seen = Vec::new();
+                for tile in run.tiles[1..].chunks(3).take(run.tiles[0] as usize) {
+                    let (e, first, n) = (tile[0], tile[1] as usize, tile[2] as usize);
+                    assert!((1..=tile_rows).contains(&n), "{what}: tile of {n}");
+                    for &p in &run.order[first..first + n] {
+                        assert_eq!(ids[p as usize], e, "{what}: pair {p} in expert {e}'s tile");
+                        seen.push((e, p));
+                    }
                 }
-            }
-            let mut sorted = seen.clone();
-            sorted.sort();
-            assert_eq!(seen, sorted, "{what}: tiles out of order");
-            assert_eq!(seen.len(), tokens * top_k, "{what}: pairs in tiles");
+                let mut sorted = seen.clone();
+                sorted.sort();
+                assert_eq!(seen, sorted, "{what}: tiles out of order");
+                assert_eq!(seen.len(), tokens * top_k, "{what}: pairs in tiles");
 
-            // A token's output alone is its output in the batch, bit for bit.
-            if tokens > 1 {
-                let t = tokens / 2;
-                let alone = run_moe(
-                    &ctx,
-                    &logits[t * experts..(t + 1) * experts],
-                    &x[t * hidden..(t + 1) * hidden],
-                    &gate_up_buf,
-                    &down_buf,
-                    routing,
-                    hidden,
-                    width,
-                );
-                assert_eq!(
-                    bits(&alone.out),
-                    bits(&run.out[t * hidden..(t + 1) * hidden]),
-                    "{what}: token {t} alone"
-                );
+                // A token's output alone is its output in the batch, bit for bit, on the same
+                // road (and on the decode road, for the matrix-vector one).
+                if tokens > 1 {
+                    let t = tokens / 2;
+                    let mut alone_roads = vec![road];
+                    if road == ExpertRoad::Matvec {
+                        alone_roads.push(ExpertRoad::Decode);
+                    }
+                    for alone_road in alone_roads {
+                        let alone = run_moe(
+                            &ctx,
+                            &logits[t * experts..(t + 1) * experts],
+                            &x[t * hidden..(t + 1) * hidden],
+                            weights,
+                            routing,
+                            shape,
+                            alone_road,
+                        );
+                        assert_eq!(
+                            bits(&alone.out),
+                            bits(&run.out[t * hidden..(t + 1) * hidden]),
+                            "{what}: token {t} alone on {alone_road:?}"
+                        );
+                    }
+                }
             }
         }
     }

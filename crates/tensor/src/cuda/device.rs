@@ -299,7 +299,8 @@ impl CudaDevice {
         Ok(function)
     }
 
-    fn bind(&self) -> Result<(), CudaError> {
+    /// Makes the device's context current on the calling thread.
+    pub(crate) fn bind(&self) -> Result<(), CudaError> {
         self.inner
             .ctx
             .bind_to_thread()

@@ -8,6 +8,8 @@ use std::fmt;
 
 /// Prepended to every module: 16-bit float conversions, warp and block reductions, loads.
 const COMMON: &str = include_str!("kernels/common.cuh");
+/// Prepended to the modules that multiply on the tensor cores.
+const MMA: &str = include_str!("kernels/mma.cuh");
 
 /// One source file of kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -22,10 +24,12 @@ pub enum Module {
     /// Tensor-core attention (mma.sync with bf16 operands): compute capability 8.0 and later.
     AttentionMma,
     Moe,
+    /// Routed experts' prompt products on the tensor cores: compute capability 8.0 and later.
+    ExpertsMma,
 }
 
 impl Module {
-    pub const ALL: [Module; 9] = [
+    pub const ALL: [Module; 10] = [
         Module::Matvec,
         Module::RmsNorm,
         Module::Rope,
@@ -35,6 +39,7 @@ impl Module {
         Module::Attention,
         Module::AttentionMma,
         Module::Moe,
+        Module::ExpertsMma,
     ];
 
     /// The file name without `.cu`.
@@ -49,6 +54,7 @@ impl Module {
             Module::Attention => "attention",
             Module::AttentionMma => "attention_mma",
             Module::Moe => "moe",
+            Module::ExpertsMma => "experts_mma",
         }
     }
 
@@ -63,20 +69,25 @@ impl Module {
             Module::Attention => include_str!("kernels/attention.cu"),
             Module::AttentionMma => include_str!("kernels/attention_mma.cu"),
             Module::Moe => include_str!("kernels/moe.cu"),
+            Module::ExpertsMma => include_str!("kernels/experts_mma.cu"),
         }
     }
 
     /// The oldest compute capability the module compiles for.
     pub fn min_compute_capability(self) -> (i32, i32) {
         match self {
-            Module::AttentionMma => (8, 0),
+            Module::AttentionMma | Module::ExpertsMma => (8, 0),
             _ => (5, 0),
         }
     }
 
     /// The whole program NVRTC compiles.
     pub fn source(self) -> String {
-        format!("{COMMON}\n{}", self.body())
+        let mma = match self {
+            Module::AttentionMma | Module::ExpertsMma => MMA,
+            _ => "",
+        };
+        format!("{COMMON}\n{mma}\n{}", self.body())
     }
 }
 
@@ -162,6 +173,10 @@ pub enum Kernel {
     },
     MoeRoute,
     MoeCombine,
+    /// `swiglu`: gate and up together, silu(gate) · up written.
+    ExpertsMma {
+        swiglu: bool,
+    },
 }
 
 impl Kernel {
@@ -179,6 +194,7 @@ impl Kernel {
             | Kernel::KvStore { .. } => Module::Attention,
             Kernel::AttentionPrefillMma { .. } => Module::AttentionMma,
             Kernel::MoeRoute | Kernel::MoeCombine => Module::Moe,
+            Kernel::ExpertsMma { .. } => Module::ExpertsMma,
         }
     }
 
@@ -224,6 +240,9 @@ impl Kernel {
             }
             Kernel::MoeRoute => "moe_route".into(),
             Kernel::MoeCombine => "moe_combine".into(),
+            Kernel::ExpertsMma { swiglu } => {
+                format!("experts_mma_bf16{}", if swiglu { "_swiglu" } else { "" })
+            }
         }
     }
 }
@@ -244,6 +263,8 @@ mod tests {
             Kernel::AttentionCombine,
             Kernel::MoeRoute,
             Kernel::MoeCombine,
+            Kernel::ExpertsMma { swiglu: false },
+            Kernel::ExpertsMma { swiglu: true },
         ];
         for f in floats {
             kernels.push(Kernel::Embedding { table: f });

@@ -4,10 +4,8 @@
 
 use super::device::launch;
 use super::kernels::{Float, Kernel};
-use super::{
-    CudaDevice, CudaError, DevMat, DevSlice, DevSliceMut, DeviceBuffer, config, ensure, int,
-};
-use crate::{BufferKind, BufferOwner};
+use super::moe::{ExpertRoad, ExpertTable, ExpertTiles, check_routed_shapes, max_tiles};
+use super::{CudaDevice, CudaError, DevMat, DevSlice, DevSliceMut, config, ensure, int};
 
 /// The most activation rows one block of a [`matvec`] kernel takes; longer batches run in
 /// blocks of this many (prefill of f32 weights and routed experts; bf16 prompts take
@@ -226,108 +224,6 @@ pub fn matvec_fused(
     Ok(())
 }
 
-/// The weights of a mixture-of-experts layer's experts for [`matvec_experts`]: a device table
-/// of each expert's matrix addresses (`[experts][matrices]`, u64), all `rows × cols` of `dtype`.
-pub struct ExpertTable {
-    addresses: DeviceBuffer,
-    experts: usize,
-    matrices: usize,
-    dtype: Float,
-    rows: usize,
-    cols: usize,
-    /// Every matrix starts on 16 bytes (the kernels' wide loads).
-    aligned: bool,
-}
-
-impl ExpertTable {
-    /// `experts[e]` are expert `e`'s matrices (the same number for each, 1 or 2: with two,
-    /// gate and up for [`Epilogue::SwiGlu`]).
-    ///
-    /// # Safety
-    /// The table holds the matrices' addresses, not the matrices: the memory behind each must
-    /// outlive it (ember's MoE layer keeps the weights and their table together).
-    pub unsafe fn new(
-        device: &CudaDevice,
-        owner: &BufferOwner,
-        label: &str,
-        experts: &[Vec<DevMat<'_>>],
-    ) -> Result<ExpertTable, CudaError> {
-        const OP: &str = "expert table";
-        ensure!(!experts.is_empty(), OP, "no experts");
-        let first = &experts[0];
-        ensure!(
-            (1..=2).contains(&first.len()),
-            OP,
-            "{} matrices per expert, 1 or 2",
-            first.len()
-        );
-        let (dtype, rows, cols) = (first[0].dtype, first[0].rows, first[0].cols);
-        let mut addresses = Vec::with_capacity(experts.len() * first.len());
-        for (e, mats) in experts.iter().enumerate() {
-            ensure!(
-                mats.len() == first.len(),
-                OP,
-                "expert {e} has {} matrices, expert 0 {}",
-                mats.len(),
-                first.len()
-            );
-            for m in mats {
-                ensure!(
-                    m.dtype == dtype && m.rows == rows && m.cols == cols,
-                    OP,
-                    "expert {e}: a {}×{} {} matrix among {rows}×{cols} {dtype} ones",
-                    m.rows,
-                    m.cols,
-                    m.dtype
-                );
-                addresses.push(m.data.device_ptr());
-            }
-        }
-        let mut buffer = owner.alloc_device(
-            BufferKind::Weights,
-            label,
-            device,
-            addresses.len() * std::mem::size_of::<u64>(),
-        )?;
-        buffer.upload(&addresses)?;
-        let aligned = addresses.iter().all(|&a| aligned(a));
-        Ok(ExpertTable {
-            addresses: buffer,
-            experts: experts.len(),
-            matrices: first.len(),
-            dtype,
-            rows,
-            cols,
-            aligned,
-        })
-    }
-
-    pub fn experts(&self) -> usize {
-        self.experts
-    }
-
-    /// Rows of each matrix.
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-
-    pub fn cols(&self) -> usize {
-        self.cols
-    }
-}
-
-/// Routed (token, expert) pairs grouped into tiles by [`super::moe_route`].
-#[derive(Clone, Copy)]
-pub struct ExpertTiles<'a> {
-    /// `[1 + 3·max_tiles]`: the tile count, then (expert, first, pairs) per tile.
-    pub tiles: DevSlice<'a, i32>,
-    /// `[pairs]`: pair indices grouped by expert.
-    pub order: DevSlice<'a, i32>,
-    pub pairs: usize,
-    /// Pairs per tile at most: 1 or [`MAX_BATCH`].
-    pub tile_rows: usize,
-}
-
 /// `y[p] = W_e · x[p / x_div]` for each routed pair `p` and its expert `e` (with two matrices,
 /// gate and up, `y[p] = silu(W_gate · x) · (W_up · x)`): the products of a mixture-of-experts
 /// layer, every routed pair of a batch in one launch. `x` is `[pairs / x_div, cols]`, `y` is
@@ -342,42 +238,11 @@ pub fn matvec_experts(
 ) -> Result<(), CudaError> {
     const OP: &str = "matvec_experts";
     let (pairs, cols, rows) = (tiles.pairs, table.cols, table.rows);
+    check_routed_shapes(OP, table, &tiles, x.len(), x_div, y.len())?;
     ensure!(
-        x_div >= 1 && pairs.is_multiple_of(x_div),
+        tiles.road != ExpertRoad::TensorCores,
         OP,
-        "{pairs} pairs read x rows in steps of {x_div}"
-    );
-    ensure!(
-        x.len() == pairs / x_div * cols,
-        OP,
-        "x has {} values for {} rows of {cols}",
-        x.len(),
-        pairs / x_div
-    );
-    ensure!(
-        y.len() == pairs * rows,
-        OP,
-        "y has {} values for {pairs} pairs of {rows}",
-        y.len()
-    );
-    ensure!(
-        tiles.order.len() >= pairs,
-        OP,
-        "order has {} places for {pairs} pairs",
-        tiles.order.len()
-    );
-    ensure!(
-        tiles.tile_rows == 1 || tiles.tile_rows == MAX_BATCH,
-        OP,
-        "tiles of {} pairs, 1 or {MAX_BATCH}",
-        tiles.tile_rows
-    );
-    let max_tiles = max_tiles(pairs, table.experts, tiles.tile_rows);
-    ensure!(
-        tiles.tiles.len() > 3 * max_tiles,
-        OP,
-        "a tile list of {} values for up to {max_tiles} tiles",
-        tiles.tiles.len()
+        "tiles for the tensor cores"
     );
     if pairs == 0 {
         return Ok(());
@@ -413,8 +278,9 @@ pub fn matvec_experts(
     };
     let kernel = Kernel::MatvecExperts {
         weights: table.dtype,
-        batch: tiles.tile_rows as u8,
+        batch: tiles.road.tile_rows() as u8,
     };
+    let max_tiles = max_tiles(pairs, table.experts, tiles.road.tile_rows());
     let grid_y = int(OP, "tiles", max_tiles)? as u32;
     launch_product(
         device,
@@ -422,15 +288,9 @@ pub fn matvec_experts(
         &mut args,
         &shape,
         epilogue,
-        tiles.tile_rows,
+        tiles.road.tile_rows(),
         grid_y,
     )
-}
-
-/// The most tiles `pairs` routed pairs make over `experts` experts in tiles of `tile_rows`:
-/// each expert's pairs fill whole tiles but its last.
-pub fn max_tiles(pairs: usize, experts: usize, tile_rows: usize) -> usize {
-    (pairs + (tile_rows - 1) * experts.min(pairs)) / tile_rows
 }
 
 /// What [`launch_product`] needs to know of the matrices.
@@ -443,7 +303,7 @@ struct Shape {
     aligned: bool,
 }
 
-fn aligned(p: u64) -> bool {
+pub(super) fn aligned(p: u64) -> bool {
     p.is_multiple_of(16)
 }
 

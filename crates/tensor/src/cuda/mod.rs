@@ -13,7 +13,7 @@
 //!   [`matvec()`] (decode), [`Gemm`] (prefill, cuBLASLt), [`rms_norm()`], [`rope()`],
 //!   [`silu_mul()`], [`add()`], [`convert()`], [`embedding()`], [`argmax()`],
 //!   [`attention_decode()`] and [`attention_prefill()`]; a mixture-of-experts layer's
-//!   [`moe_route()`], [`matvec_experts()`] and [`moe_combine()`].
+//!   [`moe_route()`], [`matvec_experts()`] or [`experts_mma()`], and [`moe_combine()`].
 //!
 //! Numerics: every sum is f32. Weights are f32, bf16 or f16 as stored; the residual stream,
 //! norms, RoPE, attention queries and outputs are f32; the KV cache is f32, bf16 or f16
@@ -39,6 +39,7 @@ mod embedding;
 mod gemm;
 mod matvec;
 mod moe;
+mod residency;
 mod rms_norm;
 mod rope;
 
@@ -55,11 +56,15 @@ pub use gemm::Gemm;
 pub use graph::Graph;
 pub use kernels::{Float, Module};
 pub use matvec::{
-    Epilogue, ExpertTable, ExpertTiles, MAX_BATCH, MAX_OUTPUTS, MatvecNorm, MatvecOutput, matvec,
-    matvec_bytes, matvec_experts, matvec_fused,
+    Epilogue, MAX_BATCH, MAX_OUTPUTS, MatvecNorm, MatvecOutput, matvec, matvec_bytes,
+    matvec_experts, matvec_fused,
 };
 pub use memory::{DevMat, DevSlice, DevSliceMut, DeviceBuffer, DeviceElem, FloatElem};
-pub use moe::{MAX_EXPERTS, MAX_TOP_K, Routes, Routing, moe_combine, moe_route};
+pub use moe::{
+    EXPERT_MMA_PAIRS, ExpertRoad, ExpertTable, ExpertTiles, MAX_EXPERTS, MAX_TOP_K, Routes,
+    Routing, experts_mma, moe_combine, moe_route,
+};
+pub use residency::CudaResidency;
 pub use rms_norm::{add_rms_norm, rms_norm, rms_norm_in_place};
 pub use rope::{RopeHeads, RopeNorm, rope, rope_qk};
 

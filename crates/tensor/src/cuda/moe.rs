@@ -1,15 +1,18 @@
-//! Mixture-of-experts routing on the device: top-k experts per token and the pairs grouped
-//! into tiles by expert ([`moe_route`]), then the weighted sum of each token's expert outputs
-//! ([`moe_combine`]). The products between them are [`super::matvec_experts`]. Nothing goes
-//! back to the host, so a MoE decode step records as a CUDA graph like a dense one.
+//! Mixture-of-experts layers on the device: top-k experts per token and the pairs grouped
+//! into tiles by expert ([`moe_route`]), each routed pair's products through a table of the
+//! experts' addresses ([`ExpertTable`]: [`super::matvec_experts`] for decode, [`experts_mma`]
+//! on the tensor cores for prompts), then the weighted sum of each token's expert outputs
+//! added to the residual ([`moe_combine`]). Nothing goes back to the host, so a MoE decode
+//! step records as a CUDA graph like a dense one.
 
 use super::device::launch;
 use super::kernels::Kernel;
-use super::matvec::max_tiles;
+use super::matvec::aligned;
 use super::{
-    CudaDevice, CudaError, DevSlice, DevSliceMut, ExpertTiles, MAX_BATCH, THREADS, config, ensure,
-    int, stride_blocks,
+    CudaDevice, CudaError, DevMat, DevSlice, DevSliceMut, DeviceBuffer, Float, MAX_BATCH, THREADS,
+    config, ensure, int, stride_blocks,
 };
+use crate::{BufferKind, BufferOwner};
 
 /// The most threads of the routing block (`MOE_THREADS` in moe.cu).
 const ROUTE_THREADS: usize = 1024;
@@ -17,6 +20,152 @@ const ROUTE_THREADS: usize = 1024;
 pub const MAX_EXPERTS: usize = 1024;
 /// The most experts a token may take (one lane of a warp keeps each).
 pub const MAX_TOP_K: usize = 32;
+
+/// The weights of a mixture-of-experts layer's experts for [`super::matvec_experts`] and
+/// [`experts_mma`]: a device table
+/// of each expert's matrix addresses (`[experts][matrices]`, u64), all `rows × cols` of `dtype`.
+pub struct ExpertTable {
+    pub(super) addresses: DeviceBuffer,
+    pub(super) experts: usize,
+    pub(super) matrices: usize,
+    pub(super) dtype: Float,
+    pub(super) rows: usize,
+    pub(super) cols: usize,
+    /// Every matrix starts on 16 bytes (the kernels' wide loads).
+    pub(super) aligned: bool,
+}
+
+impl ExpertTable {
+    /// `experts[e]` are expert `e`'s matrices (the same number for each, 1 or 2: with two,
+    /// gate and up for [`Epilogue::SwiGlu`]).
+    ///
+    /// # Safety
+    /// The table holds the matrices' addresses, not the matrices: the memory behind each must
+    /// outlive it (ember's MoE layer keeps the weights and their table together).
+    pub unsafe fn new(
+        device: &CudaDevice,
+        owner: &BufferOwner,
+        label: &str,
+        experts: &[Vec<DevMat<'_>>],
+    ) -> Result<ExpertTable, CudaError> {
+        const OP: &str = "expert table";
+        ensure!(!experts.is_empty(), OP, "no experts");
+        let first = &experts[0];
+        ensure!(
+            (1..=2).contains(&first.len()),
+            OP,
+            "{} matrices per expert, 1 or 2",
+            first.len()
+        );
+        let (dtype, rows, cols) = (first[0].dtype, first[0].rows, first[0].cols);
+        let mut addresses = Vec::with_capacity(experts.len() * first.len());
+        for (e, mats) in experts.iter().enumerate() {
+            ensure!(
+                mats.len() == first.len(),
+                OP,
+                "expert {e} has {} matrices, expert 0 {}",
+                mats.len(),
+                first.len()
+            );
+            for m in mats {
+                ensure!(
+                    m.dtype == dtype && m.rows == rows && m.cols == cols,
+                    OP,
+                    "expert {e}: a {}×{} {} matrix among {rows}×{cols} {dtype} ones",
+                    m.rows,
+                    m.cols,
+                    m.dtype
+                );
+                addresses.push(m.data.device_ptr());
+            }
+        }
+        let mut buffer = owner.alloc_device(
+            BufferKind::Weights,
+            label,
+            device,
+            addresses.len() * std::mem::size_of::<u64>(),
+        )?;
+        buffer.upload(&addresses)?;
+        let aligned = addresses.iter().all(|&a| aligned(a));
+        Ok(ExpertTable {
+            addresses: buffer,
+            experts: experts.len(),
+            matrices: first.len(),
+            dtype,
+            rows,
+            cols,
+            aligned,
+        })
+    }
+
+    pub fn experts(&self) -> usize {
+        self.experts
+    }
+
+    /// Rows of each matrix.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Whether [`experts_mma`] takes these matrices: bf16, rows on 16 bytes, rows of a whole
+    /// number of its steps.
+    pub fn takes_tensor_cores(&self) -> bool {
+        self.dtype == Float::Bf16 && self.aligned && self.cols.is_multiple_of(EXPERT_MMA_K)
+    }
+}
+
+/// How the routed pairs' products run, which sets how many pairs a tile holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertRoad {
+    /// One token: its experts all differ, a tile per pair ([`super::matvec_experts`]).
+    Decode,
+    /// A few tokens, or weights the tensor cores do not take: tiles of [`MAX_BATCH`]
+    /// ([`super::matvec_experts`]).
+    Matvec,
+    /// Prompts of bf16 experts: tiles of [`EXPERT_MMA_PAIRS`] ([`experts_mma`]).
+    TensorCores,
+}
+
+impl ExpertRoad {
+    /// Pairs per tile at most.
+    pub fn tile_rows(self) -> usize {
+        match self {
+            ExpertRoad::Decode => 1,
+            ExpertRoad::Matvec => MAX_BATCH,
+            ExpertRoad::TensorCores => EXPERT_MMA_PAIRS,
+        }
+    }
+}
+
+/// Pairs per tile of [`experts_mma`] (`XM_PAIRS` in experts_mma.cu).
+pub const EXPERT_MMA_PAIRS: usize = 64;
+/// Rows of the row length [`experts_mma`] steps through at a time (`XM_K`).
+const EXPERT_MMA_K: usize = 32;
+/// Output rows of one block of [`experts_mma`] (`XM_ROWS`).
+const EXPERT_MMA_ROWS: usize = 64;
+/// Threads of a block of [`experts_mma`] (`XM_THREADS`).
+const EXPERT_MMA_THREADS: u32 = 128;
+
+/// Routed (token, expert) pairs grouped into tiles by [`moe_route`].
+#[derive(Clone, Copy)]
+pub struct ExpertTiles<'a> {
+    /// `[1 + 3·max_tiles]`: the tile count, then (expert, first, pairs) per tile.
+    pub tiles: DevSlice<'a, i32>,
+    /// `[pairs]`: pair indices grouped by expert.
+    pub order: DevSlice<'a, i32>,
+    pub pairs: usize,
+    pub road: ExpertRoad,
+}
+
+/// The most tiles `pairs` routed pairs make over `experts` experts in tiles of `tile_rows`:
+/// each expert's pairs fill whole tiles but its last.
+pub fn max_tiles(pairs: usize, experts: usize, tile_rows: usize) -> usize {
+    (pairs + (tile_rows - 1) * experts.min(pairs)) / tile_rows
+}
 
 /// How a layer routes: `top_k` of `experts`, the chosen probabilities renormalised to sum to 1
 /// with `normalize` (Qwen3-MoE's `norm_topk_prob`).
@@ -28,43 +177,38 @@ pub struct Routing {
 }
 
 impl Routing {
-    /// Pairs per tile for a batch of `tokens`: one when a decoded token's experts all differ,
-    /// [`MAX_BATCH`] once several tokens may share an expert.
-    pub fn tile_rows(&self, tokens: usize) -> usize {
-        if tokens == 1 { 1 } else { MAX_BATCH }
-    }
-
-    /// Values of the tile list for `tokens` (see [`ExpertTiles::tiles`]).
-    pub fn tiles_len(&self, tokens: usize) -> usize {
+    /// Values of the tile list for `tokens` on `road` (see [`ExpertTiles::tiles`]).
+    pub fn tiles_len(&self, tokens: usize, road: ExpertRoad) -> usize {
         let pairs = tokens * self.top_k;
-        1 + 3 * max_tiles(pairs, self.experts, self.tile_rows(tokens))
+        1 + 3 * max_tiles(pairs, self.experts, road.tile_rows())
     }
 }
 
 /// Where [`moe_route`] writes: per pair (`[tokens · top_k]`, pair `t · top_k + rank`) its
-/// expert and weight, the pairs grouped by expert, and their tiles.
+/// expert and weight, the pairs grouped by expert, and their tiles for `road`.
 pub struct Routes<'a> {
     pub ids: DevSliceMut<'a, i32>,
     pub weights: DevSliceMut<'a, f32>,
     pub order: DevSliceMut<'a, i32>,
     pub tiles: DevSliceMut<'a, i32>,
+    pub road: ExpertRoad,
 }
 
 impl Routes<'_> {
-    /// The tiles as [`super::matvec_experts`] reads them.
+    /// The tiles as the expert products read them.
     pub fn tiles(&self, routing: &Routing, tokens: usize) -> ExpertTiles<'_> {
         ExpertTiles {
             tiles: self.tiles.as_slice(),
             order: self.order.as_slice(),
             pairs: tokens * routing.top_k,
-            tile_rows: routing.tile_rows(tokens),
+            road: self.road,
         }
     }
 }
 
 /// Routes each of `tokens` rows of router `logits` (`[tokens, experts]`) to its top-k experts
 /// (softmax, then the k most probable, ties to the lower index as `torch.topk`), and groups
-/// the pairs into tiles of [`Routing::tile_rows`].
+/// the pairs into tiles for the road `out` names.
 pub fn moe_route(
     device: &CudaDevice,
     logits: DevSlice<'_, f32>,
@@ -107,7 +251,7 @@ pub fn moe_route(
         );
     }
     ensure!(
-        out.tiles.len() >= routing.tiles_len(tokens),
+        out.tiles.len() >= routing.tiles_len(tokens, out.road),
         OP,
         "a tile list of {} values for {tokens} tokens",
         out.tiles.len()
@@ -123,7 +267,7 @@ pub fn moe_route(
         out.tiles.device_ptr(),
     );
     let (n, e, k) = (int(OP, "tokens", tokens)?, experts as i32, top_k as i32);
-    let (norm, tile_rows) = (i32::from(normalize), routing.tile_rows(tokens) as i32);
+    let (norm, tile_rows) = (i32::from(normalize), out.road.tile_rows() as i32);
     // A warp per token to pick experts, a thread per expert to group pairs.
     let threads = (tokens * 32)
         .max(experts)
@@ -173,4 +317,107 @@ pub fn moe_combine(
     );
     let cfg = config((stride_blocks(device, out.len()), 1), THREADS, 0);
     launch!(device, Kernel::MoeCombine, cfg; xp, wp, n, k, h, op)
+}
+
+/// `y[p] = W_e · x[p / x_div]` for each routed pair `p` and its expert `e` (with two matrices,
+/// gate and up, `y[p] = silu(W_gate · x) · (W_up · x)`) on the tensor cores: bf16 experts,
+/// `x` rounded to bf16 as it is staged, f32 sums; tiles of the [`ExpertRoad::TensorCores`]
+/// road. `x` is `[pairs / x_div, cols]`, `y` is `[pairs, rows]`; cols a multiple of 32.
+pub fn experts_mma(
+    device: &CudaDevice,
+    table: &ExpertTable,
+    tiles: ExpertTiles<'_>,
+    x: DevSlice<'_, f32>,
+    x_div: usize,
+    y: &mut DevSliceMut<'_, f32>,
+) -> Result<(), CudaError> {
+    const OP: &str = "experts_mma";
+    let (pairs, cols, rows) = (tiles.pairs, table.cols, table.rows);
+    ensure!(
+        table.dtype == Float::Bf16 && table.aligned,
+        OP,
+        "{} experts (bf16 with rows on 16 bytes take the tensor cores)",
+        table.dtype
+    );
+    ensure!(
+        cols.is_multiple_of(EXPERT_MMA_K) && aligned(x.device_ptr()),
+        OP,
+        "rows of {cols} (a multiple of {EXPERT_MMA_K}, x on 16 bytes)"
+    );
+    check_routed_shapes(OP, table, &tiles, x.len(), x_div, y.len())?;
+    ensure!(
+        tiles.road == ExpertRoad::TensorCores,
+        OP,
+        "tiles for {:?}",
+        tiles.road
+    );
+    if pairs == 0 {
+        return Ok(());
+    }
+    let blocks = int(OP, "blocks", rows.div_ceil(EXPERT_MMA_ROWS))? as u32;
+    let grid_y = int(
+        OP,
+        "tiles",
+        max_tiles(pairs, table.experts, EXPERT_MMA_PAIRS),
+    )? as u32;
+    let (xp, yp, tp, op, ep) = (
+        x.device_ptr(),
+        y.device_ptr(),
+        tiles.tiles.device_ptr(),
+        tiles.order.device_ptr(),
+        table.addresses.device_ptr(),
+    );
+    let (r, c, d) = (
+        int(OP, "rows", rows)?,
+        int(OP, "cols", cols)?,
+        int(OP, "x_div", x_div)?,
+    );
+    let kernel = Kernel::ExpertsMma {
+        swiglu: table.matrices == 2,
+    };
+    let cfg = config((blocks, grid_y), EXPERT_MMA_THREADS, 0);
+    launch!(device, kernel, cfg; xp, yp, tp, op, ep, r, c, d)
+}
+
+/// The checks every routed product makes: `x` holds a row per `x_div` pairs, `y` a row per
+/// pair, and the tile list fits the most tiles its road can make.
+pub(super) fn check_routed_shapes(
+    op: &'static str,
+    table: &ExpertTable,
+    tiles: &ExpertTiles<'_>,
+    x_len: usize,
+    x_div: usize,
+    y_len: usize,
+) -> Result<(), CudaError> {
+    let (pairs, cols, rows) = (tiles.pairs, table.cols, table.rows);
+    ensure!(
+        x_div >= 1 && pairs.is_multiple_of(x_div),
+        op,
+        "{pairs} pairs read x rows in steps of {x_div}"
+    );
+    ensure!(
+        x_len == pairs / x_div * cols,
+        op,
+        "x has {x_len} values for {} rows of {cols}",
+        pairs / x_div
+    );
+    ensure!(
+        y_len == pairs * rows,
+        op,
+        "y has {y_len} values for {pairs} pairs of {rows}"
+    );
+    ensure!(
+        tiles.order.len() >= pairs,
+        op,
+        "order has {} places for {pairs} pairs",
+        tiles.order.len()
+    );
+    let max_tiles = max_tiles(pairs, table.experts, tiles.road.tile_rows());
+    ensure!(
+        tiles.tiles.len() > 3 * max_tiles,
+        op,
+        "a tile list of {} values for up to {max_tiles} tiles",
+        tiles.tiles.len()
+    );
+    Ok(())
 }

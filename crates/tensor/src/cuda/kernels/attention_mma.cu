@@ -22,22 +22,6 @@
 // start in 8 different bank quads.
 #define MMA_PAD 8
 
-// Two floats as bf16x2: `lo` in the low half (the lower column), round to nearest even.
-__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-// c += a · b for one m16n8k16 tile (a row-major, b column-major).
-__device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // Four consecutive cache values as floats (16-byte aligned for f32, 8 for 16-bit types).
 template <typename KV> struct Load4;
 template <> struct Load4<float> {

@@ -1,0 +1,26 @@
+// Tensor-core helpers (sm_80 and later), prepended to the modules that multiply on them:
+// mma.m16n8k16 with bf16 operands and f32 sums. Fragment layouts (PTX ISA, "matrix fragments
+// for mma.m16n8k16"), with g = lane / 4 and t = lane % 4:
+//   A (16×16, row-major), 4 registers of two bf16: (row g, cols 2t, 2t+1), (row g+8, same),
+//     (row g, cols 2t+8, 2t+9), (row g+8, same);
+//   B (16×8, column-major), 2 registers: (rows 2t, 2t+1 of col g), (rows 2t+8, 2t+9 of col g);
+//   C (16×8 f32), 4 values: (row g, cols 2t, 2t+1), (row g+8, cols 2t, 2t+1).
+// So a row-major matrix whose rows are the n of B (a Linear's weight rows, keys) gives B's
+// registers as 32-bit loads along its rows.
+
+// Two floats as bf16x2: `lo` in the low half (the lower column), round to nearest even.
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// c += a · b for one m16n8k16 tile (a row-major, b column-major).
+__device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
