@@ -77,6 +77,8 @@ impl Module {
     pub fn min_compute_capability(self) -> (i32, i32) {
         match self {
             Module::AttentionMma | Module::ExpertsMma => (8, 0),
+            // __match_any_sync groups a warp's pairs by expert.
+            Module::Moe => (7, 0),
             _ => (5, 0),
         }
     }

@@ -9,8 +9,8 @@
 //      expert's pairs in pair order (expert 0's first), and `tiles` cuts each expert's run
 //      into tiles of at most `tile_rows` pairs: tiles[0] is their count, then (expert, first
 //      index into order, pairs) per tile. Where each expert's pairs and tiles start are sums
-//      over the experts before it; its run is gathered by one thread that scans the pairs in
-//      order, so the grouping never depends on timing.
+//      over the experts before it; one warp places the pairs 32 at a time in pair order, so
+//      the grouping never depends on timing.
 // The block takes a warp per token for step 1 and a thread per expert for step 2, so the host
 // sizes it to the batch and the experts.
 //
@@ -28,6 +28,7 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS)
               int* __restrict__ order, int* __restrict__ tiles) {
     __shared__ int run_start[MOE_MAX_EXPERTS];   // pairs per expert, then where its run starts
     __shared__ int tile_start[MOE_MAX_EXPERTS];  // each expert's first tile
+    __shared__ int cursor[MOE_MAX_EXPERTS];      // each expert's next free place in `order`
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
 
     for (int t = warp; t < tokens; t += warps) {
@@ -94,11 +95,10 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS)
     __syncthreads();  // every pair's expert is written (global writes of this block)
 
     const int pairs = tokens * top_k;
-    for (int e = threadIdx.x; e < experts; e += blockDim.x) {
-        int n = 0;
-        for (int p = 0; p < pairs; ++p) n += ids[p] == e;
-        run_start[e] = n;
-    }
+    // Pairs per expert: a sum, the same whatever order the adds land in.
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) run_start[e] = 0;
+    __syncthreads();
+    for (int p = threadIdx.x; p < pairs; p += blockDim.x) atomicAdd(&run_start[ids[p]], 1);
     __syncthreads();
     // Where each expert's pairs and tiles start: exclusive sums over experts, lane l of warp 0
     // taking a contiguous share of them.
@@ -124,6 +124,7 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS)
         for (int e = lo; e < hi; ++e) {
             const int n = run_start[e];
             run_start[e] = p;
+            cursor[e] = p;
             tile_start[e] = t;
             p += n;
             t += (n + tile_rows - 1) / tile_rows;
@@ -131,17 +132,28 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS)
         if (lane == 31) tiles[0] = tile_incl;
     }
     __syncthreads();
-    // Each expert's pairs in pair order, then its tiles.
+    // Each expert's tiles, a thread per expert.
     for (int e = threadIdx.x; e < experts; e += blockDim.x) {
-        const int start = run_start[e];
-        int at = start;
-        for (int p = 0; p < pairs; ++p)
-            if (ids[p] == e) order[at++] = p;
+        const int start = run_start[e], n = (e + 1 < experts ? run_start[e + 1] : pairs) - start;
         int* tile = tiles + 1 + 3 * tile_start[e];
-        for (int j = 0; j < at - start; j += tile_rows, tile += 3) {
+        for (int j = 0; j < n; j += tile_rows, tile += 3) {
             tile[0] = e;
             tile[1] = start + j;
-            tile[2] = min(tile_rows, at - start - j);
+            tile[2] = min(tile_rows, n - j);
+        }
+    }
+    // The pairs in order, 32 at a time by warp 0: a pair's place is its expert's next free
+    // place plus the lanes before it with the same expert, so each run keeps pair order.
+    if (warp == 0) {
+        for (int base = 0; base < pairs; base += 32) {
+            const int p = base + lane;
+            const int e = p < pairs ? ids[p] : -1;
+            const unsigned peers = __match_any_sync(FULL_MASK, e);
+            const int before = __popc(peers & ((1u << lane) - 1u));
+            if (e >= 0) order[cursor[e] + before] = p;
+            __syncwarp();
+            if (e >= 0 && before == __popc(peers) - 1) cursor[e] += __popc(peers);
+            __syncwarp();
         }
     }
 }
