@@ -237,14 +237,28 @@ impl CudaDevice {
         self.inner.blas.0
     }
 
-    /// Compiles (or loads from the cache) every kernel module now, so that no op compiles on
-    /// first use (and none does while a graph is being captured).
+    /// Compiles (or loads from the cache) every kernel module now, and looks up every entry
+    /// point, so that no op compiles or loads code on first use (the driver loads a function's
+    /// code when it is first looked up: lazy module loading is CUDA's default), and none does
+    /// while a graph is being captured.
     pub fn load_all(&self) -> Result<(), CudaError> {
-        let mut kernels = self.kernels();
         let capability = self.info().compute_capability;
-        for module in Module::ALL {
-            if capability >= module.min_compute_capability() {
-                self.module(&mut kernels, module)?;
+        {
+            let mut kernels = self.kernels();
+            for module in Module::ALL {
+                if capability >= module.min_compute_capability() {
+                    self.module(&mut kernels, module)?;
+                }
+            }
+        }
+        for kernel in Kernel::all() {
+            if capability < kernel.module().min_compute_capability() {
+                continue;
+            }
+            // One this device cannot run (more shared memory than it has) fails when used,
+            // with the same error, not here: the model may never need it.
+            if let Err(e) = self.function(kernel) {
+                tracing::debug!("kernel {} not loaded: {e}", kernel.symbol());
             }
         }
         Ok(())

@@ -212,51 +212,8 @@ impl Kernel {
         }
     }
 
-    /// The `extern "C"` name in the module.
-    pub fn symbol(self) -> String {
-        match self {
-            Kernel::Matvec {
-                weights,
-                batch,
-                norm,
-            } => format!(
-                "matvec_{weights}_b{batch}{}",
-                if norm { "_norm" } else { "" }
-            ),
-            Kernel::MatvecExperts { weights, batch } => {
-                format!("matvec_{weights}_b{batch}_experts")
-            }
-            Kernel::RmsNorm { out } => format!("rms_norm_{out}"),
-            Kernel::Rope => "rope".into(),
-            Kernel::SiluMul { out } => format!("silu_mul_{out}"),
-            Kernel::Add => "add_f32".into(),
-            Kernel::Convert { from, to } => format!("convert_{from}_{to}"),
-            Kernel::Embedding { table } => format!("embedding_{table}"),
-            Kernel::Argmax => "argmax".into(),
-            Kernel::AttentionDecode { kv, width } => format!("attention_decode_{kv}_e{width}"),
-            Kernel::AttentionCombine => "attention_combine".into(),
-            Kernel::AttentionPrefill { kv, width } => format!("attention_prefill_{kv}_e{width}"),
-            Kernel::KvStore { kv } => format!("kv_store_{kv}"),
-            Kernel::AttentionPrefillMma { kv, head_dim } => {
-                format!("attention_prefill_mma_{kv}_d{head_dim}")
-            }
-            Kernel::MoeRoute => "moe_route".into(),
-            Kernel::MoeCombine => "moe_combine".into(),
-            Kernel::ExpertsMma { swiglu } => {
-                format!("experts_mma_bf16{}", if swiglu { "_swiglu" } else { "" })
-            }
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Every symbol the Rust side can name is defined in its module's source (by a macro
-    /// whose pasted name we look for piece by piece, or spelled out).
-    #[test]
-    fn every_kernel_symbol_is_in_its_source() {
+    /// Every entry point the modules define (each instantiation the Rust side can name).
+    pub fn all() -> Vec<Kernel> {
         let floats = [Float::F32, Float::Bf16, Float::F16];
         let mut kernels = vec![
             Kernel::Rope,
@@ -307,7 +264,55 @@ mod tests {
                 to: Float::F32,
             });
         }
-        for k in kernels {
+        kernels
+    }
+
+    /// The `extern "C"` name in the module.
+    pub fn symbol(self) -> String {
+        match self {
+            Kernel::Matvec {
+                weights,
+                batch,
+                norm,
+            } => format!(
+                "matvec_{weights}_b{batch}{}",
+                if norm { "_norm" } else { "" }
+            ),
+            Kernel::MatvecExperts { weights, batch } => {
+                format!("matvec_{weights}_b{batch}_experts")
+            }
+            Kernel::RmsNorm { out } => format!("rms_norm_{out}"),
+            Kernel::Rope => "rope".into(),
+            Kernel::SiluMul { out } => format!("silu_mul_{out}"),
+            Kernel::Add => "add_f32".into(),
+            Kernel::Convert { from, to } => format!("convert_{from}_{to}"),
+            Kernel::Embedding { table } => format!("embedding_{table}"),
+            Kernel::Argmax => "argmax".into(),
+            Kernel::AttentionDecode { kv, width } => format!("attention_decode_{kv}_e{width}"),
+            Kernel::AttentionCombine => "attention_combine".into(),
+            Kernel::AttentionPrefill { kv, width } => format!("attention_prefill_{kv}_e{width}"),
+            Kernel::KvStore { kv } => format!("kv_store_{kv}"),
+            Kernel::AttentionPrefillMma { kv, head_dim } => {
+                format!("attention_prefill_mma_{kv}_d{head_dim}")
+            }
+            Kernel::MoeRoute => "moe_route".into(),
+            Kernel::MoeCombine => "moe_combine".into(),
+            Kernel::ExpertsMma { swiglu } => {
+                format!("experts_mma_bf16{}", if swiglu { "_swiglu" } else { "" })
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every symbol the Rust side can name is defined in its module's source (by a macro
+    /// whose pasted name we look for piece by piece, or spelled out).
+    #[test]
+    fn every_kernel_symbol_is_in_its_source() {
+        for k in Kernel::all() {
             let source = k.module().source();
             let symbol = k.symbol();
             let direct =

@@ -421,3 +421,50 @@ pub(super) fn check_routed_shapes(
     );
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The kernels' grids are sized by `max_tiles`: it must bound the tiles of every way the
+    /// pairs can fall on the experts (each expert's run cut into tiles of `tile_rows`).
+    #[test]
+    fn max_tiles_bounds_every_routing() {
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |n: usize| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % n as u64) as usize
+        };
+        for road in [
+            ExpertRoad::Decode,
+            ExpertRoad::Matvec,
+            ExpertRoad::TensorCores,
+        ] {
+            let t = road.tile_rows();
+            for experts in [1, 2, 8, 128, 1024] {
+                for pairs in [0, 1, 7, 8, 9, 64, 65, 300, 4096] {
+                    let bound = max_tiles(pairs, experts, t);
+                    // Spread evenly (the most partial tiles), all on one expert, and at random.
+                    let even: Vec<usize> = (0..experts)
+                        .map(|e| pairs / experts + usize::from(e < pairs % experts))
+                        .collect();
+                    let mut one = vec![0; experts];
+                    one[0] = pairs;
+                    let mut random = vec![0; experts];
+                    for _ in 0..pairs {
+                        random[next(experts)] += 1;
+                    }
+                    for counts in [even, one, random] {
+                        let tiles: usize = counts.iter().map(|c| c.div_ceil(t)).sum();
+                        assert!(
+                            tiles <= bound,
+                            "{road:?}: {tiles} tiles over {bound} ({pairs} pairs, {experts} experts)"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
