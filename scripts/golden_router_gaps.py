@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Adds each step's router gaps to the mixture-of-experts golden fixtures.
+"""Adds each step's router gaps to the mixture-of-experts golden fixtures made before
+`make_golden.py` recorded them itself (it now does, with the same function).
 
 For every completion of a MoE fixture, the reference model (loaded as `make_golden.py` loads
 it: stored dtype, upcast to float32) is run teacher-forced over the prompt and the recorded
@@ -19,29 +20,7 @@ import json
 import torch
 from transformers import Qwen3MoeForCausalLM
 
-from make_golden import OUT_DIR, load_reference, to_json
-
-
-@torch.no_grad()
-def step_gaps(model, prompt: list, generated: list, top_k: int) -> list:
-    gaps = []  # per layer: [positions] gap
-
-    def hook(_mod, _inp, out):
-        logits = out[0] if isinstance(out, tuple) else out
-        logits = logits.float().reshape(-1, logits.shape[-1])
-        top = torch.topk(logits, top_k + 1, dim=-1).values
-        gaps.append(top[:, top_k - 1] - top[:, top_k])
-
-    handles = [m.register_forward_hook(hook) for n, m in model.named_modules() if n.endswith("mlp.gate")]
-    ids = prompt + generated[:-1]  # the last token's own step is never run
-    model(torch.tensor([ids], dtype=torch.long))
-    for h in handles:
-        h.remove()
-    per_position = torch.stack(gaps).min(dim=0).values  # over layers
-    n = len(prompt)
-    steps = [float(per_position[:n].min())]
-    steps += [float(per_position[n + s - 1]) for s in range(1, len(generated))]
-    return steps
+from make_golden import OUT_DIR, load_reference, step_router_gaps, to_json
 
 
 def main():
@@ -52,7 +31,9 @@ def main():
         model = load_reference(fixture, Qwen3MoeForCausalLM, stored)
         top_k = model.config.num_experts_per_tok
         for case in expected["completions"]:
-            case["router_gaps"] = step_gaps(model, case["input_ids"], case["generated_ids"], top_k)
+            case["router_gaps"] = step_router_gaps(
+                model, case["input_ids"], case["generated_ids"], top_k
+            )
         text = to_json(expected) + "\n"
         assert json.loads(text) == expected
         path.write_text(text, encoding="utf-8")

@@ -472,6 +472,33 @@ def greedy(model, input_ids: list) -> dict:
     return {"generated_ids": generated, "top_logprobs": tops, "margins": margins}
 
 
+@torch.no_grad()
+def step_router_gaps(model, prompt: list, generated: list, top_k: int) -> list:
+    """Per recorded step, the smallest gap over the MoE layers between the k-th and (k+1)-th
+    router logit at the positions whose routing that step's logits see first hand: every
+    prompt position for step 0, the step's own position after. The golden test does not hold
+    a bf16-activation run to the tolerance where this is below what its rounding moves a
+    router logit (another expert may be picked there, legitimately)."""
+    gaps = []  # per layer: [positions]
+
+    def hook(_mod, _inp, out):
+        logits = out[0] if isinstance(out, tuple) else out
+        logits = logits.float().reshape(-1, logits.shape[-1])
+        top = torch.topk(logits, top_k + 1, dim=-1).values
+        gaps.append(top[:, top_k - 1] - top[:, top_k])
+
+    handles = [m.register_forward_hook(hook) for n, m in model.named_modules() if n.endswith("mlp.gate")]
+    ids = prompt + generated[:-1]  # the last token's own step is never run
+    model(torch.tensor([ids], dtype=torch.long))
+    for h in handles:
+        h.remove()
+    per_position = torch.stack(gaps).min(dim=0).values  # over layers
+    n = len(prompt)
+    steps = [float(per_position[:n].min())]
+    steps += [float(per_position[n + s - 1]) for s in range(1, len(generated))]
+    return steps
+
+
 def load_reference(path: Path, model_cls, stored_dtype: torch.dtype):
     """Load the checkpoint from disk as stored and upcast to float32."""
     model = model_cls.from_pretrained(path, dtype=stored_dtype, attn_implementation="eager")
@@ -505,6 +532,8 @@ def record(name: str, model_cls, config, tokenizer, gen_cfg, stored_dtype, std, 
             completions.append({"prompt": prompt, "input_ids": ids, **greedy(ref, ids)})
         if probe:
             probe.close()
+            for c in completions:
+                c["router_gaps"] = step_router_gaps(ref, c["input_ids"], c["generated_ids"], moe_top_k)
         min_margin = min(m for c in completions for m in c["margins"])
         router_gap = probe.min_gap if probe else None
         ok = min_margin >= MIN_MARGIN and (router_gap is None or router_gap >= MIN_ROUTER_MARGIN)
