@@ -22,8 +22,8 @@ pub const MAX_EXPERTS: usize = 1024;
 pub const MAX_TOP_K: usize = 32;
 
 /// The weights of a mixture-of-experts layer's experts for [`super::matvec_experts`] and
-/// [`experts_mma`]: a device table
-/// of each expert's matrix addresses (`[experts][matrices]`, u64), all `rows × cols` of `dtype`.
+/// [`experts_mma`]: a device table of each expert's matrix addresses (`[experts][matrices]`,
+/// u64), all `rows × cols` of `dtype`.
 pub struct ExpertTable {
     pub(super) addresses: DeviceBuffer,
     pub(super) experts: usize,
@@ -37,7 +37,7 @@ pub struct ExpertTable {
 
 impl ExpertTable {
     /// `experts[e]` are expert `e`'s matrices (the same number for each, 1 or 2: with two,
-    /// gate and up for [`Epilogue::SwiGlu`]).
+    /// gate and up for [`super::Epilogue::SwiGlu`]).
     ///
     /// # Safety
     /// The table holds the matrices' addresses, not the matrices: the memory behind each must
