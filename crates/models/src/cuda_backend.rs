@@ -288,9 +288,14 @@ impl CudaBackend {
             &device,
             (STEP_TOKENS + b) * 4,
         )?;
-        let attention_scratch = f32s(
+        let mut attention_scratch = f32s(
             "attention splits",
             cuda::attention_decode_scratch_len(shape),
+        )?;
+        cuda::attention_decode_scratch_reset(
+            &device,
+            shape,
+            &mut attention_scratch.as_mut_slice::<f32>(),
         )?;
         let logits = f32s("logits", logit_rows * config.vocab_size)?;
         let gemm = Gemm::new(&device, owner)?;

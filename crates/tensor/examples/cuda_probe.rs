@@ -172,31 +172,40 @@ impl Probe {
         Ok(2.0 * (m * n * k) as f64 / ms / 1e9)
     }
 
-    /// GB/s of one decode step's attention over a bf16 cache of `context` positions, and µs.
+    /// GB/s of one decode step's attention over a bf16 cache of `context` positions, and µs:
+    /// launched back to back over as many layers' caches as make 256 MiB (each its own, as in
+    /// a model, so that short contexts are not read from L2), at least 8 launches.
     fn attention(
         &mut self,
         shape: AttentionShape,
         context: usize,
     ) -> Result<(f64, f64), CudaError> {
         let kv = context * shape.n_kv_heads * shape.head_dim;
-        let keys = self.random(kv, bf16::from_f32)?;
-        let values = self.random(kv, bf16::from_f32)?;
+        let layers = ((256 << 20) / (2 * kv * 2)).clamp(1, 64);
+        let launches = layers.max(8);
+        let keys = self.random(layers * kv, bf16::from_f32)?;
+        let values = self.random(layers * kv, bf16::from_f32)?;
         let q = self.random(shape.n_heads * shape.head_dim, |x| x)?;
         let mut scratch = self.alloc(cuda::attention_decode_scratch_len(shape) * 4)?;
+        cuda::attention_decode_scratch_reset(&self.device, shape, &mut scratch.as_mut_slice())?;
         let mut out = self.alloc(shape.n_heads * shape.head_dim * 4)?;
         let ms = time(&self.device, || {
-            cuda::attention_decode(
-                &self.device,
-                q.as_slice(),
-                keys.as_slice::<bf16>(),
-                values.as_slice::<bf16>(),
-                cuda::Position::Host(context),
-                shape,
-                0.088,
-                &mut scratch.as_mut_slice(),
-                &mut out.as_mut_slice(),
-            )
-        })?;
+            for i in 0..launches {
+                let layer = (i % layers) * kv..(i % layers + 1) * kv;
+                cuda::attention_decode(
+                    &self.device,
+                    q.as_slice(),
+                    keys.as_slice::<bf16>().slice(layer.clone()),
+                    values.as_slice::<bf16>().slice(layer),
+                    cuda::Position::Host(context),
+                    shape,
+                    0.088,
+                    &mut scratch.as_mut_slice(),
+                    &mut out.as_mut_slice(),
+                )?;
+            }
+            Ok(())
+        })? / launches as f64;
         Ok((2.0 * kv as f64 * 2.0 / ms / 1e6, ms * 1e3))
     }
 }

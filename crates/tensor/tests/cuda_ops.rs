@@ -1108,12 +1108,14 @@ fn check_attention<T: Elem>(
     };
     let (kpad, vpad) = (padded(&k), padded(&v));
     let context_buf = ctx.upload(&[positions as i32]);
+    // One scratch for both: the first launch must leave its tickets zero for the second.
+    let mut scratch = ctx.poisoned::<f32>(cuda::attention_decode_scratch_len(shape));
+    cuda::attention_decode_scratch_reset(&ctx.device, shape, &mut scratch.as_mut_slice()).unwrap();
     let mut results = Vec::new();
     for (context, kb, vb) in [
         (Position::Host(positions), &kbuf, &vbuf),
         (Position::Device(context_buf.as_slice()), &kpad, &vpad),
     ] {
-        let mut scratch = ctx.poisoned::<f32>(cuda::attention_decode_scratch_len(shape));
         let mut out = ctx.poisoned::<f32>(n_heads * head_dim);
         cuda::attention_decode(
             &ctx.device,

@@ -13,18 +13,45 @@ use crate::cpu::AttentionShape;
 /// The widest head the kernels take (8 values per lane).
 pub const MAX_HEAD_DIM: usize = 256;
 
-/// The most chunks decode splits the context into (`ATT_MAX_SPLITS` in attention.cu); sizes
-/// the scratch.
+/// The most chunks decode splits the context into (`DEC_MAX_SPLITS` in attention_decode.cu);
+/// sizes the scratch.
 const MAX_SPLITS: usize = 64;
-/// Keys per chunk at least: one tile (`ATT_MIN_KEYS_PER_SPLIT`).
-const MIN_KEYS_PER_SPLIT: usize = 32;
-/// Query rows a block takes (`ATT_ROWS` in attention.cu), and its threads.
+/// Keys per chunk at least (`DEC_MIN_KEYS_PER_SPLIT`), and what a chunk's keys are a whole
+/// number of (`DEC_KEY_ROUND`).
+const MIN_KEYS_PER_SPLIT: usize = 64;
+const KEY_ROUND: usize = 32;
+/// The most query heads a decode block takes for its kv head (`ROWS` in attention_decode.cu).
+const MAX_DECODE_ROWS: usize = 8;
+/// Query rows a prompt block takes (`ATT_ROWS` in attention.cu); threads of a block of
+/// either kernel.
 const ROWS: usize = 16;
 const THREADS: u32 = 128;
 
-/// f32 elements of scratch [`attention_decode`] needs for a shape (any context length).
+/// f32 elements of scratch [`attention_decode`] needs for a shape (any context length): the
+/// chunks' partial results, then one ticket per block row of the grid (at most one a head).
 pub fn attention_decode_scratch_len(shape: AttentionShape) -> usize {
+    tickets_at(shape) + shape.n_heads
+}
+
+fn tickets_at(shape: AttentionShape) -> usize {
     MAX_SPLITS * shape.n_heads * (shape.head_dim + 2)
+}
+
+/// Zeroes the tickets of a new decode scratch ([`attention_decode_scratch_len`] values). The
+/// decode kernels leave them zero, so once, before the scratch's first use, is enough.
+pub fn attention_decode_scratch_reset(
+    device: &CudaDevice,
+    shape: AttentionShape,
+    scratch: &mut DevSliceMut<'_, f32>,
+) -> Result<(), CudaError> {
+    let len = attention_decode_scratch_len(shape);
+    ensure!(
+        scratch.len() >= len,
+        "attention_decode_scratch_reset",
+        "scratch of {} values, {len} needed",
+        scratch.len()
+    );
+    device.fill_bytes(&mut scratch.slice_mut(tickets_at(shape)..len), 0)
 }
 
 fn check_shape(op: &'static str, shape: AttentionShape) -> Result<u8, CudaError> {
@@ -87,11 +114,13 @@ fn check_cache<T: FloatElem>(
 /// Attention of one new token's queries `q` (`[n_heads · head_dim]`) over the first `context`
 /// positions of the cache (the token's own included), into `out`.
 ///
-/// The context is split into up to 64 chunks, each taken by its own blocks; a second pass
-/// merges them (and leaves at once when one chunk took the whole context and wrote `out`). The kernels work the chunks out from the context alone, so a context read on
-/// the device ([`Position::Device`], at most `keys.len()` positions: checked on the host only
-/// for [`Position::Host`]) gives the same bits as the same context known on the host.
-/// `scratch` holds [`attention_decode_scratch_len`] values.
+/// The context is split into up to 64 chunks, each taken by its own blocks, and the last
+/// block of each group of heads to finish merges them, in one launch. The kernel works the
+/// chunks out from the context alone, so a context read on the device ([`Position::Device`],
+/// at most `keys.len()` positions: checked on the host only for [`Position::Host`]) gives the
+/// same bits as the same context known on the host. `scratch` holds
+/// [`attention_decode_scratch_len`] values, its tickets zeroed once by
+/// [`attention_decode_scratch_reset`].
 #[allow(clippy::too_many_arguments)]
 pub fn attention_decode<T: FloatElem>(
     device: &CudaDevice,
@@ -130,17 +159,29 @@ pub fn attention_decode<T: FloatElem>(
         scratch.len(),
         attention_decode_scratch_len(shape)
     );
+    // The merge reads the partial results 16 bytes at a time.
+    ensure!(
+        scratch.device_ptr().is_multiple_of(16),
+        OP,
+        "scratch not on 16 bytes"
+    );
 
-    // About four blocks per multiprocessor; `decode_keys_per_split` in attention.cu turns
-    // this into chunks of whole tiles.
-    let row_chunks = (n_heads / n_kv_heads).div_ceil(ROWS);
-    let blocks_per_split = n_kv_heads * row_chunks;
-    let target_splits = (4 * device.info().multiprocessors).div_ceil(blocks_per_split);
+    // Query heads a block takes: the group, or blocks of 8 of it.
+    let group = n_heads / n_kv_heads;
+    let rows = group.min(MAX_DECODE_ROWS).next_power_of_two();
+    let blocks_per_split = n_kv_heads * group.div_ceil(rows);
+    // About three blocks per multiprocessor, as many as fit beside each other (their
+    // registers), so that the chunks run in one wave; `decode_keys_per_split` in
+    // attention_decode.cu turns this into chunks.
+    let target_splits = (3 * device.info().multiprocessors).div_ceil(blocks_per_split);
     let grid_splits = match context.host() {
         Some(context) => context.div_ceil(keys_per_split(context, target_splits)),
         None => MAX_SPLITS,
     };
 
+    let tickets = scratch
+        .slice_mut(tickets_at(shape)..scratch.len())
+        .device_ptr();
     let (part_ml, part_acc) = scratch.reborrow().split_at_mut(MAX_SPLITS * n_heads * 2);
     let (qp, kp, vp) = (q.device_ptr(), keys.device_ptr(), values.device_ptr());
     let (mlp, accp, outp) = (
@@ -155,20 +196,19 @@ pub fn attention_decode<T: FloatElem>(
         int(OP, "head_dim", head_dim)?,
     );
     let target = int(OP, "splits", target_splits)?;
-    let vec = vectorised(keys, values, head_dim);
+    // A lane's values of a row come whole in vector loads.
+    let vec = vectorised(keys, values, head_dim) & i32::from(head_dim.is_multiple_of(width.into()));
     let kernel = Kernel::AttentionDecode {
         kv: T::FLOAT,
         width,
+        rows: rows as u8,
     };
-    let smem = kernel.dynamic_smem_bytes().unwrap_or(0);
     let grid = (
         grid_splits as u32,
         int(OP, "blocks", blocks_per_split)? as u32,
     );
-    launch!(device, kernel, config(grid, THREADS, smem);
-        qp, kp, vp, mlp, accp, outp, ctx, ctx_dev, heads, kv_heads, d, scale, target, vec)?;
-    launch!(device, Kernel::AttentionCombine, config((n_heads as u32, 1), THREADS, 0);
-        mlp, accp, outp, ctx, ctx_dev, target, heads, d)
+    launch!(device, kernel, config(grid, THREADS, 0);
+        qp, kp, vp, mlp, accp, tickets, outp, ctx, ctx_dev, heads, kv_heads, d, scale, target, vec)
 }
 
 /// Keys per decode chunk: `decode_keys_per_split` in attention.cu, for the grid.
@@ -177,7 +217,7 @@ fn keys_per_split(context: usize, target_splits: usize) -> usize {
         .div_ceil(target_splits)
         .max(MIN_KEYS_PER_SPLIT)
         .max(context.div_ceil(MAX_SPLITS))
-        .next_multiple_of(32)
+        .next_multiple_of(KEY_ROUND)
 }
 
 /// Stores one step's keys and values (`[rows, kv_dim]` f32 each) into one layer's cache

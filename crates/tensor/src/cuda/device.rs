@@ -6,8 +6,12 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublaslt::{result as blas, sys as blas_sys};
-use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags, CUfunction_attribute};
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, result as drv};
+use cudarc::driver::sys::{
+    self as drv_sys, CUdevice_attribute, CUevent_flags, CUfunction_attribute,
+};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, result as drv,
+};
 use cudarc::nvrtc::Ptx;
 
 use super::compile::{Compiler, arch_name, nvrtc_version};
@@ -114,6 +118,8 @@ struct Inner {
     stream: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
     info: DeviceInfo,
+    /// Kernels are launched to overlap the one before ([`CudaDevice::launch_kernel`]).
+    overlap_launches: bool,
 }
 
 #[derive(Default)]
@@ -208,6 +214,11 @@ impl CudaDevice {
             nvrtc: nvrtc_version()?,
         };
         let blas = BlasHandle(blas::create_handle().map_err(CudaError::blas("cublasLtCreate"))?);
+        // Programmatic dependent launch came with compute capability 9.0. EMBER_NO_PDL=1 turns
+        // it off, to measure what it brings or to rule it out.
+        let overlap_launches = info.compute_capability >= (9, 0)
+            && std::env::var_os("EMBER_NO_PDL").is_none_or(|v| v.is_empty() || v == "0");
+        tracing::debug!("overlapping kernel launches: {overlap_launches}");
         Ok(CudaDevice {
             inner: Arc::new(Inner {
                 kernels: Mutex::default(),
@@ -216,6 +227,7 @@ impl CudaDevice {
                 stream,
                 ctx,
                 info,
+                overlap_launches,
             }),
         })
     }
@@ -311,6 +323,63 @@ impl CudaDevice {
         }
         kernels.functions.insert(kernel, function.clone());
         Ok(function)
+    }
+
+    /// Enqueues `kernel` on the stream, `params` pointing at its arguments.
+    ///
+    /// From compute capability 9.0 the launch lets the kernel start while the one before it
+    /// is still running (programmatic dependent launch): its blocks are scheduled as the
+    /// other's last ones finish, and wait in `grid_dependency_wait()` (common.cuh), which
+    /// every kernel calls before it touches memory, until the one before has finished and its
+    /// writes are visible. So the results are those of plain stream order, and what overlaps
+    /// is the launch and the ramp up of the next kernel (a few microseconds of each of a
+    /// decode step's hundreds of launches). Graph capture records the same overlap.
+    ///
+    /// # Safety
+    /// `params` point at live values of the kernel's parameter types, in order, and every
+    /// range the kernel reads or writes is live device memory.
+    pub(crate) unsafe fn launch_kernel(
+        &self,
+        kernel: Kernel,
+        config: LaunchConfig,
+        params: &mut [*mut std::ffi::c_void],
+    ) -> Result<(), CudaError> {
+        let function = self.function(kernel)?;
+        self.bind()?;
+        let mut overlap = drv_sys::CUlaunchAttribute {
+            id: drv_sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: drv_sys::CUlaunchAttributeValue {
+                programmaticStreamSerializationAllowed: 1,
+            },
+        };
+        let launch = drv_sys::CUlaunchConfig {
+            gridDimX: config.grid_dim.0,
+            gridDimY: config.grid_dim.1,
+            gridDimZ: config.grid_dim.2,
+            blockDimX: config.block_dim.0,
+            blockDimY: config.block_dim.1,
+            blockDimZ: config.block_dim.2,
+            sharedMemBytes: config.shared_mem_bytes,
+            hStream: self.inner.stream.cu_stream(),
+            attrs: &mut overlap,
+            numAttrs: u32::from(self.inner.overlap_launches),
+        };
+        // SAFETY: a loaded function of a live module, a live stream, and the caller's promise
+        // on the parameters.
+        unsafe {
+            drv_sys::cuLaunchKernelEx(
+                &launch,
+                function.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .map_err(|source| CudaError::Launch {
+            kernel: kernel.symbol(),
+            source,
+        })
     }
 
     /// Makes the device's context current on the calling thread.
@@ -480,24 +549,15 @@ impl CudaDevice {
     }
 }
 
-/// Enqueues `kernel` on the device's stream with the given arguments (locals, so each lives
-/// until the launch has copied it).
+/// Enqueues `kernel` on the device's stream ([`CudaDevice::launch_kernel`]) with the given
+/// arguments (locals, so each lives until the launch has copied it).
 macro_rules! launch {
     ($device:expr, $kernel:expr, $config:expr; $($arg:ident),+ $(,)?) => {{
-        use cudarc::driver::PushKernelArg as _;
-        let kernel: $crate::cuda::kernels::Kernel = $kernel;
-        let function = $device.function(kernel)?;
-        let mut builder = $device.stream().launch_builder(&function);
-        $( builder.arg(&$arg); )+
+        let mut params = [$( (&$arg) as *const _ as *mut ::std::ffi::c_void ),+];
         // SAFETY: the arguments match the kernel's parameters in order and type (u64 device
-        // pointers, i32/i64 sizes, f32 scalars), and the op checked every range it reads or
-        // writes against the shapes it passes.
-        unsafe { builder.launch($config) }
-            .map(|_| ())
-            .map_err(|source| $crate::cuda::CudaError::Launch {
-                kernel: kernel.symbol(),
-                source,
-            })
+        // pointers, i32/i64 sizes, f32 scalars, repr(C) argument structs), and the op checked
+        // every range it reads or writes against the shapes it passes.
+        unsafe { $device.launch_kernel($kernel, $config, &mut params) }
     }};
 }
 pub(crate) use launch;

@@ -21,6 +21,7 @@ pub enum Module {
     Embedding,
     Argmax,
     Attention,
+    AttentionDecode,
     /// Tensor-core attention (mma.sync with bf16 operands): compute capability 8.0 and later.
     AttentionMma,
     Moe,
@@ -29,7 +30,7 @@ pub enum Module {
 }
 
 impl Module {
-    pub const ALL: [Module; 10] = [
+    pub const ALL: [Module; 11] = [
         Module::Matvec,
         Module::RmsNorm,
         Module::Rope,
@@ -37,6 +38,7 @@ impl Module {
         Module::Embedding,
         Module::Argmax,
         Module::Attention,
+        Module::AttentionDecode,
         Module::AttentionMma,
         Module::Moe,
         Module::ExpertsMma,
@@ -52,6 +54,7 @@ impl Module {
             Module::Embedding => "embedding",
             Module::Argmax => "argmax",
             Module::Attention => "attention",
+            Module::AttentionDecode => "attention_decode",
             Module::AttentionMma => "attention_mma",
             Module::Moe => "moe",
             Module::ExpertsMma => "experts_mma",
@@ -67,6 +70,7 @@ impl Module {
             Module::Embedding => include_str!("kernels/embedding.cu"),
             Module::Argmax => include_str!("kernels/argmax.cu"),
             Module::Attention => include_str!("kernels/attention.cu"),
+            Module::AttentionDecode => include_str!("kernels/attention_decode.cu"),
             Module::AttentionMma => include_str!("kernels/attention_mma.cu"),
             Module::Moe => include_str!("kernels/moe.cu"),
             Module::ExpertsMma => include_str!("kernels/experts_mma.cu"),
@@ -155,12 +159,14 @@ pub enum Kernel {
         table: Float,
     },
     Argmax,
-    /// `width` = values of a head each lane holds: 2, 4 or 8 (head_dim up to 64, 128, 256).
+    /// `width` = values of a head each lane holds: 2, 4 or 8 (head_dim up to 64, 128, 256);
+    /// `rows` = query heads a block takes for its kv head: 1, 2, 4 or 8.
     AttentionDecode {
         kv: Float,
         width: u8,
+        rows: u8,
     },
-    AttentionCombine,
+    /// `width` as for [`Kernel::AttentionDecode`].
     AttentionPrefill {
         kv: Float,
         width: u8,
@@ -190,10 +196,8 @@ impl Kernel {
             Kernel::SiluMul { .. } | Kernel::Add | Kernel::Convert { .. } => Module::Elementwise,
             Kernel::Embedding { .. } => Module::Embedding,
             Kernel::Argmax => Module::Argmax,
-            Kernel::AttentionDecode { .. }
-            | Kernel::AttentionCombine
-            | Kernel::AttentionPrefill { .. }
-            | Kernel::KvStore { .. } => Module::Attention,
+            Kernel::AttentionPrefill { .. } | Kernel::KvStore { .. } => Module::Attention,
+            Kernel::AttentionDecode { .. } => Module::AttentionDecode,
             Kernel::AttentionPrefillMma { .. } => Module::AttentionMma,
             Kernel::MoeRoute | Kernel::MoeCombine => Module::Moe,
             Kernel::ExpertsMma { .. } => Module::ExpertsMma,
@@ -203,7 +207,7 @@ impl Kernel {
     /// Dynamic shared memory each block of this kernel takes (the attention tiles).
     pub fn dynamic_smem_bytes(self) -> Option<usize> {
         match self {
-            Kernel::AttentionDecode { width, .. } | Kernel::AttentionPrefill { width, .. } => {
+            Kernel::AttentionPrefill { width, .. } => {
                 // Key tile (rows padded by one), value tile, 16 query rows: see attention.cu.
                 let row = width as usize * 32;
                 Some((32 * (row + 1) + 32 * row + 16 * row) * 4)
@@ -219,7 +223,6 @@ impl Kernel {
             Kernel::Rope,
             Kernel::Add,
             Kernel::Argmax,
-            Kernel::AttentionCombine,
             Kernel::MoeRoute,
             Kernel::MoeCombine,
             Kernel::ExpertsMma { swiglu: false },
@@ -244,7 +247,9 @@ impl Kernel {
                 kernels.push(Kernel::AttentionPrefillMma { kv: f, head_dim });
             }
             for width in [2, 4, 8] {
-                kernels.push(Kernel::AttentionDecode { kv: f, width });
+                for rows in [1, 2, 4, 8] {
+                    kernels.push(Kernel::AttentionDecode { kv: f, width, rows });
+                }
                 kernels.push(Kernel::AttentionPrefill { kv: f, width });
             }
         }
@@ -288,8 +293,9 @@ impl Kernel {
             Kernel::Convert { from, to } => format!("convert_{from}_{to}"),
             Kernel::Embedding { table } => format!("embedding_{table}"),
             Kernel::Argmax => "argmax".into(),
-            Kernel::AttentionDecode { kv, width } => format!("attention_decode_{kv}_e{width}"),
-            Kernel::AttentionCombine => "attention_combine".into(),
+            Kernel::AttentionDecode { kv, width, rows } => {
+                format!("attention_decode_{kv}_e{width}_r{rows}")
+            }
             Kernel::AttentionPrefill { kv, width } => format!("attention_prefill_{kv}_e{width}"),
             Kernel::KvStore { kv } => format!("kv_store_{kv}"),
             Kernel::AttentionPrefillMma { kv, head_dim } => {
@@ -307,6 +313,41 @@ impl Kernel {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Kernels are launched to overlap the one before (`CudaDevice::launch_kernel`), which is
+    /// safe only because each waits for it first: every kernel body calls
+    /// `grid_dependency_wait()`.
+    #[test]
+    fn every_kernel_waits_for_the_one_before() {
+        for module in Module::ALL {
+            let body = module.body();
+            let mut kernels = 0;
+            for (at, _) in body.match_indices("__global__") {
+                let open = at + body[at..].find('{').expect("a kernel body");
+                let mut depth = 0;
+                let close = body[open..]
+                    .char_indices()
+                    .find(|&(_, c)| {
+                        depth += match c {
+                            '{' => 1,
+                            '}' => -1,
+                            _ => 0,
+                        };
+                        depth == 0
+                    })
+                    .map(|(i, _)| open + i)
+                    .expect("a closed kernel body");
+                assert!(
+                    body[open..close].contains("grid_dependency_wait();"),
+                    "a kernel of {}.cu does not call grid_dependency_wait(): {}",
+                    module.name(),
+                    &body[at..open]
+                );
+                kernels += 1;
+            }
+            assert!(kernels > 0, "no kernel found in {}.cu", module.name());
+        }
+    }
 
     /// Every symbol the Rust side can name is defined in its module's source (by a macro
     /// whose pasted name we look for piece by piece, or spelled out).
@@ -328,9 +369,15 @@ mod tests {
                         && source.contains(&format!("MATVEC_EXPERTS(matvec_##T##_b{batch},"))
                         && source.contains(&format!("MATVEC_ALL_BATCHES({weights},"))
                 }
-                Kernel::AttentionDecode { kv, width } | Kernel::AttentionPrefill { kv, width } => {
+                Kernel::AttentionPrefill { kv, width } => {
                     source.contains(&format!("ATTENTION(T, KV, {width})"))
                         && source.contains(&format!("ATTENTION_ALL_WIDTHS({kv},"))
+                }
+                Kernel::AttentionDecode { kv, width, rows } => {
+                    source.contains("attention_decode_##T##_e##E##_r##ROWS(")
+                        && source.contains(&format!("ATTENTION_DECODE(T, KV, E, {rows})"))
+                        && source.contains(&format!("ATTENTION_DECODE_ALL_ROWS(T, KV, {width})"))
+                        && source.contains(&format!("ATTENTION_DECODE_ALL({kv},"))
                 }
                 Kernel::AttentionPrefillMma { kv, head_dim } => {
                     source.contains(&format!("ATTENTION_MMA(T, KV, {head_dim})"))

@@ -18,6 +18,10 @@ pub const MAX_OUTPUTS: usize = 3;
 /// Threads of a block (`MATVEC_THREADS` in matvec.cu).
 const THREADS: u32 = 256;
 
+/// Blocks per multiprocessor that prefetch their weights before waiting on the kernel before
+/// (`matvec_prefetch` in matvec.cu): about those that start while it finishes.
+const PREFETCH_BLOCKS_PER_SM: usize = 2;
+
 /// What happens to a product's sums.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Epilogue {
@@ -74,7 +78,7 @@ struct KernelArgs {
     order: u64,
     experts: u64,
     x_div: i32,
-    pad: i32,
+    prefetch_blocks: i32,
 }
 
 // SAFETY: plain old data, laid out as the kernel's `MatvecArgs` (repr(C), the same field
@@ -345,6 +349,11 @@ fn launch_product(
     let blocks = int(OP, "blocks", shape.total_rows.div_ceil(rows_per_block))? as u32;
     args.vec = i32::from(vectorised);
     args.wpr = warps_per_rows as i32;
+    args.prefetch_blocks = int(
+        OP,
+        "blocks",
+        PREFETCH_BLOCKS_PER_SM * device.info().multiprocessors,
+    )?;
     let args = *args;
     launch!(device, kernel, config((blocks, grid_y), THREADS, 0); args)
 }

@@ -46,7 +46,7 @@ mod rope;
 pub use argmax::argmax;
 pub use attention::{
     MAX_HEAD_DIM, PrefillPrecision, attention_decode, attention_decode_scratch_len,
-    attention_prefill, kv_store,
+    attention_decode_scratch_reset, attention_prefill, kv_store,
 };
 pub use device::{CudaDevice, DeviceInfo};
 pub use elementwise::{add, convert, silu_mul, silu_mul_in_place};

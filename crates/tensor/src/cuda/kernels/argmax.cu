@@ -13,6 +13,7 @@ __device__ __forceinline__ void better(float& v, int& i, float ov, int oi) {
 
 extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
     argmax(const float* __restrict__ logits, unsigned* __restrict__ out, int n) {
+    grid_dependency_wait();
     __shared__ float best_v[32];
     __shared__ int best_i[32];
     const float* row = logits + (size_t)blockIdx.x * n;

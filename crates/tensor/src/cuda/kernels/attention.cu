@@ -1,46 +1,23 @@
-// Attention of f32 queries over a KV cache of f32, bf16 or f16.
+// Prompt attention of f32 queries over a KV cache of f32, bf16 or f16 (the tensor-core form is
+// attention_mma.cu, one new token's is attention_decode.cu), and the cache's stores.
 //
 // The cache of one layer is [positions, n_kv_heads, d]; queries and outputs are
 // [tokens, n_heads, d] f32; query head h reads kv head h / (n_heads / n_kv_heads).
 //
-// Both kernels walk the keys in tiles of 32 staged as f32 in shared memory. Within a tile a
-// lane owns one key: it takes that key's score, the warp agrees on the tile's maximum, and
-// the running (max, sum, weighted values) of each query row are rescaled once per tile
-// (online softmax), so no score vector is ever stored. A lane holds E = ceil(d / 32) of a
-// row's output values (elements lane, lane + 32, ...). A block has 4 warps and up to 16
-// rows, dealt round-robin (row r to warp r % 4) so that a few rows still use every warp.
-//
-// - attention_decode: one query per head, the keys split into chunks across blocks
-//   (flash-decoding); a block takes one chunk for the query heads of one kv head, so each
-//   key is read once for the whole group, and writes its unnormalised partial result.
-//   attention_combine merges the chunks; a context of one chunk is written out finished by
-//   the decode kernel and the merge has nothing to do. The context length may be read from device memory
-//   (a recorded graph's step), so the chunking is worked out on the device, from it alone:
-//   the grid may have more chunks than there are, and those blocks leave at once.
-// - attention_prefill: causal attention of a prompt chunk of n tokens at positions
-//   pos0..pos0+n over the cache (which already holds them); a block takes 16 queries of one
-//   head.
+// attention_prefill: causal attention of a prompt chunk of n tokens at positions pos0..pos0+n
+// over the cache (which already holds them); a block takes 16 queries of one head. It walks
+// the keys in tiles of 32 staged as f32 in shared memory. Within a tile a lane owns one key:
+// it takes that key's score, the warp agrees on the tile's maximum, and the running (max,
+// sum, weighted values) of each query row are rescaled once per tile (online softmax), so no
+// score vector is ever stored. A lane holds E = ceil(d / 32) of a row's output values
+// (elements lane, lane + 32, ...). A block has 4 warps and 16 rows, dealt round-robin (row r
+// to warp r % 4).
 
 #define ATT_TILE 32
 #define ATT_WARPS 4
 #define ATT_ROWS_PER_WARP 4
 #define ATT_ROWS (ATT_WARPS * ATT_ROWS_PER_WARP)
 #define ATT_THREADS (ATT_WARPS * 32)
-#define ATT_MAX_SPLITS 64
-#define ATT_MIN_KEYS_PER_SPLIT 32
-
-// Keys per decode chunk for a context: about `target_splits` chunks (enough blocks to fill the
-// device, set by the host), at least a tile each, at most ATT_MAX_SPLITS, whole tiles.
-__device__ __forceinline__ int decode_keys_per_split(int context, int target_splits) {
-    int kps = max((context + target_splits - 1) / target_splits, ATT_MIN_KEYS_PER_SPLIT);
-    kps = max(kps, (context + ATT_MAX_SPLITS - 1) / ATT_MAX_SPLITS);
-    return (kps + ATT_TILE - 1) / ATT_TILE * ATT_TILE;
-}
-
-__device__ __forceinline__ int decode_splits(int context, int target_splits) {
-    const int kps = decode_keys_per_split(context, target_splits);
-    return (context + kps - 1) / kps;
-}
 
 template <int E> struct RowState {
     float m, l;
@@ -156,109 +133,6 @@ __device__ __forceinline__ void stage_query(const Smem<E>& s, int row, const flo
     for (int e = threadIdx.x & 31; e < DP; e += 32) s.q[row * DP + e] = (q && e < d) ? q[e] : 0.0f;
 }
 
-// grid: (splits, n_kv_heads * ceil(group / 16)); part_ml [splits, n_heads, 2],
-// part_acc [splits, n_heads, d].
-template <typename KV, int E>
-__device__ __forceinline__ void attention_decode(const float* __restrict__ q,
-                                                 const KV* __restrict__ kc,
-                                                 const KV* __restrict__ vc,
-                                                 float* __restrict__ part_ml,
-                                                 float* __restrict__ part_acc,
-                                                 float* __restrict__ out, int context,
-                                                 const int* __restrict__ context_dev,
-                                                 int n_heads, int n_kv_heads, int d, float scale,
-                                                 int target_splits, int vec) {
-    if (context_dev) context = *context_dev;
-    const int keys_per_split = decode_keys_per_split(context, target_splits);
-    if ((int)blockIdx.x * keys_per_split >= context) return;  // a chunk past the context
-    extern __shared__ float smem[];
-    const Smem<E> s(smem);
-    const int group = n_heads / n_kv_heads;
-    const int chunks = (group + ATT_ROWS - 1) / ATT_ROWS;
-    const int kvh = blockIdx.y / chunks;
-    const int g0 = (blockIdx.y % chunks) * ATT_ROWS;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int split = blockIdx.x;
-    const int t_begin = split * keys_per_split;
-    const int t_end = min(context, t_begin + keys_per_split);
-
-    for (int i = 0; i < ATT_ROWS_PER_WARP; ++i) {
-        const int g = g0 + i * ATT_WARPS + warp;
-        stage_query<E>(s, i * ATT_WARPS + warp, g < group ? q + (size_t)(kvh * group + g) * d : 0, d);
-    }
-    RowState<E> st[ATT_ROWS_PER_WARP];
-#pragma unroll
-    for (int i = 0; i < ATT_ROWS_PER_WARP; ++i) row_init<E>(st[i]);
-
-    for (int t0 = t_begin; t0 < t_end; t0 += ATT_TILE) {
-        const int count = min(ATT_TILE, t_end - t0);
-        __syncthreads();  // the previous tile is no longer read (and the queries are staged)
-        load_tile<KV, E>(s, kc, vc, t0, count, n_kv_heads * d, kvh * d, d, vec);
-        __syncthreads();
-#pragma unroll
-        for (int i = 0; i < ATT_ROWS_PER_WARP; ++i) {
-            const int r = i * ATT_WARPS + warp;
-            if (g0 + r < group) row_update<E>(st[i], s, r, count, scale);
-        }
-    }
-
-    // One chunk: this block saw every key, so its result is the answer.
-    const bool alone = decode_splits(context, target_splits) == 1;
-#pragma unroll
-    for (int i = 0; i < ATT_ROWS_PER_WARP; ++i) {
-        const int g = g0 + i * ATT_WARPS + warp;
-        if (g >= group) continue;
-        if (alone) {
-            const float inv = 1.0f / st[i].l;
-            float* o = out + (size_t)(kvh * group + g) * d;
-#pragma unroll
-            for (int j = 0; j < E; ++j) {
-                const int e = j * 32 + lane;
-                if (e < d) o[e] = st[i].acc[j] * inv;
-            }
-            continue;
-        }
-        const size_t part = (size_t)split * n_heads + kvh * group + g;
-        if (lane == 0) {
-            part_ml[2 * part] = st[i].m;
-            part_ml[2 * part + 1] = st[i].l;
-        }
-#pragma unroll
-        for (int j = 0; j < E; ++j) {
-            const int e = j * 32 + lane;
-            if (e < d) part_acc[part * d + e] = st[i].acc[j];
-        }
-    }
-}
-
-// out[h] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s over the splits; grid: n_heads.
-extern "C" __global__ void attention_combine(const float* __restrict__ part_ml,
-                                             const float* __restrict__ part_acc,
-                                             float* __restrict__ out, int context,
-                                             const int* __restrict__ context_dev,
-                                             int target_splits, int n_heads, int d) {
-    if (context_dev) context = *context_dev;
-    const int splits = decode_splits(context, target_splits);
-    if (splits == 1) return;  // the decode kernel wrote the result
-    const int h = blockIdx.x;
-    float m = NEG_INF;
-    for (int s = 0; s < splits; ++s) m = fmaxf(m, part_ml[2 * ((size_t)s * n_heads + h)]);
-    float l = 0.0f;
-    for (int s = 0; s < splits; ++s) {
-        const size_t p = (size_t)s * n_heads + h;
-        l += __expf(part_ml[2 * p] - m) * part_ml[2 * p + 1];
-    }
-    const float inv = 1.0f / l;
-    for (int e = threadIdx.x; e < d; e += blockDim.x) {
-        float o = 0.0f;
-        for (int s = 0; s < splits; ++s) {
-            const size_t p = (size_t)s * n_heads + h;
-            o = fmaf(__expf(part_ml[2 * p] - m), part_acc[p * d + e], o);
-        }
-        out[(size_t)h * d + e] = o * inv;
-    }
-}
-
 // grid: (ceil(n / 16), n_heads).
 template <typename KV, int E>
 __device__ __forceinline__ void attention_prefill(const float* __restrict__ q,
@@ -312,16 +186,10 @@ __device__ __forceinline__ void attention_prefill(const float* __restrict__ q,
 }
 
 #define ATTENTION(T, KV, E)                                                                    \
-    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_decode_##T##_e##E(      \
-        const float* q, const KV* kc, const KV* vc, float* part_ml, float* part_acc,           \
-        float* out, int context, const int* context_dev, int n_heads, int n_kv_heads, int d,   \
-        float scale, int target_splits, int vec) {                                             \
-        attention_decode<KV, E>(q, kc, vc, part_ml, part_acc, out, context, context_dev,       \
-                                n_heads, n_kv_heads, d, scale, target_splits, vec);            \
-    }                                                                                          \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_prefill_##T##_e##E(     \
         const float* q, const KV* kc, const KV* vc, float* out, int n, int pos0, int n_heads,  \
         int n_kv_heads, int d, float scale, int vec) {                                         \
+        grid_dependency_wait();                                                                \
         attention_prefill<KV, E>(q, kc, vc, out, n, pos0, n_heads, n_kv_heads, d, scale, vec); \
     }
 #define ATTENTION_ALL_WIDTHS(T, KV) ATTENTION(T, KV, 2) ATTENTION(T, KV, 4) ATTENTION(T, KV, 8)
@@ -354,6 +222,7 @@ __device__ __forceinline__ void kv_store(const float* __restrict__ k, const floa
     extern "C" __global__ void kv_store_##T(const float* k, const float* v, KV* kc, KV* vc,    \
                                             int rows, int kv_dim, int pos0,                    \
                                             const int* pos0_dev, int capacity) {               \
+        grid_dependency_wait();                                                                \
         kv_store<KV>(k, v, kc, vc, rows, kv_dim, pos0, pos0_dev, capacity);                    \
     }
 KV_STORE(f32, float)

@@ -198,6 +198,7 @@ __device__ __forceinline__ void attention_prefill_mma(const float* __restrict__ 
     extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_prefill_mma_##T##_d##D( \
         const float* q, const KV* kc, const KV* vc, float* out, int n, int pos0, int n_heads,  \
         int n_kv_heads, float scale) {                                                         \
+        grid_dependency_wait();                                                                \
         attention_prefill_mma<KV, D>(q, kc, vc, out, n, pos0, n_heads, n_kv_heads, scale);     \
     }
 #define ATTENTION_MMA_ALL_DIMS(T, KV) ATTENTION_MMA(T, KV, 64) ATTENTION_MMA(T, KV, 128)

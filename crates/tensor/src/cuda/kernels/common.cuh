@@ -8,6 +8,27 @@ struct f16_t {
     unsigned short bits;
 };
 
+// Programmatic dependent launch (compute capability 9.0 on): the host launches each kernel
+// so that it may start while the one before it finishes (CudaDevice::launch_kernel). Every
+// kernel calls grid_dependency_wait() before it reads or writes memory that the kernels before
+// it write or read (weights, never written during a step, excepted), which waits until they
+// have finished and their writes are visible, and then lets the next kernel's blocks be
+// scheduled as its own finish. Elsewhere both are no-ops and launches are in stream order.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Asks L2 for `bytes` (a multiple of 16) from `p` (on 16 bytes) without waiting for them; a
+// hint, so a no-op before compute capability 9.0, whose bulk prefetch it uses.
+__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
 #define FULL_MASK 0xffffffffu
 #define NEG_INF __int_as_float(0xff800000)
 

@@ -12,16 +12,19 @@ __device__ __forceinline__ void silu_mul(const float* gate, const float* __restr
 
 extern "C" __global__ void silu_mul_f32(const float* gate, const float* up, float* out,
                                         long long n) {
+    grid_dependency_wait();
     silu_mul<float>(gate, up, out, n);
 }
 
 extern "C" __global__ void silu_mul_bf16(const float* gate, const float* up, bf16_t* out,
                                          long long n) {
+    grid_dependency_wait();
     silu_mul<bf16_t>(gate, up, out, n);
 }
 
 // x[i] += y[i].
 extern "C" __global__ void add_f32(float* x, const float* __restrict__ y, long long n) {
+    grid_dependency_wait();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x)
         x[i] += y[i];
@@ -38,6 +41,7 @@ __device__ __forceinline__ void convert(const I* __restrict__ in, O* __restrict_
 
 #define CONVERT(NAME, I, O)                                                     \
     extern "C" __global__ void NAME(const I* in, O* out, long long n) {         \
+        grid_dependency_wait();                                                 \
         convert<I, O>(in, out, n);                                              \
     }
 CONVERT(convert_f32_f32, float, float)

@@ -18,6 +18,7 @@ __device__ __forceinline__ void embedding(const T* __restrict__ table,
 #define EMBEDDING(NAME, T)                                                                  \
     extern "C" __global__ void NAME(const T* table, const unsigned* tokens, float* out,      \
                                     int hidden, int vocab) {                                 \
+        grid_dependency_wait();                                                              \
         embedding<T>(table, tokens, out, hidden, vocab);                                     \
     }
 EMBEDDING(embedding_f32, float)

@@ -125,11 +125,13 @@ __device__ __forceinline__ void experts_mma(const float* __restrict__ x, float* 
 extern "C" __global__ void __launch_bounds__(XM_THREADS)
     experts_mma_bf16(const float* x, float* y, const int* tiles, const int* order,
                      const unsigned long long* experts, int rows, int cols, int x_div) {
+    grid_dependency_wait();
     experts_mma<1>(x, y, tiles, order, experts, rows, cols, x_div);
 }
 
 extern "C" __global__ void __launch_bounds__(XM_THREADS)
     experts_mma_bf16_swiglu(const float* x, float* y, const int* tiles, const int* order,
                             const unsigned long long* experts, int rows, int cols, int x_div) {
+    grid_dependency_wait();
     experts_mma<2>(x, y, tiles, order, experts, rows, cols, x_div);
 }

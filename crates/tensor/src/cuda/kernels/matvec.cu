@@ -55,7 +55,7 @@ struct MatvecArgs {
     const int* order;  // pair indices grouped by expert; a tile's are order[first..first + pairs]
     const unsigned long long* experts;  // [experts][outputs] weight addresses (out[i].w unused)
     int x_div;         // pair p reads x row p / x_div
-    int pad;
+    int prefetch_blocks;  // blocks that may start before the kernel before ends (matvec_prefetch)
 };
 
 __device__ __forceinline__ MatvecOut matvec_out(const MatvecArgs& a, int i) {
@@ -248,19 +248,41 @@ __device__ __forceinline__ void matvec(const MatvecArgs& a) {
     *out = a.accumulate ? *out + v : v;
 }
 
+// Before waiting on the kernel before (grid_dependency_wait), a block of the first wave asks
+// L2 for its rows of the weights, which no kernel writes: scheduled while that kernel
+// finishes, it then finds its rows in the cache, their reads overlapped with the other's
+// tail. One bulk prefetch per row, by a thread each. Later blocks start after the kernel
+// before has ended and load at once; a prefetch there would only add requests.
+template <typename W, int ROWS>
+__device__ __forceinline__ void matvec_prefetch(const MatvecArgs& a) {
+    const int rows = (MATVEC_THREADS / 32) / a.wpr * ROWS;
+    const int row = blockIdx.x * rows + threadIdx.x;
+    if (!a.vec || blockIdx.x >= a.prefetch_blocks || threadIdx.x >= rows || row >= a.total_rows)
+        return;
+    int local;
+    const int i = matvec_locate(a, row, &local);
+    const unsigned bytes = (unsigned)a.cols * sizeof(W);  // whole 16-byte chunks with vec
+    prefetch_l2((const char*)matvec_out(a, i).w + (size_t)local * bytes, bytes);
+}
+
 // More rows per group at larger batches, so each x load feeds more FMAs; fewer steps unrolled
 // there, so the registers still leave room for two blocks per multiprocessor.
 #define MATVEC(NAME, W, B, ROWS, UNROLL)                                                       \
     extern "C" __global__ void __launch_bounds__(MATVEC_THREADS) NAME(const MatvecArgs a) {    \
+        matvec_prefetch<W, ROWS>(a);                                                           \
+        grid_dependency_wait();                                                                \
         matvec<W, B, ROWS, UNROLL, false, false>(a);                                           \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(MATVEC_THREADS) NAME##_norm(const MatvecArgs a) { \
+        matvec_prefetch<W, ROWS>(a);                                                               \
+        grid_dependency_wait();                                                                    \
         matvec<W, B, ROWS, UNROLL, true, false>(a);                                            \
     }
 // Routed experts: one pair per tile for a decoded token (its experts differ), eight for
 // prompts, where each expert takes many tokens and reads its weights once per eight.
 #define MATVEC_EXPERTS(NAME, W, B, ROWS, UNROLL)                                                  \
     extern "C" __global__ void __launch_bounds__(MATVEC_THREADS) NAME##_experts(const MatvecArgs a) { \
+        grid_dependency_wait();                                                                       \
         matvec<W, B, ROWS, UNROLL, false, true>(a);                                               \
     }
 // (8 rows per group at batch 1, each x load feeding 8 rows, measured slower on the H200:

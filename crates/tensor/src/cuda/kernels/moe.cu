@@ -26,6 +26,7 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS)
     moe_route(const float* __restrict__ logits, int tokens, int experts, int top_k, int normalize,
               int tile_rows, int* __restrict__ ids, float* __restrict__ weights,
               int* __restrict__ order, int* __restrict__ tiles) {
+    grid_dependency_wait();
     __shared__ int run_start[MOE_MAX_EXPERTS];   // pairs per expert, then where its run starts
     __shared__ int tile_start[MOE_MAX_EXPERTS];  // each expert's first tile
     __shared__ int cursor[MOE_MAX_EXPERTS];      // each expert's next free place in `order`
@@ -161,6 +162,7 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS)
 extern "C" __global__ void moe_combine(const float* __restrict__ expert_out,
                                        const float* __restrict__ weights, int tokens, int top_k,
                                        int hidden, float* __restrict__ out) {
+    grid_dependency_wait();
     const size_t n = (size_t)tokens * hidden;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {

@@ -26,10 +26,12 @@ __device__ __forceinline__ void rms_norm(float* x, const float* __restrict__ add
 
 extern "C" __global__ void rms_norm_f32(float* x, const float* add, const float* weight,
                                         float* out, int d, float eps) {
+    grid_dependency_wait();
     rms_norm<float>(x, add, weight, out, d, eps);
 }
 
 extern "C" __global__ void rms_norm_bf16(float* x, const float* add, const float* weight,
                                          bf16_t* out, int d, float eps) {
+    grid_dependency_wait();
     rms_norm<bf16_t>(x, add, weight, out, d, eps);
 }

@@ -15,6 +15,7 @@ extern "C" __global__ void __launch_bounds__(ROPE_THREADS)
          const float* __restrict__ k_norm, int k_heads, const float* __restrict__ cos_table,
          const float* __restrict__ sin_table, int n, int d, int pos0,
          const int* __restrict__ pos0_dev, int positions, int pairs, float eps) {
+    grid_dependency_wait();
     const int lane = threadIdx.x & 31;
     int item = blockIdx.x * (ROPE_THREADS / 32) + (threadIdx.x >> 5);
     float* x = q;

@@ -1,0 +1,375 @@
+// Flash-decoding: one new token's queries (f32, [n_heads, d]) over the first `context`
+// positions of one layer's KV cache (f32, bf16 or f16, [positions, n_kv_heads, d]); query
+// head h reads kv head h / (n_heads / n_kv_heads).
+//
+// The keys are split into chunks, a block per (chunk, kv head, ROWS query heads of its
+// group), so each key is read once for ROWS heads. Decode is a stream over the cache, so the
+// keys go from memory straight into registers, never through shared memory: a lane holds E
+// consecutive values of every key and value row it reads (lane l values l·E .. l·E + E), a
+// warp takes KB keys at a time, all their loads issued at once. Each lane multiplies its
+// slice of the KB keys with its slice of the ROWS queries, and one reduce-scatter across the
+// warp (KB·ROWS ≤ 32 sums, halved at each of the 5 shuffle levels) leaves every lane with
+// one whole score. The running (max, sum, weighted values) of each row are rescaled once per
+// KB keys (online softmax), the values weighted by scores shuffled from their lanes.
+//
+// The warps of a block then merge in shared memory. A context of one chunk is written out
+// finished; otherwise each block writes its unnormalised partial result, and the last block
+// of a (kv head, rows) to finish (an atomic ticket) merges every chunk in chunk order, so the
+// bits do not depend on which block ends last, and resets the ticket for the next launch.
+//
+// The context may be read from device memory (a recorded graph's step), so the chunking is
+// worked out on the device from it alone: the grid may have more chunks than there are, and
+// those blocks leave at once.
+
+#define DEC_WARPS 4
+#define DEC_THREADS (DEC_WARPS * 32)
+#define DEC_MAX_SPLITS 64
+#define DEC_MIN_KEYS_PER_SPLIT 64
+#define DEC_KEY_ROUND 32
+
+// Keys per chunk for a context: about `target_splits` chunks (the host sets it to fill the
+// device), at least DEC_MIN_KEYS_PER_SPLIT (fewer would leave each warp too little to stream
+// and the merge too much), at most DEC_MAX_SPLITS chunks, a whole number of DEC_KEY_ROUND.
+__device__ __forceinline__ int decode_keys_per_split(int context, int target_splits) {
+    int kps = max((context + target_splits - 1) / target_splits, DEC_MIN_KEYS_PER_SPLIT);
+    kps = max(kps, (context + DEC_MAX_SPLITS - 1) / DEC_MAX_SPLITS);
+    return (kps + DEC_KEY_ROUND - 1) / DEC_KEY_ROUND * DEC_KEY_ROUND;
+}
+
+// Values of 32-bit words, unpacked: one f32 or two 16-bit floats each.
+template <typename KV> struct Words;
+template <> struct Words<float> {
+    static const int PER = 1;
+    static __device__ __forceinline__ void unpack(unsigned w, float* f) { f[0] = __uint_as_float(w); }
+};
+template <> struct Words<bf16_t> {
+    static const int PER = 2;
+    static __device__ __forceinline__ void unpack(unsigned w, float* f) {
+        f[0] = __uint_as_float(w << 16);
+        f[1] = __uint_as_float(w & 0xffff0000u);
+    }
+};
+template <> struct Words<f16_t> {
+    static const int PER = 2;
+    static __device__ __forceinline__ void unpack(unsigned w, float* f) {
+        f16_t lo, hi;
+        lo.bits = (unsigned short)(w & 0xffffu);
+        hi.bits = (unsigned short)(w >> 16);
+        f[0] = to_f32(lo);
+        f[1] = to_f32(hi);
+    }
+};
+
+// This lane's E values of a row of d (values lane·E ..), zero past d. With `vec` (set by the
+// host: d a multiple of E and of 16 bytes, the cache on 16 bytes) a lane's values are whole,
+// or all past d, and aligned to their size, so they come in one to four vector loads.
+template <typename KV, int E>
+__device__ __forceinline__ void load_lane(const KV* __restrict__ row, int lane, int d, int vec,
+                                          float* out) {
+    const int e0 = lane * E;
+    if (vec) {
+        if (e0 >= d) {
+#pragma unroll
+            for (int j = 0; j < E; ++j) out[j] = 0.0f;
+            return;
+        }
+        const int WORDS = E / Words<KV>::PER;
+        unsigned w[WORDS];
+        const KV* p = row + e0;
+        if constexpr (WORDS % 4 == 0) {
+#pragma unroll
+            for (int i = 0; i < WORDS; i += 4) {
+                const uint4 v = ((const uint4*)p)[i / 4];
+                w[i] = v.x;
+                w[i + 1] = v.y;
+                w[i + 2] = v.z;
+                w[i + 3] = v.w;
+            }
+        } else if constexpr (WORDS == 2) {
+            const uint2 v = *(const uint2*)p;
+            w[0] = v.x;
+            w[1] = v.y;
+        } else {
+            w[0] = *(const unsigned*)p;
+        }
+#pragma unroll
+        for (int i = 0; i < WORDS; ++i) Words<KV>::unpack(w[i], out + i * Words<KV>::PER);
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < E; ++j) out[j] = e0 + j < d ? to_f32(row[e0 + j]) : 0.0f;
+}
+
+// One level of a reduce-scatter of 2·HALF sums across the warp, then the next: at offset o a
+// lane keeps the half of its sums its bit o picks and adds its partner's copy of that half.
+// After the level of offset 32 / SCORES, lane l holds sum l >> (5 - log2 SCORES), over the
+// SCORES lanes that differ in the bits above. (A template per level, so every loop has a
+// constant trip count and `s` stays in registers.)
+template <int HALF>
+__device__ __forceinline__ void reduce_scatter(float* s, int lane, int o) {
+    const bool upper = lane & o;
+#pragma unroll
+    for (int i = 0; i < HALF; ++i) {
+        const float send = upper ? s[i] : s[i + HALF];
+        const float keep = upper ? s[i + HALF] : s[i];
+        s[i] = keep + __shfl_xor_sync(FULL_MASK, send, o);
+    }
+    if constexpr (HALF > 1) reduce_scatter<HALF / 2>(s, lane, o / 2);
+}
+
+// grid: (chunks, n_kv_heads · ceil(group / ROWS)). Scratch: part_ml [chunks, n_heads, 2],
+// part_acc [chunks, n_heads, d], tickets [gridDim.y] (zero before the first launch; left zero).
+template <typename KV, int E, int ROWS>
+__device__ __forceinline__ void attention_decode(
+    const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,
+    float* __restrict__ part_ml, float* __restrict__ part_acc, unsigned* __restrict__ tickets,
+    float* __restrict__ out, int context, const int* __restrict__ context_dev, int n_heads,
+    int n_kv_heads, int d, float scale, int target_splits, int vec) {
+    // Keys a warp takes at once: its KB·ROWS scores fit the 32 lanes.
+    const int KB = ROWS >= 8 ? 32 / ROWS : 8;
+    const int SCORES = KB * ROWS;  // 8, 16 or 32
+    const int LEVELS = SCORES == 32 ? 5 : (SCORES == 16 ? 4 : 3);  // log2(SCORES)
+    // After the reduce-scatter lane l holds score l >> SHIFT (2^SHIFT lanes hold each).
+    const int SHIFT = 5 - LEVELS;
+
+    if (context_dev) context = *context_dev;
+    const int keys_per_split = decode_keys_per_split(context, target_splits);
+    const int splits = (context + keys_per_split - 1) / keys_per_split;
+    const int split = blockIdx.x;
+    if (split >= splits) return;  // a chunk past the context
+    const int group = n_heads / n_kv_heads;
+    const int row_blocks = (group + ROWS - 1) / ROWS;
+    const int kvh = blockIdx.y / row_blocks;
+    const int head0 = kvh * group + (blockIdx.y % row_blocks) * ROWS;  // this block's first
+    const int rows = min(ROWS, kvh * group + group - head0);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int t_end = min(context, (split + 1) * keys_per_split);
+    const int stride = n_kv_heads * d;
+    const KV* kh = kc + (size_t)kvh * d;
+    const KV* vh = vc + (size_t)kvh * d;
+
+    float qv[ROWS][E];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+        for (int j = 0; j < E; ++j) {
+            const int e = lane * E + j;
+            qv[r][j] = (r < rows && e < d) ? q[(size_t)(head0 + r) * d + e] : 0.0f;
+        }
+
+    // This lane's score is of key `my_key` of the batch for row `my_row`; `owner`: the one
+    // lane of the 2^SHIFT holding it that counts it in the row's sum.
+    const int my_score = lane >> SHIFT, my_row = my_score / KB, my_key = my_score % KB;
+    const bool owner = (lane & ((1 << SHIFT) - 1)) == 0;
+    float m[ROWS], acc[ROWS][E];
+    float l = 0.0f;  // the owned scores' share of row my_row's sum
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        m[r] = NEG_INF;
+#pragma unroll
+        for (int j = 0; j < E; ++j) acc[r][j] = 0.0f;
+    }
+
+    // A batch's keys and values, asked of L2 (a lane a row) some batches before they are read,
+    // so that a warp's loads, issued all at once and then waited for, mostly hit the cache.
+    auto prefetch = [&](int t0) {
+        const int t = t0 + (lane >> 1);
+        if (vec && lane < 2 * KB && t < t_end)
+            prefetch_l2(((lane & 1) ? vh : kh) + (size_t)t * stride, d * sizeof(KV));
+    };
+    const int first = split * keys_per_split + warp * KB, step = DEC_WARPS * KB;
+    prefetch(first + step);
+    for (int t0 = first; t0 < t_end; t0 += step) {
+        prefetch(t0 + 2 * step);
+        float kf[KB][E], vf[KB][E];
+#pragma unroll
+        for (int k = 0; k < KB; ++k) {
+            // Keys past the chunk re-read its last one; their scores are masked below.
+            const size_t t = (size_t)min(t0 + k, t_end - 1) * stride;
+            load_lane<KV, E>(kh + t, lane, d, vec, kf[k]);
+            load_lane<KV, E>(vh + t, lane, d, vec, vf[k]);
+        }
+        float s[SCORES];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+            for (int k = 0; k < KB; ++k) {
+                float dot = 0.0f;
+#pragma unroll
+                for (int j = 0; j < E; ++j) dot = fmaf(qv[r][j], kf[k][j], dot);
+                s[r * KB + k] = dot;
+            }
+        reduce_scatter<SCORES / 2>(s, lane, 16);
+#pragma unroll
+        for (int level = LEVELS; level < 5; ++level) s[0] += __shfl_xor_sync(FULL_MASK, s[0], 16 >> level);
+        const float score = t0 + my_key < t_end ? s[0] * scale : NEG_INF;
+
+        // Each row's maximum over the batch: across the lanes of its keys.
+        float batch_max = score;
+#pragma unroll
+        for (int o = 1 << SHIFT; o < (KB << SHIFT); o *= 2)
+            batch_max = fmaxf(batch_max, __shfl_xor_sync(FULL_MASK, batch_max, o));
+        float correction[ROWS], mine_m = 0.0f, mine_correction = 0.0f;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            // Every batch holds a key of the chunk, so the new maximum is finite.
+            const float mr = fmaxf(m[r], __shfl_sync(FULL_MASK, batch_max, (r * KB) << SHIFT));
+            correction[r] = __expf(m[r] - mr);  // 0 on the first batch (m = -inf)
+            m[r] = mr;
+            if (r == my_row) {
+                mine_m = mr;
+                mine_correction = correction[r];
+            }
+        }
+        const float p = __expf(score - mine_m);  // 0 for a masked key
+        l = l * mine_correction + (owner ? p : 0.0f);
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+            for (int j = 0; j < E; ++j) acc[r][j] *= correction[r];
+#pragma unroll
+            for (int k = 0; k < KB; ++k) {
+                const float pk = __shfl_sync(FULL_MASK, p, (r * KB + k) << SHIFT);
+#pragma unroll
+                for (int j = 0; j < E; ++j) acc[r][j] = fmaf(pk, vf[k][j], acc[r][j]);
+            }
+        }
+    }
+
+    // Merge the warps: each row's maximum, sum and values per warp, through shared memory.
+    __shared__ float warp_m[DEC_WARPS][ROWS], warp_l[DEC_WARPS][ROWS];
+    __shared__ float warp_acc[DEC_WARPS][ROWS][E * 32];
+    __shared__ float merge_w[DEC_MAX_SPLITS][ROWS];
+    __shared__ bool last;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        const float lr = warp_sum(r == my_row ? l : 0.0f);
+        if (lane == 0) {
+            warp_m[warp][r] = m[r];
+            warp_l[warp][r] = lr;
+        }
+#pragma unroll
+        for (int j = 0; j < E; ++j) warp_acc[warp][r][lane * E + j] = acc[r][j];
+    }
+    __syncthreads();
+    const bool alone = splits == 1;
+    for (int i = threadIdx.x; i < rows * d; i += DEC_THREADS) {
+        const int r = i / d, e = i - r * d;
+        float mm = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < DEC_WARPS; ++w) mm = fmaxf(mm, warp_m[w][r]);
+        float sum = 0.0f, o = 0.0f;
+#pragma unroll
+        for (int w = 0; w < DEC_WARPS; ++w) {
+            const float f = __expf(warp_m[w][r] - mm);  // 0 for a warp that saw no key
+            sum = fmaf(f, warp_l[w][r], sum);
+            o = fmaf(f, warp_acc[w][r][e], o);
+        }
+        const size_t h = head0 + r;
+        if (alone) {
+            out[h * d + e] = o / sum;
+            continue;
+        }
+        const size_t part = (size_t)split * n_heads + h;
+        part_acc[part * d + e] = o;
+        if (e == 0) {
+            part_ml[2 * part] = mm;
+            part_ml[2 * part + 1] = sum;
+        }
+    }
+    if (alone) return;
+
+    // The last block of this (kv head, rows) merges every chunk.
+    __threadfence();  // this block's partials are visible before its ticket is
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&tickets[blockIdx.y], 1u) == (unsigned)splits - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    // Each chunk's weight for each row, e^(m_s - M) / sum_s e^(m_s - M) l_s: a warp a row,
+    // a lane a chunk (two with 64).
+    const int PER_LANE = DEC_MAX_SPLITS / 32;
+    for (int r = warp; r < rows; r += DEC_WARPS) {
+        const size_t h = head0 + r;
+        float ms[PER_LANE], ls[PER_LANE], mm = NEG_INF;
+#pragma unroll
+        for (int j = 0; j < PER_LANE; ++j) {
+            const int sp = lane + 32 * j;
+            const size_t p = (size_t)sp * n_heads + h;
+            ms[j] = sp < splits ? __ldcg(part_ml + 2 * p) : NEG_INF;
+            ls[j] = sp < splits ? __ldcg(part_ml + 2 * p + 1) : 0.0f;
+            mm = fmaxf(mm, ms[j]);
+        }
+        mm = warp_max(mm);
+        float f[PER_LANE], sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < PER_LANE; ++j) {
+            f[j] = __expf(ms[j] - mm);  // 0 past the last chunk
+            sum = fmaf(f[j], ls[j], sum);
+        }
+        const float inv = 1.0f / warp_sum(sum);
+#pragma unroll
+        for (int j = 0; j < PER_LANE; ++j)
+            if (lane + 32 * j < splits) merge_w[lane + 32 * j][r] = f[j] * inv;
+    }
+    __syncthreads();
+    // The weighted sum of the chunks' values, four a thread in one 16-byte load a chunk where
+    // d allows (the scratch is on 16 bytes), all of a thread's loads in flight at once.
+    if (d % 4 == 0) {
+        for (int i = 4 * threadIdx.x; i < rows * d; i += 4 * DEC_THREADS) {
+            const int r = i / d, e = i - r * d;
+            const size_t h = head0 + r;
+            float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 16
+            for (int sp = 0; sp < splits; ++sp) {
+                const float4 v = __ldcg((const float4*)(part_acc + ((size_t)sp * n_heads + h) * d + e));
+                const float w = merge_w[sp][r];
+                o.x = fmaf(w, v.x, o.x);
+                o.y = fmaf(w, v.y, o.y);
+                o.z = fmaf(w, v.z, o.z);
+                o.w = fmaf(w, v.w, o.w);
+            }
+            float* dst = out + h * d + e;
+            dst[0] = o.x;
+            dst[1] = o.y;
+            dst[2] = o.z;
+            dst[3] = o.w;
+        }
+    } else {
+        for (int i = threadIdx.x; i < rows * d; i += DEC_THREADS) {
+            const int r = i / d, e = i - r * d;
+            const size_t h = head0 + r;
+            float o = 0.0f;
+#pragma unroll 16
+            for (int sp = 0; sp < splits; ++sp)
+                o = fmaf(merge_w[sp][r], __ldcg(part_acc + ((size_t)sp * n_heads + h) * d + e), o);
+            out[h * d + e] = o;
+        }
+    }
+    if (threadIdx.x == 0) tickets[blockIdx.y] = 0;
+}
+
+#define ATTENTION_DECODE(T, KV, E, ROWS)                                                        \
+    extern "C" __global__ void __launch_bounds__(DEC_THREADS)                                   \
+        attention_decode_##T##_e##E##_r##ROWS(                                                  \
+            const float* q, const KV* kc, const KV* vc, float* part_ml, float* part_acc,        \
+            unsigned* tickets, float* out, int context, const int* context_dev, int n_heads,    \
+            int n_kv_heads, int d, float scale, int target_splits, int vec) {                   \
+        grid_dependency_wait();                                                                 \
+        attention_decode<KV, E, ROWS>(q, kc, vc, part_ml, part_acc, tickets, out, context,      \
+                                      context_dev, n_heads, n_kv_heads, d, scale,               \
+                                      target_splits, vec);                                      \
+    }
+#define ATTENTION_DECODE_ALL_ROWS(T, KV, E)                                                     \
+    ATTENTION_DECODE(T, KV, E, 1)                                                               \
+    ATTENTION_DECODE(T, KV, E, 2)                                                               \
+    ATTENTION_DECODE(T, KV, E, 4)                                                               \
+    ATTENTION_DECODE(T, KV, E, 8)
+#define ATTENTION_DECODE_ALL(T, KV)                                                             \
+    ATTENTION_DECODE_ALL_ROWS(T, KV, 2)                                                         \
+    ATTENTION_DECODE_ALL_ROWS(T, KV, 4)                                                         \
+    ATTENTION_DECODE_ALL_ROWS(T, KV, 8)
+
+ATTENTION_DECODE_ALL(f32, float)
+ATTENTION_DECODE_ALL(bf16, bf16_t)
+ATTENTION_DECODE_ALL(f16, f16_t)
