@@ -1,0 +1,63 @@
+#!/usr/bin/env python3
+"""Where one decode step's device time goes, from an Nsight Compute CSV.
+
+Reads what `ncu --csv --metrics gpu__time_duration.sum,dram__bytes_read.sum,...` printed for an
+`ember bench decode --no-cuda-graphs` run (kernels timed one by one, so launch gaps are not in
+it), cuts the kernels into decode steps at the final RMS norm that ends each step, and
+summarises the last whole step: per kernel and grid, the launches, total and mean time, and
+the DRAM read rate. The step's total against the bench's own time per token is what the
+launches between kernels cost.
+
+    python3 scripts/ncu_step_summary.py ncu.csv
+"""
+
+import collections
+import csv
+import sys
+
+# The kernel that closes a step: the final norm before the output head (the per-layer norms
+# are fused into the products).
+STEP_END = "rms_norm_f32"
+
+
+def kernels(path):
+    lines = open(path).read().splitlines()
+    header = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
+    if header is None:
+        sys.exit(f"no ncu table in {path} (did ncu run? see its .err beside it)")
+    found = collections.OrderedDict()
+    for row in csv.DictReader(lines[header:]):
+        k = found.setdefault(int(row["ID"]), {"name": row["Kernel Name"], "grid": row["Grid Size"]})
+        k[row["Metric Name"]] = float(row["Metric Value"].replace(",", ""))
+    return list(found.values())
+
+
+def main(path):
+    ks = kernels(path)
+    # A step runs from after one closing norm (and the output head after it) to the next
+    # closing norm's head.
+    ends = [i + 1 for i, k in enumerate(ks) if k["name"] == STEP_END]
+    if len(ends) < 2:
+        sys.exit(f"fewer than two '{STEP_END}' kernels in {path}: no whole step to summarise")
+    step = ks[ends[-2] + 1 : ends[-1] + 1]
+    total_ns = sum(k["gpu__time_duration.sum"] for k in step)
+    total_bytes = sum(k.get("dram__bytes_read.sum", 0.0) for k in step)
+    print(f"{len(ks)} kernels; the last whole decode step: {len(step)} kernels, "
+          f"{total_ns / 1e3:.1f} us one by one, {total_bytes / 1e9:.3f} GB read, "
+          f"{total_bytes / total_ns:.0f} GB/s")
+    groups = collections.OrderedDict()
+    for k in step:
+        g = groups.setdefault((k["name"], k["grid"]), [0, 0.0, 0.0])
+        g[0] += 1
+        g[1] += k["gpu__time_duration.sum"]
+        g[2] += k.get("dram__bytes_read.sum", 0.0)
+    print(f"{'kernel':<42} {'grid':<16} {'n':>4} {'total us':>9} {'mean us':>8} {'GB/s':>6} {'share':>6}")
+    for (name, grid), (n, ns, read) in sorted(groups.items(), key=lambda kv: -kv[1][1]):
+        print(f"{name[:42]:<42} {grid:<16} {n:>4} {ns / 1e3:>9.1f} {ns / n / 1e3:>8.2f} "
+              f"{read / ns:>6.0f} {100 * ns / total_ns:>5.1f}%")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    main(sys.argv[1])
