@@ -358,6 +358,23 @@ pub trait Backend {
     /// Stores `Keys`/`Values` of `rows` tokens in the cache at `pos0..`, then causal attention
     /// of `Queries` over the cache into `AttentionOut`.
     fn attention(&mut self, kv: &mut Self::Kv, params: AttentionParams, rows: usize) -> Result<()>;
+    /// [`Backend::rope_qk`] then [`Backend::attention`]: a backend may do both in fewer passes
+    /// (the CUDA decode step rotates and stores inside its attention kernel). `Queries` and
+    /// `Keys` are not read afterwards, so they may be left unrotated.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_attention(
+        &mut self,
+        kv: &mut Self::Kv,
+        tables: &Self::Rope,
+        style: RopeStyle,
+        params: AttentionParams,
+        rows: usize,
+        q_norm: Option<(&Self::Vector, f32)>,
+        k_norm: Option<(&Self::Vector, f32)>,
+    ) -> Result<()> {
+        self.rope_qk(tables, style, &params, rows, q_norm, k_norm)?;
+        self.attention(kv, params, rows)
+    }
     /// `Gate[..len] = silu(Gate[..len]) · Up[..len]`.
     fn silu_mul(&mut self, len: usize) -> Result<()>;
     /// `dst[offset..offset + len] += src[..len]`.

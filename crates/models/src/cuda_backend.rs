@@ -125,6 +125,12 @@ impl CudaKv {
         })
     }
 
+    /// Elements of the cache buffers that hold `layer`.
+    fn layer_range(&self, layer: usize) -> std::ops::Range<usize> {
+        let layer_elems = self.capacity() * self.kv_dim;
+        layer * layer_elems..(layer + 1) * layer_elems
+    }
+
     pub fn dtype(&self) -> KvDtype {
         self.dtype
     }
@@ -520,6 +526,53 @@ impl CudaBackend {
     }
 }
 
+fn attention_shape(p: &AttentionParams) -> AttentionShape {
+    AttentionShape {
+        n_heads: p.n_heads,
+        n_kv_heads: p.n_kv_heads,
+        head_dim: p.head_dim,
+    }
+}
+
+/// A layer's attention inputs and output for `rows` tokens, in their slots.
+struct AttentionIo<'a> {
+    q: DevSlice<'a, f32>,
+    k: DevSlice<'a, f32>,
+    v: DevSlice<'a, f32>,
+    out: DevSliceMut<'a, f32>,
+}
+
+fn attention_io<'a>(
+    slots: &'a mut [DeviceBuffer; Slot::COUNT],
+    p: &AttentionParams,
+    rows: usize,
+    kv_dim: usize,
+) -> AttentionIo<'a> {
+    let [q, k, v, out] = slots
+        .get_disjoint_mut([
+            Slot::Queries.index(),
+            Slot::Keys.index(),
+            Slot::Values.index(),
+            Slot::AttentionOut.index(),
+        ])
+        .expect("distinct slots");
+    let q_len = rows * p.n_heads * p.head_dim;
+    AttentionIo {
+        q: q.as_slice::<f32>().slice(0..q_len),
+        k: k.as_slice::<f32>().slice(0..rows * kv_dim),
+        v: v.as_slice::<f32>().slice(0..rows * kv_dim),
+        out: out.as_mut_slice::<f32>().split_at_mut(q_len).0,
+    }
+}
+
+/// A per-head norm as the rope kernels take it.
+fn rope_norm(n: Option<(&CudaVector, f32)>) -> Option<RopeNorm<'_>> {
+    n.map(|(w, eps)| RopeNorm {
+        weight: w.slice(),
+        eps,
+    })
+}
+
 impl Backend for CudaBackend {
     type Matrix = CudaMatrix;
     type Vector = CudaVector;
@@ -790,10 +843,7 @@ impl Backend for CudaBackend {
         rows: usize,
         norm: Option<(&CudaVector, f32)>,
     ) -> Result<()> {
-        let norm = norm.map(|(w, eps)| RopeNorm {
-            weight: w.slice(),
-            eps,
-        });
+        let norm = rope_norm(norm);
         let layout = RopeLayout::from(style);
         let mut x = self.slots[slot.index()].as_mut_slice::<f32>();
         let mut x = x.slice_mut(0..rows * n_heads * head_dim);
@@ -822,12 +872,6 @@ impl Backend for CudaBackend {
         q_norm: Option<(&CudaVector, f32)>,
         k_norm: Option<(&CudaVector, f32)>,
     ) -> Result<()> {
-        fn norm(n: Option<(&CudaVector, f32)>) -> Option<RopeNorm<'_>> {
-            n.map(|(w, eps)| RopeNorm {
-                weight: w.slice(),
-                eps,
-            })
-        }
         let [q, k] = self
             .slots
             .get_disjoint_mut([Slot::Queries.index(), Slot::Keys.index()])
@@ -837,14 +881,14 @@ impl Backend for CudaBackend {
                 .split_at_mut(rows * p.n_heads * p.head_dim)
                 .0,
             n_heads: p.n_heads,
-            norm: norm(q_norm),
+            norm: rope_norm(q_norm),
         };
         let k = RopeHeads {
             x: k.as_mut_slice::<f32>()
                 .split_at_mut(rows * p.n_kv_heads * p.head_dim)
                 .0,
             n_heads: p.n_kv_heads,
-            norm: norm(k_norm),
+            norm: rope_norm(k_norm),
         };
         let pos0 = Position::Device(self.step.as_slice().slice(STEP_POS0..STEP_POS0 + 1));
         let (cos, sin) = (tables.cos.as_slice(), tables.sin.as_slice());
@@ -854,31 +898,9 @@ impl Backend for CudaBackend {
     }
 
     fn attention(&mut self, kv: &mut CudaKv, p: AttentionParams, rows: usize) -> Result<()> {
-        let kv_dim = kv.kv_dim;
-        let layer_elems = kv.capacity() * kv_dim;
-        let layer = p.layer * layer_elems..(p.layer + 1) * layer_elems;
-        let shape = AttentionShape {
-            n_heads: p.n_heads,
-            n_kv_heads: p.n_kv_heads,
-            head_dim: p.head_dim,
-        };
-        let [q, k, v, out] = self
-            .slots
-            .get_disjoint_mut([
-                Slot::Queries.index(),
-                Slot::Keys.index(),
-                Slot::Values.index(),
-                Slot::AttentionOut.index(),
-            ])
-            .expect("distinct slots");
-        let q_len = rows * p.n_heads * p.head_dim;
-        let q = q.as_slice::<f32>().slice(0..q_len);
-        let mut out = out.as_mut_slice::<f32>();
-        let mut out = out.slice_mut(0..q_len);
-        let (k, v) = (
-            k.as_slice::<f32>().slice(0..rows * kv_dim),
-            v.as_slice::<f32>().slice(0..rows * kv_dim),
-        );
+        let (kv_dim, layer) = (kv.kv_dim, kv.layer_range(p.layer));
+        let shape = attention_shape(&p);
+        let AttentionIo { q, k, v, mut out } = attention_io(&mut self.slots, &p, rows, kv_dim);
         let step = self.step.as_slice::<i32>();
         let pos0 = Position::Device(step.slice(STEP_POS0..STEP_POS0 + 1));
         let end = Position::Device(step.slice(STEP_END..STEP_END + 1));
@@ -917,6 +939,61 @@ impl Backend for CudaBackend {
                     )?;
                 }
             }};
+        }
+        match kv.dtype {
+            KvDtype::F32 => run!(f32),
+            KvDtype::F16 => run!(f16),
+        }
+        Ok(())
+    }
+
+    fn rope_attention(
+        &mut self,
+        kv: &mut CudaKv,
+        tables: &CudaRope,
+        style: RopeStyle,
+        p: AttentionParams,
+        rows: usize,
+        q_norm: Option<(&CudaVector, f32)>,
+        k_norm: Option<(&CudaVector, f32)>,
+    ) -> Result<()> {
+        let layout = RopeLayout::from(style);
+        // A decode step rotates and stores its key inside the attention kernel; prompts, and
+        // head shapes that kernel cannot rotate, take the two ops.
+        if rows != 1 || !cuda::attention_decode_rope_fits(p.head_dim, layout) {
+            self.rope_qk(tables, style, &p, rows, q_norm, k_norm)?;
+            return self.attention(kv, p, rows);
+        }
+        let (kv_dim, layer) = (kv.kv_dim, kv.layer_range(p.layer));
+        let shape = attention_shape(&p);
+        let AttentionIo { q, k, v, mut out } = attention_io(&mut self.slots, &p, rows, kv_dim);
+        let rope = cuda::DecodeRope {
+            k_new: k,
+            v_new: v,
+            q_norm: rope_norm(q_norm),
+            k_norm: rope_norm(k_norm),
+            cos: tables.cos.as_slice(),
+            sin: tables.sin.as_slice(),
+            layout,
+        };
+        let step = self.step.as_slice::<i32>();
+        let end = Position::Device(step.slice(STEP_END..STEP_END + 1));
+        let mut scratch = self.attention_scratch.as_mut_slice::<f32>();
+        macro_rules! run {
+            ($t:ty) => {
+                cuda::attention_decode_rope(
+                    &self.device,
+                    q,
+                    rope,
+                    &mut kv.keys.as_mut_slice::<$t>().slice_mut(layer.clone()),
+                    &mut kv.values.as_mut_slice::<$t>().slice_mut(layer.clone()),
+                    end,
+                    shape,
+                    p.scale,
+                    &mut scratch,
+                    &mut out,
+                )?
+            };
         }
         match kv.dtype {
             KvDtype::F32 => run!(f32),

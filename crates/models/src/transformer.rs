@@ -381,8 +381,7 @@ impl<B: Backend> Transformer<B> {
             scale: 1.0 / (head_dim as f32).sqrt(),
             pos0,
         };
-        b.rope_qk(&self.rope, style, &params, n, q_norm, k_norm)?;
-        b.attention(kv, params, n)?;
+        b.rope_attention(kv, &self.rope, style, params, n, q_norm, k_norm)?;
         a.o.apply_to_residual(b, Slot::AttentionOut, n, 0)
     }
 }

@@ -1143,6 +1143,213 @@ fn bits(x: &[f32]) -> Vec<u32> {
     x.iter().map(|v| v.to_bits()).collect()
 }
 
+/// The decode step's fused path (queries and the new key normalised and rotated, the key and
+/// value stored, inside the attention kernel) gives what rope_qk, kv_store and
+/// attention_decode give one after the other: the same stored row and the same output (up to
+/// the order of the head norms' sums), for either layout, with and without the norms, from the
+/// first position to many chunks; a context read on the device gives the same bits.
+#[test]
+fn attention_decode_rope_matches_rope_then_store_then_attention() {
+    let Some(ctx) = Ctx::new() else { return };
+    let mut rng = Rng(11);
+    fn check<T: Elem + Default>(
+        ctx: &Ctx,
+        rng: &mut Rng,
+        shape: AttentionShape,
+        pos: usize,
+        layout: RopeLayout,
+        with_norm: bool,
+    ) {
+        let AttentionShape {
+            n_heads,
+            n_kv_heads,
+            head_dim,
+        } = shape;
+        let (kv_dim, half, capacity) = (n_kv_heads * head_dim, head_dim / 2, pos + 9);
+        let positions = capacity + 4;
+        let (mut cos, mut sin) = (vec![0f32; positions * half], vec![0f32; positions * half]);
+        for p in 0..positions {
+            for i in 0..half {
+                let angle = p as f64 / 1e4f64.powf(2.0 * i as f64 / head_dim as f64);
+                cos[p * half + i] = angle.cos() as f32;
+                sin[p * half + i] = angle.sin() as f32;
+            }
+        }
+        let (cbuf, sbuf) = (ctx.upload(&cos), ctx.upload(&sin));
+        let norm_w: Vec<f32> = rng.vec(head_dim).iter().map(|x| 1.0 + 0.5 * x).collect();
+        let nbuf = ctx.upload(&norm_w);
+        let norm = with_norm.then(|| RopeNorm {
+            weight: nbuf.as_slice(),
+            eps: 1e-6,
+        });
+        let q = rng.vec(n_heads * head_dim);
+        let k: Vec<f32> = rng.vec(kv_dim).iter().map(|x| x * 3.0).collect();
+        let v = rng.vec(kv_dim);
+        // Earlier positions filled, the step's own and later ones poisoned.
+        let mut cache: Vec<f32> = rng.vec(pos * kv_dim).iter().map(|x| x * 3.0).collect();
+        cache.resize(capacity * kv_dim, f32::NAN);
+        let mut values = rng.vec(pos * kv_dim);
+        values.resize(capacity * kv_dim, f32::NAN);
+        let (cache, values) = (round::<T>(&cache), round::<T>(&values));
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        let what = format!(
+            "{} cache, {shape:?}, pos {pos}, {layout:?}, norm {with_norm}",
+            T::FLOAT
+        );
+
+        // One after the other.
+        let (mut qb, mut kb, vb) = (ctx.upload(&q), ctx.upload(&k), ctx.upload(&v));
+        let (mut kc, mut vc) = (ctx.upload(&cache), ctx.upload(&values));
+        cuda::rope_qk(
+            &ctx.device,
+            RopeHeads {
+                x: qb.as_mut_slice(),
+                n_heads,
+                norm,
+            },
+            Some(RopeHeads {
+                x: kb.as_mut_slice(),
+                n_heads: n_kv_heads,
+                norm,
+            }),
+            head_dim,
+            Position::Host(pos),
+            cbuf.as_slice(),
+            sbuf.as_slice(),
+            layout,
+        )
+        .unwrap();
+        cuda::kv_store(
+            &ctx.device,
+            kb.as_slice(),
+            vb.as_slice(),
+            &mut kc.as_mut_slice::<T>(),
+            &mut vc.as_mut_slice::<T>(),
+            kv_dim,
+            Position::Host(pos),
+        )
+        .unwrap();
+        let mut scratch = ctx.poisoned::<f32>(cuda::attention_decode_scratch_len(shape));
+        cuda::attention_decode_scratch_reset(&ctx.device, shape, &mut scratch.as_mut_slice())
+            .unwrap();
+        let mut want = ctx.poisoned::<f32>(n_heads * head_dim);
+        cuda::attention_decode(
+            &ctx.device,
+            qb.as_slice(),
+            kc.as_slice::<T>(),
+            vc.as_slice::<T>(),
+            Position::Host(pos + 1),
+            shape,
+            scale,
+            &mut scratch.as_mut_slice(),
+            &mut want.as_mut_slice(),
+        )
+        .unwrap();
+        let want = ctx.download::<f32>(&want);
+        let (want_k, want_v) = (ctx.download::<T>(&kc), ctx.download::<T>(&vc));
+
+        // Fused, the context known on the host and read on the device.
+        let (qb, kb) = (ctx.upload(&q), ctx.upload(&k));
+        let context_buf = ctx.upload(&[pos as i32 + 1]);
+        let mut outs = Vec::new();
+        for context in [
+            Position::Host(pos + 1),
+            Position::Device(context_buf.as_slice()),
+        ] {
+            let (mut kc, mut vc) = (ctx.upload(&cache), ctx.upload(&values));
+            let mut out = ctx.poisoned::<f32>(n_heads * head_dim);
+            let rope = cuda::DecodeRope {
+                k_new: kb.as_slice(),
+                v_new: vb.as_slice(),
+                q_norm: norm,
+                k_norm: norm,
+                cos: cbuf.as_slice(),
+                sin: sbuf.as_slice(),
+                layout,
+            };
+            cuda::attention_decode_rope(
+                &ctx.device,
+                qb.as_slice(),
+                rope,
+                &mut kc.as_mut_slice::<T>(),
+                &mut vc.as_mut_slice::<T>(),
+                context,
+                shape,
+                scale,
+                &mut scratch.as_mut_slice(),
+                &mut out.as_mut_slice(),
+            )
+            .unwrap();
+            let (got_k, got_v) = (
+                widen(&ctx.download::<T>(&kc)),
+                widen(&ctx.download::<T>(&vc)),
+            );
+            // Earlier positions untouched, later ones never written (still NaN).
+            let row = pos * kv_dim..(pos + 1) * kv_dim;
+            assert!(
+                bits(&got_v) == bits(&widen(&want_v)),
+                "{what}: stored values"
+            );
+            assert!(
+                bits(&got_k[..row.start]) == bits(&widen(&want_k[..row.start])),
+                "{what}"
+            );
+            assert!(
+                got_k[row.end..].iter().all(|x| x.is_nan()),
+                "{what}: wrote past the step"
+            );
+            let want_row: Vec<f64> = widen(&want_k[row.clone()])
+                .iter()
+                .map(|&x| x as f64)
+                .collect();
+            let key_bound = if T::FLOAT == cuda::Float::F32 {
+                1e-5
+            } else {
+                2e-2
+            };
+            let err = max_abs_err(&got_k[row], &want_row);
+            assert!(err < key_bound, "{what}: stored key off by {err:e}");
+            outs.push(ctx.download::<f32>(&out));
+        }
+        let want64: Vec<f64> = want.iter().map(|&x| x as f64).collect();
+        let bound = if T::FLOAT == cuda::Float::F32 {
+            1e-4
+        } else {
+            2e-2
+        };
+        let err = max_abs_err(&outs[0], &want64);
+        assert!(err < bound, "{what}: output off by {err:e}");
+        assert!(
+            bits(&outs[0]) == bits(&outs[1]),
+            "{what}: a context read on the device changed the result"
+        );
+    }
+    let shape = |n_heads, n_kv_heads, head_dim| AttentionShape {
+        n_heads,
+        n_kv_heads,
+        head_dim,
+    };
+    for (s, pos) in [
+        (shape(32, 8, 128), 0),
+        (shape(32, 8, 128), 37),
+        (shape(16, 8, 128), 300),
+        (shape(32, 4, 128), 4004),
+        (shape(6, 2, 64), 70),
+        (shape(20, 1, 80), 130),
+    ] {
+        for layout in [RopeLayout::Halves, RopeLayout::Pairs] {
+            for with_norm in [false, true] {
+                check::<f32>(&ctx, &mut rng, s, pos, layout, with_norm);
+                check::<bf16>(&ctx, &mut rng, s, pos, layout, with_norm);
+            }
+        }
+    }
+    // Heads whose halves would split a lane's values take the two ops instead.
+    assert!(!cuda::attention_decode_rope_fits(20, RopeLayout::Halves));
+    assert!(cuda::attention_decode_rope_fits(20, RopeLayout::Pairs));
+    assert!(cuda::attention_decode_rope_fits(128, RopeLayout::Halves));
+}
+
 /// Keys and values land at their positions, converted, in one launch; the position read on
 /// the device writes the same; rows past the cache are dropped, never written out of it.
 #[test]

@@ -4,11 +4,12 @@
 
 use super::device::launch;
 use super::kernels::Kernel;
+use super::rope::RopeNorm;
 use super::{
     CudaDevice, CudaError, DevSlice, DevSliceMut, FloatElem, Position, config, ensure, int,
     stride_blocks,
 };
-use crate::cpu::AttentionShape;
+use crate::cpu::{AttentionShape, RopeLayout};
 
 /// The widest head the kernels take (8 values per lane).
 pub const MAX_HEAD_DIM: usize = 256;
@@ -22,6 +23,8 @@ const MIN_KEYS_PER_SPLIT: usize = 64;
 const KEY_ROUND: usize = 32;
 /// The most query heads a decode block takes for its kv head (`ROWS` in attention_decode.cu).
 const MAX_DECODE_ROWS: usize = 8;
+/// Decode blocks a multiprocessor holds at once (`DEC_BLOCKS_PER_SM`).
+const DECODE_BLOCKS_PER_SM: usize = 3;
 /// Query rows a prompt block takes (`ATT_ROWS` in attention.cu); threads of a block of
 /// either kernel.
 const ROWS: usize = 16;
@@ -70,12 +73,16 @@ fn check_shape(op: &'static str, shape: AttentionShape) -> Result<u8, CudaError>
         op,
         "head_dim {head_dim} outside 1..={MAX_HEAD_DIM}"
     );
-    // Values of a head each lane holds.
-    Ok(match head_dim.div_ceil(32) {
+    Ok(lane_width(head_dim))
+}
+
+/// Values of a head each lane holds (the kernels' `E`): 2, 4 or 8.
+fn lane_width(head_dim: usize) -> u8 {
+    match head_dim.div_ceil(32) {
         0..=2 => 2,
         3..=4 => 4,
         _ => 8,
-    })
+    }
 }
 
 /// Whether the tiles can load 16 bytes at a time: every head starts on 16 bytes (as 1 when
@@ -133,6 +140,163 @@ pub fn attention_decode<T: FloatElem>(
     scratch: &mut DevSliceMut<'_, f32>,
     out: &mut DevSliceMut<'_, f32>,
 ) -> Result<(), CudaError> {
+    launch_decode(
+        device,
+        q,
+        keys,
+        values,
+        context,
+        shape,
+        scale,
+        scratch,
+        out,
+        RopeArgs::default(),
+    )
+}
+
+/// The step's key and queries as the projections made them, for [`attention_decode_rope`] to
+/// normalise and rotate (as [`super::rope_qk`] would) and to store the key and value (as
+/// [`kv_store`] would) itself.
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeRope<'a> {
+    /// `n_kv_heads · head_dim` each.
+    pub k_new: DevSlice<'a, f32>,
+    pub v_new: DevSlice<'a, f32>,
+    /// Qwen3's per-head norms, sharing one epsilon.
+    pub q_norm: Option<RopeNorm<'a>>,
+    pub k_norm: Option<RopeNorm<'a>>,
+    /// `[positions, head_dim / 2]`, as for [`super::rope`].
+    pub cos: DevSlice<'a, f32>,
+    pub sin: DevSlice<'a, f32>,
+    pub layout: RopeLayout,
+}
+
+/// Whether [`attention_decode_rope`] takes heads of `head_dim` in `layout`: a lane's values
+/// of a head must not straddle a rotated pair's halves.
+pub fn attention_decode_rope_fits(head_dim: usize, layout: RopeLayout) -> bool {
+    if !head_dim.is_multiple_of(2) || !(1..=MAX_HEAD_DIM).contains(&head_dim) {
+        return false;
+    }
+    let width = usize::from(lane_width(head_dim));
+    match layout {
+        RopeLayout::Pairs => true,
+        RopeLayout::Halves => (head_dim / 2).is_multiple_of(width),
+    }
+}
+
+/// [`attention_decode`] of queries not yet normalised and rotated, with the step's own key
+/// and value (position `context - 1`) given apart and stored into the cache by the same
+/// launch: a decode step's rope and cache store cost no launch of their own. The result is
+/// what [`super::rope_qk`], [`kv_store`] and [`attention_decode`] give, up to the order of the
+/// norms' sums.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_decode_rope<T: FloatElem>(
+    device: &CudaDevice,
+    q: DevSlice<'_, f32>,
+    rope: DecodeRope<'_>,
+    keys: &mut DevSliceMut<'_, T>,
+    values: &mut DevSliceMut<'_, T>,
+    context: Position<'_>,
+    shape: AttentionShape,
+    scale: f32,
+    scratch: &mut DevSliceMut<'_, f32>,
+    out: &mut DevSliceMut<'_, f32>,
+) -> Result<(), CudaError> {
+    const OP: &str = "attention_decode_rope";
+    let AttentionShape {
+        n_kv_heads,
+        head_dim,
+        ..
+    } = shape;
+    ensure!(
+        attention_decode_rope_fits(head_dim, rope.layout),
+        OP,
+        "heads of {head_dim} in the {:?} layout",
+        rope.layout
+    );
+    let kv_dim = n_kv_heads * head_dim;
+    ensure!(
+        rope.k_new.len() == kv_dim && rope.v_new.len() == kv_dim,
+        OP,
+        "{} keys and {} values for {n_kv_heads} heads of {head_dim}",
+        rope.k_new.len(),
+        rope.v_new.len()
+    );
+    let half = head_dim / 2;
+    ensure!(
+        rope.cos.len() == rope.sin.len() && rope.cos.len().is_multiple_of(half),
+        OP,
+        "tables of {} and {} values for heads of {head_dim}",
+        rope.cos.len(),
+        rope.sin.len()
+    );
+    let norms = [rope.q_norm, rope.k_norm];
+    for norm in norms.iter().flatten() {
+        ensure!(
+            norm.weight.len() == head_dim,
+            OP,
+            "norm weight of {} for heads of {head_dim}",
+            norm.weight.len()
+        );
+    }
+    let norm_ptr = |n: Option<RopeNorm<'_>>| n.map_or(0, |n| n.weight.device_ptr());
+    let args = RopeArgs {
+        k_new: rope.k_new.device_ptr(),
+        v_new: rope.v_new.device_ptr(),
+        q_norm: norm_ptr(rope.q_norm),
+        k_norm: norm_ptr(rope.k_norm),
+        cos: rope.cos.device_ptr(),
+        sin: rope.sin.device_ptr(),
+        positions: int(OP, "positions", rope.cos.len() / half)?,
+        pairs: i32::from(rope.layout == RopeLayout::Pairs),
+        eps: norms.iter().flatten().next().map_or(0.0, |n| n.eps),
+        capacity: int(OP, "capacity", keys.len().min(values.len()) / kv_dim)?,
+    };
+    // The kernel writes the step's row through these views: `keys` and `values` are borrowed
+    // mutably for it.
+    launch_decode(
+        device,
+        q,
+        keys.as_slice(),
+        values.as_slice(),
+        context,
+        shape,
+        scale,
+        scratch,
+        out,
+        args,
+    )
+}
+
+/// `DecodeRope` in attention_decode.cu, field for field; all zero for none.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct RopeArgs {
+    k_new: u64,
+    v_new: u64,
+    q_norm: u64,
+    k_norm: u64,
+    cos: u64,
+    sin: u64,
+    positions: i32,
+    pairs: i32,
+    eps: f32,
+    capacity: i32,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn launch_decode<T: FloatElem>(
+    device: &CudaDevice,
+    q: DevSlice<'_, f32>,
+    keys: DevSlice<'_, T>,
+    values: DevSlice<'_, T>,
+    context: Position<'_>,
+    shape: AttentionShape,
+    scale: f32,
+    scratch: &mut DevSliceMut<'_, f32>,
+    out: &mut DevSliceMut<'_, f32>,
+    rope: RopeArgs,
+) -> Result<(), CudaError> {
     const OP: &str = "attention_decode";
     let width = check_shape(OP, shape)?;
     if let Some(context) = context.host() {
@@ -170,10 +334,10 @@ pub fn attention_decode<T: FloatElem>(
     let group = n_heads / n_kv_heads;
     let rows = group.min(MAX_DECODE_ROWS).next_power_of_two();
     let blocks_per_split = n_kv_heads * group.div_ceil(rows);
-    // About three blocks per multiprocessor, as many as fit beside each other (their
-    // registers), so that the chunks run in one wave; `decode_keys_per_split` in
-    // attention_decode.cu turns this into chunks.
-    let target_splits = (3 * device.info().multiprocessors).div_ceil(blocks_per_split);
+    // As many blocks as fit on the device at once, so that the chunks run in one wave;
+    // `decode_keys_per_split` in attention_decode.cu turns this into chunks.
+    let target_splits =
+        (DECODE_BLOCKS_PER_SM * device.info().multiprocessors).div_ceil(blocks_per_split);
     let grid_splits = match context.host() {
         Some(context) => context.div_ceil(keys_per_split(context, target_splits)),
         None => MAX_SPLITS,
@@ -208,7 +372,8 @@ pub fn attention_decode<T: FloatElem>(
         int(OP, "blocks", blocks_per_split)? as u32,
     );
     launch!(device, kernel, config(grid, THREADS, 0);
-        qp, kp, vp, mlp, accp, tickets, outp, ctx, ctx_dev, heads, kv_heads, d, scale, target, vec)
+        qp, kp, vp, mlp, accp, tickets, outp, ctx, ctx_dev, heads, kv_heads, d, scale, target, vec,
+        rope)
 }
 
 /// Keys per decode chunk: `decode_keys_per_split` in attention.cu, for the grid.

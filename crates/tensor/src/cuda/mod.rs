@@ -45,8 +45,9 @@ mod rope;
 
 pub use argmax::argmax;
 pub use attention::{
-    MAX_HEAD_DIM, PrefillPrecision, attention_decode, attention_decode_scratch_len,
-    attention_decode_scratch_reset, attention_prefill, kv_store,
+    DecodeRope, MAX_HEAD_DIM, PrefillPrecision, attention_decode, attention_decode_rope,
+    attention_decode_rope_fits, attention_decode_scratch_len, attention_decode_scratch_reset,
+    attention_prefill, kv_store,
 };
 pub use device::{CudaDevice, DeviceInfo};
 pub use elementwise::{add, convert, silu_mul, silu_mul_in_place};

@@ -20,12 +20,23 @@
 // The context may be read from device memory (a recorded graph's step), so the chunking is
 // worked out on the device from it alone: the grid may have more chunks than there are, and
 // those blocks leave at once.
+//
+// With `DecodeRope` set, the step's queries and its new key come in as the projections made
+// them, and the kernel does what rope.cu and kv_store would have done before it: each block
+// RMS-normalises (Qwen3's q/k norms) and rotates its query rows; the blocks of the last
+// chunk do the same for the new key (position context - 1) and use it, rounded to the
+// cache's type as a stored key would be, in place of the cache's row; the first of them for
+// each kv head stores the key and value there. So a decode step has no launch of its own for
+// either, and the result is what the cache would have given.
 
 #define DEC_WARPS 4
 #define DEC_THREADS (DEC_WARPS * 32)
 #define DEC_MAX_SPLITS 64
 #define DEC_MIN_KEYS_PER_SPLIT 64
 #define DEC_KEY_ROUND 32
+// Blocks a multiprocessor holds at once: the host sizes the chunks to fill the device in one
+// wave of this many (attention.rs), and the registers are capped to fit them.
+#define DEC_BLOCKS_PER_SM 3
 
 // Keys per chunk for a context: about `target_splits` chunks (the host sets it to fill the
 // device), at least DEC_MIN_KEYS_PER_SPLIT (fewer would leave each warp too little to stream
@@ -117,14 +128,75 @@ __device__ __forceinline__ void reduce_scatter(float* s, int lane, int o) {
     if constexpr (HALF > 1) reduce_scatter<HALF / 2>(s, lane, o / 2);
 }
 
+// What attention_decode needs to normalise, rotate and store the step's key itself; `k_new`
+// null for none (queries already rotated, the key already stored). Mirrors `RopeArgs` in
+// attention.rs field for field.
+struct DecodeRope {
+    const float* k_new;   // [n_kv_heads, d]: the step's keys as projected
+    const float* v_new;   // [n_kv_heads, d]
+    const float* q_norm;  // [d] or null
+    const float* k_norm;  // [d] or null
+    const float* cos;     // [positions, d / 2]
+    const float* sin;
+    int positions;  // of the tables; a position past them is left unrotated, as rope.cu does
+    int pairs;      // 1: rotate 2i with 2i + 1 (GGUF); 0: i with i + d/2 (HF)
+    float eps;
+    int capacity;  // positions of the cache; a key past them is not stored
+};
+
+// This lane's E values (lane·E ..) of a head, RMS-normalised by `norm` (when set) and rotated
+// to position `pos`, in place: rope.cu's arithmetic, with the sum of squares taken over the
+// lanes' own values. Needs the halves to start on a lane's first value (d / 2 a multiple of
+// E, checked by the host); every lane of the warp takes part.
+template <int E>
+__device__ __forceinline__ void norm_rotate(float* x, const DecodeRope& r, const float* norm,
+                                            int lane, int d, int pos) {
+    const int e0 = lane * E;
+    if (norm) {
+        float ss = 0.0f;
+#pragma unroll
+        for (int j = 0; j < E; ++j) ss = fmaf(x[j], x[j], ss);
+        const float scale = 1.0f / sqrtf(warp_sum(ss) / (float)d + r.eps);
+#pragma unroll
+        for (int j = 0; j < E; ++j)
+            if (e0 + j < d) x[j] = norm[e0 + j] * (x[j] * scale);
+    }
+    if (pos >= r.positions) return;  // uniform across the warp
+    const int half = d / 2;
+    const float* c = r.cos + (size_t)pos * half;
+    const float* s = r.sin + (size_t)pos * half;
+    if (r.pairs) {
+#pragma unroll
+        for (int j = 0; j < E; j += 2) {
+            if (e0 + j >= d) break;
+            const int i = (e0 + j) / 2;
+            const float x1 = x[j], x2 = x[j + 1];
+            x[j] = x1 * c[i] - x2 * s[i];
+            x[j + 1] = x2 * c[i] + x1 * s[i];
+        }
+        return;
+    }
+    // Element e pairs with e ± d/2, which is in lane ± d/(2E), at the same j.
+    const int lanes = half / E;
+    const bool low = e0 < half;
+    const int partner = low ? lane + lanes : lane - lanes;
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+        const float other = __shfl_sync(FULL_MASK, x[j], partner & 31);
+        if (e0 + j >= d) continue;
+        const int i = low ? e0 + j : e0 + j - half;
+        x[j] = low ? x[j] * c[i] - other * s[i] : x[j] * c[i] + other * s[i];
+    }
+}
+
 // grid: (chunks, n_kv_heads · ceil(group / ROWS)). Scratch: part_ml [chunks, n_heads, 2],
 // part_acc [chunks, n_heads, d], tickets [gridDim.y] (zero before the first launch; left zero).
 template <typename KV, int E, int ROWS>
 __device__ __forceinline__ void attention_decode(
-    const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,
+    const float* __restrict__ q, KV* __restrict__ kc, KV* __restrict__ vc,
     float* __restrict__ part_ml, float* __restrict__ part_acc, unsigned* __restrict__ tickets,
     float* __restrict__ out, int context, const int* __restrict__ context_dev, int n_heads,
-    int n_kv_heads, int d, float scale, int target_splits, int vec) {
+    int n_kv_heads, int d, float scale, int target_splits, int vec, const DecodeRope& rope) {
     // Keys a warp takes at once: its KB·ROWS scores fit the 32 lanes.
     const int KB = ROWS >= 8 ? 32 / ROWS : 8;
     const int SCORES = KB * ROWS;  // 8, 16 or 32
@@ -148,14 +220,44 @@ __device__ __forceinline__ void attention_decode(
     const KV* kh = kc + (size_t)kvh * d;
     const KV* vh = vc + (size_t)kvh * d;
 
+    const bool fused = rope.k_new != nullptr;
+    const int pos = context - 1;  // the step's own position
     float qv[ROWS][E];
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r)
+    for (int r = 0; r < ROWS; ++r) {
 #pragma unroll
         for (int j = 0; j < E; ++j) {
             const int e = lane * E + j;
             qv[r][j] = (r < rows && e < d) ? q[(size_t)(head0 + r) * d + e] : 0.0f;
         }
+        if (fused && r < rows) norm_rotate<E>(qv[r], rope, rope.q_norm, lane, d, pos);
+    }
+    // The new key and value, where this block's chunk holds them: as the cache will hold them.
+    const bool holds_new = fused && t_end == context;
+    float k_new[E], v_new[E];
+    if (holds_new) {
+#pragma unroll
+        for (int j = 0; j < E; ++j) {
+            const int e = lane * E + j;
+            k_new[j] = e < d ? rope.k_new[(size_t)kvh * d + e] : 0.0f;
+            v_new[j] = e < d ? rope.v_new[(size_t)kvh * d + e] : 0.0f;
+        }
+        norm_rotate<E>(k_new, rope, rope.k_norm, lane, d, pos);
+        const bool stores = blockIdx.y % row_blocks == 0 && warp == 0 && pos < rope.capacity;
+#pragma unroll
+        for (int j = 0; j < E; ++j) {
+            const int e = lane * E + j;
+            const KV kq = from_f32<KV>(k_new[j]), vq = from_f32<KV>(v_new[j]);
+            if (stores && e < d) {
+                kc[(size_t)pos * stride + (size_t)kvh * d + e] = kq;
+                vc[(size_t)pos * stride + (size_t)kvh * d + e] = vq;
+            }
+            k_new[j] = to_f32(kq);
+            v_new[j] = to_f32(vq);
+        }
+    }
+    // The last position read from the cache: the new one is not there yet when fused.
+    const int last_cached = fused ? pos - 1 : pos;
 
     // This lane's score is of key `my_key` of the batch for row `my_row`; `owner`: the one
     // lane of the 2^SHIFT holding it that counts it in the row's sum.
@@ -184,10 +286,19 @@ __device__ __forceinline__ void attention_decode(
         float kf[KB][E], vf[KB][E];
 #pragma unroll
         for (int k = 0; k < KB; ++k) {
-            // Keys past the chunk re-read its last one; their scores are masked below.
-            const size_t t = (size_t)min(t0 + k, t_end - 1) * stride;
-            load_lane<KV, E>(kh + t, lane, d, vec, kf[k]);
-            load_lane<KV, E>(vh + t, lane, d, vec, vf[k]);
+            // Keys past the chunk re-read its last cached one; their scores are masked below.
+            const int tl = min(min(t0 + k, t_end - 1), last_cached);
+            if (tl >= 0) {
+                load_lane<KV, E>(kh + (size_t)tl * stride, lane, d, vec, kf[k]);
+                load_lane<KV, E>(vh + (size_t)tl * stride, lane, d, vec, vf[k]);
+            }
+            if (holds_new && t0 + k == pos) {
+#pragma unroll
+                for (int j = 0; j < E; ++j) {
+                    kf[k][j] = k_new[j];
+                    vf[k][j] = v_new[j];
+                }
+            }
         }
         float s[SCORES];
 #pragma unroll
@@ -350,15 +461,16 @@ __device__ __forceinline__ void attention_decode(
 }
 
 #define ATTENTION_DECODE(T, KV, E, ROWS)                                                        \
-    extern "C" __global__ void __launch_bounds__(DEC_THREADS)                                   \
+    extern "C" __global__ void __launch_bounds__(DEC_THREADS, DEC_BLOCKS_PER_SM)                \
         attention_decode_##T##_e##E##_r##ROWS(                                                  \
-            const float* q, const KV* kc, const KV* vc, float* part_ml, float* part_acc,        \
+            const float* q, KV* kc, KV* vc, float* part_ml, float* part_acc,                    \
             unsigned* tickets, float* out, int context, const int* context_dev, int n_heads,    \
-            int n_kv_heads, int d, float scale, int target_splits, int vec) {                   \
+            int n_kv_heads, int d, float scale, int target_splits, int vec,                     \
+            const DecodeRope rope) {                                                            \
         grid_dependency_wait();                                                                 \
         attention_decode<KV, E, ROWS>(q, kc, vc, part_ml, part_acc, tickets, out, context,      \
                                       context_dev, n_heads, n_kv_heads, d, scale,               \
-                                      target_splits, vec);                                      \
+                                      target_splits, vec, rope);                                \
     }
 #define ATTENTION_DECODE_ALL_ROWS(T, KV, E)                                                     \
     ATTENTION_DECODE(T, KV, E, 1)                                                               \
