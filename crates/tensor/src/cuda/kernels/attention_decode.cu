@@ -220,6 +220,18 @@ __device__ __forceinline__ void attention_decode(
     const KV* kh = kc + (size_t)kvh * d;
     const KV* vh = vc + (size_t)kvh * d;
 
+    // A batch's keys and values, asked of L2 (a lane a row) some batches before they are read,
+    // so that a warp's loads, issued all at once and then waited for, mostly hit the cache.
+    // The first two are asked at once, before the queries are read.
+    auto prefetch = [&](int t0) {
+        const int t = t0 + (lane >> 1);
+        if (vec && lane < 2 * KB && t < t_end)
+            prefetch_l2(((lane & 1) ? vh : kh) + (size_t)t * stride, d * sizeof(KV));
+    };
+    const int first = split * keys_per_split + warp * KB, step = DEC_WARPS * KB;
+    prefetch(first);
+    prefetch(first + step);
+
     const bool fused = rope.k_new != nullptr;
     const int pos = context - 1;  // the step's own position
     float qv[ROWS][E];
@@ -272,15 +284,6 @@ __device__ __forceinline__ void attention_decode(
         for (int j = 0; j < E; ++j) acc[r][j] = 0.0f;
     }
 
-    // A batch's keys and values, asked of L2 (a lane a row) some batches before they are read,
-    // so that a warp's loads, issued all at once and then waited for, mostly hit the cache.
-    auto prefetch = [&](int t0) {
-        const int t = t0 + (lane >> 1);
-        if (vec && lane < 2 * KB && t < t_end)
-            prefetch_l2(((lane & 1) ? vh : kh) + (size_t)t * stride, d * sizeof(KV));
-    };
-    const int first = split * keys_per_split + warp * KB, step = DEC_WARPS * KB;
-    prefetch(first + step);
     for (int t0 = first; t0 < t_end; t0 += step) {
         prefetch(t0 + 2 * step);
         float kf[KB][E], vf[KB][E];
@@ -291,6 +294,11 @@ __device__ __forceinline__ void attention_decode(
             if (tl >= 0) {
                 load_lane<KV, E>(kh + (size_t)tl * stride, lane, d, vec, kf[k]);
                 load_lane<KV, E>(vh + (size_t)tl * stride, lane, d, vec, vf[k]);
+            } else {
+                // Nothing cached yet (the step is at position 0): finite values, which a
+                // masked key's zero weight then cancels.
+#pragma unroll
+                for (int j = 0; j < E; ++j) kf[k][j] = vf[k][j] = 0.0f;
             }
             if (holds_new && t0 + k == pos) {
 #pragma unroll
