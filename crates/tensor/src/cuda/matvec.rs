@@ -81,9 +81,6 @@ struct KernelArgs {
     prefetch_blocks: i32,
 }
 
-// SAFETY: plain old data, laid out as the kernel's `MatvecArgs` (repr(C), the same field
-// order and types: 8-byte pointers, 4-byte ints and floats).
-unsafe impl cudarc::driver::DeviceRepr for KernelArgs {}
 
 /// `y[b] = W · x[b]` for `b < batch` (`y[b] += …` with `accumulate`, e.g. straight into the
 /// residual stream).
