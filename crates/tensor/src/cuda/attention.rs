@@ -376,7 +376,7 @@ fn launch_decode<T: FloatElem>(
         rope)
 }
 
-/// Keys per decode chunk: `decode_keys_per_split` in attention.cu, for the grid.
+/// Keys per decode chunk: `decode_keys_per_split` in attention_decode.cu, for the grid.
 fn keys_per_split(context: usize, target_splits: usize) -> usize {
     context
         .div_ceil(target_splits)
@@ -529,4 +529,56 @@ pub fn attention_prefill<T: FloatElem>(
     let grid = (n.div_ceil(ROWS) as u32, n_heads as u32);
     launch!(device, kernel, config(grid, THREADS, smem);
         qp, kp, vp, op, tokens, p0, heads, kv_heads, d, scale, vec)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::Module;
+
+    /// The value of `#define NAME value` in a module's source.
+    fn define(module: Module, name: &str) -> usize {
+        let source = module.source();
+        let line = source
+            .lines()
+            .find(|l| l.starts_with(&format!("#define {name} ")))
+            .unwrap_or_else(|| panic!("no #define {name} in {}.cu", module.name()));
+        line[format!("#define {name} ").len()..]
+            .trim()
+            .parse()
+            .unwrap_or_else(|e| panic!("#define {name}: {e}"))
+    }
+
+    /// The host sizes the decode grid and scratch with the kernel's own chunking: the same
+    /// constants on both sides, or chunks would go unlaunched (only a GPU would show it).
+    #[test]
+    fn decode_constants_match_the_kernel() {
+        let m = Module::AttentionDecode;
+        assert_eq!(define(m, "DEC_MAX_SPLITS"), MAX_SPLITS);
+        assert_eq!(define(m, "DEC_MIN_KEYS_PER_SPLIT"), MIN_KEYS_PER_SPLIT);
+        assert_eq!(define(m, "DEC_KEY_ROUND"), KEY_ROUND);
+        assert_eq!(define(m, "DEC_BLOCKS_PER_SM"), DECODE_BLOCKS_PER_SM);
+        assert_eq!(32 * define(m, "DEC_WARPS"), THREADS as usize);
+        let a = Module::Attention;
+        assert_eq!(
+            define(a, "ATT_WARPS") * define(a, "ATT_ROWS_PER_WARP"),
+            ROWS
+        );
+        assert_eq!(32 * define(a, "ATT_WARPS"), THREADS as usize);
+    }
+
+    /// The host's chunk size for a context gives as many chunks as the kernel's, the last
+    /// one not empty, never more than the scratch holds.
+    #[test]
+    fn decode_chunks_cover_the_context() {
+        for target in [1, 8, 50, 66, 528] {
+            for context in (1..5000).step_by(7).chain([4096, 32768, 131072]) {
+                let kps = keys_per_split(context, target);
+                let splits = context.div_ceil(kps);
+                assert!(splits <= MAX_SPLITS, "{context} keys, target {target}");
+                assert!(kps.is_multiple_of(KEY_ROUND) && kps >= MIN_KEYS_PER_SPLIT);
+                assert!((splits - 1) * kps < context);
+            }
+        }
+    }
 }

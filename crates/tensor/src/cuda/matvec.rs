@@ -81,7 +81,6 @@ struct KernelArgs {
     prefetch_blocks: i32,
 }
 
-
 /// `y[b] = W · x[b]` for `b < batch` (`y[b] += …` with `accumulate`, e.g. straight into the
 /// residual stream).
 ///
