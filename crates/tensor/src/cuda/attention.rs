@@ -283,6 +283,8 @@ struct RopeArgs {
     eps: f32,
     capacity: i32,
 }
+// The kernel's struct asserts the same size (a field added on one side only fails both).
+const _: () = assert!(size_of::<RopeArgs>() == 64);
 
 #[allow(clippy::too_many_arguments)]
 fn launch_decode<T: FloatElem>(

@@ -80,6 +80,8 @@ struct KernelArgs {
     x_div: i32,
     prefetch_blocks: i32,
 }
+// The kernel's struct asserts the same size (a field added on one side only fails both).
+const _: () = assert!(size_of::<KernelArgs>() == 176);
 
 /// `y[b] = W · x[b]` for `b < batch` (`y[b] += …` with `accumulate`, e.g. straight into the
 /// residual stream).

@@ -143,6 +143,7 @@ struct DecodeRope {
     float eps;
     int capacity;  // positions of the cache; a key past them is not stored
 };
+static_assert(sizeof(DecodeRope) == 64, "RopeArgs in attention.rs has 64 bytes");
 
 // This lane's E values (lane·E ..) of a head, RMS-normalised by `norm` (when set) and rotated
 // to position `pos`, in place: rope.cu's arithmetic, with the sum of squares taken over the

@@ -57,6 +57,7 @@ struct MatvecArgs {
     int x_div;         // pair p reads x row p / x_div
     int prefetch_blocks;  // blocks that may start before the kernel before ends (matvec_prefetch)
 };
+static_assert(sizeof(MatvecArgs) == 176, "KernelArgs in matvec.rs has 176 bytes");
 
 __device__ __forceinline__ MatvecOut matvec_out(const MatvecArgs& a, int i) {
     return i == 0 ? a.out[0] : (i == 1 ? a.out[1] : a.out[2]);
