@@ -702,6 +702,20 @@ fn rms_norm_matches_cpu() {
     }
 }
 
+/// Rotary tables `[positions, head_dim / 2]` (cos, sin) for a frequency base.
+fn rope_tables(positions: usize, head_dim: usize, base: f64) -> (Vec<f32>, Vec<f32>) {
+    let half = head_dim / 2;
+    let (mut cos, mut sin) = (vec![0f32; positions * half], vec![0f32; positions * half]);
+    for p in 0..positions {
+        for i in 0..half {
+            let angle = p as f64 / base.powf(2.0 * i as f64 / head_dim as f64);
+            cos[p * half + i] = angle.cos() as f32;
+            sin[p * half + i] = angle.sin() as f32;
+        }
+    }
+    (cos, sin)
+}
+
 #[test]
 fn rope_matches_cpu_in_both_layouts_with_and_without_the_head_norm() {
     let Some(ctx) = Ctx::new() else { return };
@@ -709,15 +723,7 @@ fn rope_matches_cpu_in_both_layouts_with_and_without_the_head_norm() {
     let mut rng = Rng(4);
     for (n_heads, head_dim) in [(3, 64), (5, 128), (2, 20)] {
         let (rows, pos0, positions) = (7, 5, 40);
-        let half = head_dim / 2;
-        let (mut cos, mut sin) = (vec![0f32; positions * half], vec![0f32; positions * half]);
-        for p in 0..positions {
-            for i in 0..half {
-                let angle = p as f64 / 1e6f64.powf(2.0 * i as f64 / head_dim as f64);
-                cos[p * half + i] = angle.cos() as f32;
-                sin[p * half + i] = angle.sin() as f32;
-            }
-        }
+        let (cos, sin) = rope_tables(positions, head_dim, 1e6);
         let (cbuf, sbuf) = (ctx.upload(&cos), ctx.upload(&sin));
         let norm_w = rng.vec(head_dim);
         let nbuf = ctx.upload(&norm_w);
@@ -1165,16 +1171,8 @@ fn attention_decode_rope_matches_rope_then_store_then_attention() {
             n_kv_heads,
             head_dim,
         } = shape;
-        let (kv_dim, half, capacity) = (n_kv_heads * head_dim, head_dim / 2, pos + 9);
-        let positions = capacity + 4;
-        let (mut cos, mut sin) = (vec![0f32; positions * half], vec![0f32; positions * half]);
-        for p in 0..positions {
-            for i in 0..half {
-                let angle = p as f64 / 1e4f64.powf(2.0 * i as f64 / head_dim as f64);
-                cos[p * half + i] = angle.cos() as f32;
-                sin[p * half + i] = angle.sin() as f32;
-            }
-        }
+        let (kv_dim, capacity) = (n_kv_heads * head_dim, pos + 9);
+        let (cos, sin) = rope_tables(capacity + 4, head_dim, 1e4);
         let (cbuf, sbuf) = (ctx.upload(&cos), ctx.upload(&sin));
         let norm_w: Vec<f32> = rng.vec(head_dim).iter().map(|x| 1.0 + 0.5 * x).collect();
         let nbuf = ctx.upload(&norm_w);
