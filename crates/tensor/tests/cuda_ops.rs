@@ -412,6 +412,12 @@ fn matvec_matches_f64_reference() {
     for batch in [4, 6, 7] {
         check_matvec::<bf16>(&ctx, &mut rng, 129, 520, batch);
     }
+    // Rows cut in pieces by the streamed batch-1 product (more than 8 KiB; 5000 bf16 columns
+    // in two uneven pieces), and rows too long for it to hold x (the register form).
+    for (rows, cols) in [(300, 12288), (77, 5000), (41, 40000)] {
+        check_matvec::<bf16>(&ctx, &mut rng, rows, cols, 1);
+        check_matvec::<f32>(&ctx, &mut rng, rows, cols, 1);
+    }
     // Longer batches: whole blocks of 8 rows in one launch, then the rest.
     for batch in [13, 16, 21] {
         check_matvec::<bf16>(&ctx, &mut rng, 129, 520, batch);
@@ -559,7 +565,7 @@ fn fused_matvec_matches_the_unfused_steps() {
         check_fused_matvec::<f16>(&ctx, &mut rng, cols, 5, 1);
     }
     // Thousands of rows, short and long.
-    for cols in [1024, 4096] {
+    for cols in [1024, 4096, 12288] {
         check_fused_matvec::<bf16>(&ctx, &mut rng, cols, 1, 64);
         check_fused_matvec::<bf16>(&ctx, &mut rng, cols, 2, 64);
     }
@@ -1343,8 +1349,9 @@ fn attention_decode_rope_matches_rope_then_store_then_attention() {
         }
     }
     // Heads whose halves would split a lane's values take the two ops instead.
-    assert!(!cuda::attention_decode_rope_fits(20, RopeLayout::Halves));
-    assert!(cuda::attention_decode_rope_fits(20, RopeLayout::Pairs));
+    // (100: four values a lane, halves of 50.)
+    assert!(!cuda::attention_decode_rope_fits(100, RopeLayout::Halves));
+    assert!(cuda::attention_decode_rope_fits(100, RopeLayout::Pairs));
     assert!(cuda::attention_decode_rope_fits(128, RopeLayout::Halves));
 }
 

@@ -23,7 +23,7 @@ const MIN_KEYS_PER_SPLIT: usize = 64;
 const KEY_ROUND: usize = 32;
 /// The most query heads a decode block takes for its kv head (`ROWS` in attention_decode.cu).
 const MAX_DECODE_ROWS: usize = 8;
-/// Decode blocks a multiprocessor holds at once (`DEC_BLOCKS_PER_SM`).
+/// Decode blocks per multiprocessor the chunks are sized for (`DEC_BLOCKS_PER_SM`).
 const DECODE_BLOCKS_PER_SM: usize = 3;
 /// Query rows a prompt block takes (`ATT_ROWS` in attention.cu); threads of a block of
 /// either kernel.
@@ -368,6 +368,7 @@ fn launch_decode<T: FloatElem>(
         kv: T::FLOAT,
         width,
         rows: rows as u8,
+        rope: rope.k_new != 0,
     };
     let grid = (
         grid_splits as u32,
@@ -538,35 +539,19 @@ mod tests {
     use super::*;
     use crate::cuda::Module;
 
-    /// The value of `#define NAME value` in a module's source.
-    fn define(module: Module, name: &str) -> usize {
-        let source = module.source();
-        let line = source
-            .lines()
-            .find(|l| l.starts_with(&format!("#define {name} ")))
-            .unwrap_or_else(|| panic!("no #define {name} in {}.cu", module.name()));
-        line[format!("#define {name} ").len()..]
-            .trim()
-            .parse()
-            .unwrap_or_else(|e| panic!("#define {name}: {e}"))
-    }
-
     /// The host sizes the decode grid and scratch with the kernel's own chunking: the same
     /// constants on both sides, or chunks would go unlaunched (only a GPU would show it).
     #[test]
     fn decode_constants_match_the_kernel() {
         let m = Module::AttentionDecode;
-        assert_eq!(define(m, "DEC_MAX_SPLITS"), MAX_SPLITS);
-        assert_eq!(define(m, "DEC_MIN_KEYS_PER_SPLIT"), MIN_KEYS_PER_SPLIT);
-        assert_eq!(define(m, "DEC_KEY_ROUND"), KEY_ROUND);
-        assert_eq!(define(m, "DEC_BLOCKS_PER_SM"), DECODE_BLOCKS_PER_SM);
-        assert_eq!(32 * define(m, "DEC_WARPS"), THREADS as usize);
+        assert_eq!(m.define("DEC_MAX_SPLITS"), MAX_SPLITS);
+        assert_eq!(m.define("DEC_MIN_KEYS_PER_SPLIT"), MIN_KEYS_PER_SPLIT);
+        assert_eq!(m.define("DEC_KEY_ROUND"), KEY_ROUND);
+        assert_eq!(m.define("DEC_BLOCKS_PER_SM"), DECODE_BLOCKS_PER_SM);
+        assert_eq!(32 * m.define("DEC_WARPS"), THREADS as usize);
         let a = Module::Attention;
-        assert_eq!(
-            define(a, "ATT_WARPS") * define(a, "ATT_ROWS_PER_WARP"),
-            ROWS
-        );
-        assert_eq!(32 * define(a, "ATT_WARPS"), THREADS as usize);
+        assert_eq!(a.define("ATT_WARPS") * a.define("ATT_ROWS_PER_WARP"), ROWS);
+        assert_eq!(32 * a.define("ATT_WARPS"), THREADS as usize);
     }
 
     /// The host's chunk size for a context gives as many chunks as the kernel's, the last

@@ -30,6 +30,8 @@ pub struct DeviceInfo {
     pub multiprocessors: usize,
     pub memory_bytes: usize,
     pub l2_bytes: usize,
+    /// Shared memory one block may take when its kernel asks for more than the default 48 KiB.
+    pub max_shared_per_block: usize,
     /// `(major, minor)` of the CUDA version the driver supports.
     pub driver: (i32, i32),
     pub nvrtc: (i32, i32),
@@ -120,6 +122,8 @@ struct Inner {
     info: DeviceInfo,
     /// Kernels are launched to overlap the one before ([`CudaDevice::launch_kernel`]).
     overlap_launches: bool,
+    /// Batch-1 products stream their weights through shared memory (matvec_stream.cu).
+    stream_products: bool,
 }
 
 #[derive(Default)]
@@ -210,6 +214,9 @@ impl CudaDevice {
                 .total_mem()
                 .map_err(CudaError::driver("cuDeviceTotalMem"))?,
             l2_bytes: attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)? as usize,
+            max_shared_per_block: attribute(
+                CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )? as usize,
             driver: (driver / 1000, driver % 1000 / 10),
             nvrtc: nvrtc_version()?,
         };
@@ -219,6 +226,12 @@ impl CudaDevice {
         let overlap_launches = info.compute_capability >= (9, 0)
             && std::env::var_os("EMBER_NO_PDL").is_none_or(|v| v.is_empty() || v == "0");
         tracing::debug!("overlapping kernel launches: {overlap_launches}");
+        // EMBER_STREAM_MATVEC=1 streams batch-1 products through shared memory: correct, but
+        // slower than the register form so far (see matvec_stream.cu), so off unless asked.
+        let stream_products = info.compute_capability
+            >= Module::MatvecStream.min_compute_capability()
+            && std::env::var_os("EMBER_STREAM_MATVEC").is_some_and(|v| !v.is_empty() && v != "0");
+        tracing::debug!("streamed batch-1 products: {stream_products}");
         Ok(CudaDevice {
             inner: Arc::new(Inner {
                 kernels: Mutex::default(),
@@ -228,12 +241,19 @@ impl CudaDevice {
                 ctx,
                 info,
                 overlap_launches,
+                stream_products,
             }),
         })
     }
 
     pub fn info(&self) -> &DeviceInfo {
         &self.inner.info
+    }
+
+    /// Whether batch-1 products take matvec_stream.cu (compute capability 9.0 on, with
+    /// `EMBER_STREAM_MATVEC=1`).
+    pub(crate) fn streams_products(&self) -> bool {
+        self.inner.stream_products
     }
 
     pub fn ordinal(&self) -> usize {
@@ -314,6 +334,17 @@ impl CudaDevice {
             .load_function(&kernel.symbol())
             .map_err(CudaError::driver("cuModuleGetFunction"))?;
         if let Some(bytes) = kernel.dynamic_smem_bytes().filter(|&b| b > 48 * 1024) {
+            // As much as asked for, or as much as this device gives a block beside the
+            // kernel's static shared memory: the launch asks for what it needs (more fails
+            // with the driver's error, naming the kernel).
+            let fixed = function
+                .shared_size_bytes()
+                .map_err(CudaError::driver("reading a kernel's shared memory"))?;
+            let bytes = bytes.min(
+                self.info()
+                    .max_shared_per_block
+                    .saturating_sub(fixed as usize),
+            );
             function
                 .set_attribute(
                     CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,

@@ -10,11 +10,15 @@ use std::fmt;
 const COMMON: &str = include_str!("kernels/common.cuh");
 /// Prepended to the modules that multiply on the tensor cores.
 const MMA: &str = include_str!("kernels/mma.cuh");
+/// Prepended to the two forms of the decode products: their argument and how a row is stored.
+const MATVEC: &str = include_str!("kernels/matvec.cuh");
 
 /// One source file of kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Module {
     Matvec,
+    /// Batch-1 decode products through bulk copies: compute capability 9.0 and later.
+    MatvecStream,
     RmsNorm,
     Rope,
     Elementwise,
@@ -30,8 +34,9 @@ pub enum Module {
 }
 
 impl Module {
-    pub const ALL: [Module; 11] = [
+    pub const ALL: [Module; 12] = [
         Module::Matvec,
+        Module::MatvecStream,
         Module::RmsNorm,
         Module::Rope,
         Module::Elementwise,
@@ -48,6 +53,7 @@ impl Module {
     pub fn name(self) -> &'static str {
         match self {
             Module::Matvec => "matvec",
+            Module::MatvecStream => "matvec_stream",
             Module::RmsNorm => "rms_norm",
             Module::Rope => "rope",
             Module::Elementwise => "elementwise",
@@ -64,6 +70,7 @@ impl Module {
     fn body(self) -> &'static str {
         match self {
             Module::Matvec => include_str!("kernels/matvec.cu"),
+            Module::MatvecStream => include_str!("kernels/matvec_stream.cu"),
             Module::RmsNorm => include_str!("kernels/rms_norm.cu"),
             Module::Rope => include_str!("kernels/rope.cu"),
             Module::Elementwise => include_str!("kernels/elementwise.cu"),
@@ -80,6 +87,8 @@ impl Module {
     /// The oldest compute capability the module compiles for.
     pub fn min_compute_capability(self) -> (i32, i32) {
         match self {
+            // cp.async.bulk and mbarrier transaction counts.
+            Module::MatvecStream => (9, 0),
             Module::AttentionMma | Module::ExpertsMma => (8, 0),
             // __match_any_sync groups a warp's pairs by expert.
             Module::Moe => (7, 0),
@@ -87,13 +96,30 @@ impl Module {
         }
     }
 
+    /// The value of `#define NAME value` in the module's source: for tests that hold the host's
+    /// copies of a kernel's constants to the kernel's.
+    #[cfg(test)]
+    pub(crate) fn define(self, name: &str) -> usize {
+        let prefix = format!("#define {name} ");
+        let source = self.source();
+        let line = source
+            .lines()
+            .find(|l| l.starts_with(&prefix))
+            .unwrap_or_else(|| panic!("no #define {name} in {}.cu", self.name()));
+        line[prefix.len()..]
+            .trim()
+            .parse()
+            .unwrap_or_else(|e| panic!("#define {name}: {e}"))
+    }
+
     /// The whole program NVRTC compiles.
     pub fn source(self) -> String {
-        let mma = match self {
+        let header = match self {
             Module::AttentionMma | Module::ExpertsMma => MMA,
+            Module::Matvec | Module::MatvecStream => MATVEC,
             _ => "",
         };
-        format!("{COMMON}\n{mma}\n{}", self.body())
+        format!("{COMMON}\n{header}\n{}", self.body())
     }
 }
 
@@ -138,6 +164,11 @@ pub enum Kernel {
         batch: u8,
         norm: bool,
     },
+    /// A batch-1 product streamed through shared memory (matvec_stream.cu).
+    MatvecStream {
+        weights: Float,
+        norm: bool,
+    },
     /// Routed experts' products, tiles of `batch` (1 or 8) pairs.
     MatvecExperts {
         weights: Float,
@@ -160,11 +191,13 @@ pub enum Kernel {
     },
     Argmax,
     /// `width` = values of a head each lane holds: 2, 4 or 8 (head_dim up to 64, 128, 256);
-    /// `rows` = query heads a block takes for its kv head: 1, 2, 4 or 8.
+    /// `rows` = query heads a block takes for its kv head: 1, 2, 4 or 8; `rope`: the form that
+    /// rotates the step's queries and key and stores its key and value itself.
     AttentionDecode {
         kv: Float,
         width: u8,
         rows: u8,
+        rope: bool,
     },
     /// `width` as for [`Kernel::AttentionDecode`].
     AttentionPrefill {
@@ -191,6 +224,7 @@ impl Kernel {
     pub fn module(self) -> Module {
         match self {
             Kernel::Matvec { .. } | Kernel::MatvecExperts { .. } => Module::Matvec,
+            Kernel::MatvecStream { .. } => Module::MatvecStream,
             Kernel::RmsNorm { .. } => Module::RmsNorm,
             Kernel::Rope => Module::Rope,
             Kernel::SiluMul { .. } | Kernel::Add | Kernel::Convert { .. } => Module::Elementwise,
@@ -204,9 +238,11 @@ impl Kernel {
         }
     }
 
-    /// Dynamic shared memory each block of this kernel takes (the attention tiles).
+    /// The most dynamic shared memory a block of this kernel takes (the attention tiles; the
+    /// product's stages and x).
     pub fn dynamic_smem_bytes(self) -> Option<usize> {
         match self {
+            Kernel::MatvecStream { .. } => Some(super::matvec::STREAM_MAX_SMEM),
             Kernel::AttentionPrefill { width, .. } => {
                 // Key tile (rows padded by one), value tile, 16 query rows: see attention.cu.
                 let row = width as usize * 32;
@@ -243,12 +279,22 @@ impl Kernel {
             for batch in [1, 8] {
                 kernels.push(Kernel::MatvecExperts { weights: f, batch });
             }
+            for norm in [false, true] {
+                kernels.push(Kernel::MatvecStream { weights: f, norm });
+            }
             for head_dim in [64, 128] {
                 kernels.push(Kernel::AttentionPrefillMma { kv: f, head_dim });
             }
             for width in [2, 4, 8] {
                 for rows in [1, 2, 4, 8] {
-                    kernels.push(Kernel::AttentionDecode { kv: f, width, rows });
+                    for rope in [false, true] {
+                        kernels.push(Kernel::AttentionDecode {
+                            kv: f,
+                            width,
+                            rows,
+                            rope,
+                        });
+                    }
                 }
                 kernels.push(Kernel::AttentionPrefill { kv: f, width });
             }
@@ -283,6 +329,9 @@ impl Kernel {
                 "matvec_{weights}_b{batch}{}",
                 if norm { "_norm" } else { "" }
             ),
+            Kernel::MatvecStream { weights, norm } => {
+                format!("matvec_stream_{weights}{}", if norm { "_norm" } else { "" })
+            }
             Kernel::MatvecExperts { weights, batch } => {
                 format!("matvec_{weights}_b{batch}_experts")
             }
@@ -293,8 +342,14 @@ impl Kernel {
             Kernel::Convert { from, to } => format!("convert_{from}_{to}"),
             Kernel::Embedding { table } => format!("embedding_{table}"),
             Kernel::Argmax => "argmax".into(),
-            Kernel::AttentionDecode { kv, width, rows } => {
-                format!("attention_decode_{kv}_e{width}_r{rows}")
+            Kernel::AttentionDecode {
+                kv,
+                width,
+                rows,
+                rope,
+            } => {
+                let rope = if rope { "rope_" } else { "" };
+                format!("attention_decode_{rope}{kv}_e{width}_r{rows}")
             }
             Kernel::AttentionPrefill { kv, width } => format!("attention_prefill_{kv}_e{width}"),
             Kernel::KvStore { kv } => format!("kv_store_{kv}"),
@@ -364,6 +419,15 @@ mod tests {
                         && source.contains(&format!("matvec_##T##_b{batch},"))
                         && source.contains(&format!("MATVEC_ALL_BATCHES({weights},"))
                 }
+                Kernel::MatvecStream { weights, norm } => {
+                    let name = if norm {
+                        "matvec_stream_##T##_norm"
+                    } else {
+                        "matvec_stream_##T"
+                    };
+                    source.contains(&format!("MATVEC_STREAM({name}, W,"))
+                        && source.contains(&format!("MATVEC_STREAM_BOTH({weights},"))
+                }
                 Kernel::MatvecExperts { weights, batch } => {
                     source.contains("NAME##_experts(")
                         && source.contains(&format!("MATVEC_EXPERTS(matvec_##T##_b{batch},"))
@@ -373,8 +437,18 @@ mod tests {
                     source.contains(&format!("ATTENTION(T, KV, {width})"))
                         && source.contains(&format!("ATTENTION_ALL_WIDTHS({kv},"))
                 }
-                Kernel::AttentionDecode { kv, width, rows } => {
-                    source.contains("attention_decode_##T##_e##E##_r##ROWS(")
+                Kernel::AttentionDecode {
+                    kv,
+                    width,
+                    rows,
+                    rope,
+                } => {
+                    let name = if rope {
+                        "attention_decode_rope_##T##_e##E##_r##ROWS, KV, E, ROWS, true)"
+                    } else {
+                        "attention_decode_##T##_e##E##_r##ROWS, KV, E, ROWS, false)"
+                    };
+                    source.contains(&format!("ATTENTION_DECODE_ENTRY({name}"))
                         && source.contains(&format!("ATTENTION_DECODE(T, KV, E, {rows})"))
                         && source.contains(&format!("ATTENTION_DECODE_ALL_ROWS(T, KV, {width})"))
                         && source.contains(&format!("ATTENTION_DECODE_ALL({kv},"))

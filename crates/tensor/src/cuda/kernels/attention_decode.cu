@@ -21,8 +21,8 @@
 // worked out on the device from it alone: the grid may have more chunks than there are, and
 // those blocks leave at once.
 //
-// With `DecodeRope` set, the step's queries and its new key come in as the projections made
-// them, and the kernel does what rope.cu and kv_store would have done before it: each block
+// The `_rope` entry points (`DecodeRope` set) take the step's queries and its new key come in as the projections made
+// them, and do what rope.cu and kv_store would have done before them: each block
 // RMS-normalises (Qwen3's q/k norms) and rotates its query rows; the blocks of the last
 // chunk do the same for the new key (position context - 1) and use it, rounded to the
 // cache's type as a stored key would be, in place of the cache's row; the first of them for
@@ -34,8 +34,10 @@
 #define DEC_MAX_SPLITS 64
 #define DEC_MIN_KEYS_PER_SPLIT 64
 #define DEC_KEY_ROUND 32
-// Blocks a multiprocessor holds at once: the host sizes the chunks to fill the device in one
-// wave of this many (attention.rs), and the registers are capped to fit them.
+// Blocks per multiprocessor the host sizes the chunks for (attention.rs): about what the
+// registers let one hold. Not imposed on the compiler: capped to fit three, the instances
+// spilled and ran slower (qwen3-0.6b decode 776-830 tok/s against 849-861 uncapped on the
+// H200), while two resident and a wave and a half measured the same or better.
 #define DEC_BLOCKS_PER_SM 3
 
 // Keys per chunk for a context: about `target_splits` chunks (the host sets it to fill the
@@ -128,9 +130,9 @@ __device__ __forceinline__ void reduce_scatter(float* s, int lane, int o) {
     if constexpr (HALF > 1) reduce_scatter<HALF / 2>(s, lane, o / 2);
 }
 
-// What attention_decode needs to normalise, rotate and store the step's key itself; `k_new`
-// null for none (queries already rotated, the key already stored). Mirrors `RopeArgs` in
-// attention.rs field for field.
+// What the `_rope` entry points need to normalise, rotate and store the step's key themselves
+// (the plain ones take it all zero and read none of it). Mirrors `RopeArgs` in attention.rs
+// field for field.
 struct DecodeRope {
     const float* k_new;   // [n_kv_heads, d]: the step's keys as projected
     const float* v_new;   // [n_kv_heads, d]
@@ -192,7 +194,9 @@ __device__ __forceinline__ void norm_rotate(float* x, const DecodeRope& r, const
 
 // grid: (chunks, n_kv_heads · ceil(group / ROWS)). Scratch: part_ml [chunks, n_heads, 2],
 // part_acc [chunks, n_heads, d], tickets [gridDim.y] (zero before the first launch; left zero).
-template <typename KV, int E, int ROWS>
+// FUSED: `rope` is set (the `_rope` entry points); known when compiling, so the plain form's
+// key loop holds nothing of it.
+template <typename KV, int E, int ROWS, bool FUSED>
 __device__ __forceinline__ void attention_decode(
     const float* __restrict__ q, KV* __restrict__ kc, KV* __restrict__ vc,
     float* __restrict__ part_ml, float* __restrict__ part_acc, unsigned* __restrict__ tickets,
@@ -233,7 +237,6 @@ __device__ __forceinline__ void attention_decode(
     prefetch(first);
     prefetch(first + step);
 
-    const bool fused = rope.k_new != nullptr;
     const int pos = context - 1;  // the step's own position
     float qv[ROWS][E];
 #pragma unroll
@@ -243,10 +246,10 @@ __device__ __forceinline__ void attention_decode(
             const int e = lane * E + j;
             qv[r][j] = (r < rows && e < d) ? q[(size_t)(head0 + r) * d + e] : 0.0f;
         }
-        if (fused && r < rows) norm_rotate<E>(qv[r], rope, rope.q_norm, lane, d, pos);
+        if (FUSED && r < rows) norm_rotate<E>(qv[r], rope, rope.q_norm, lane, d, pos);
     }
     // The new key and value, where this block's chunk holds them: as the cache will hold them.
-    const bool holds_new = fused && t_end == context;
+    const bool holds_new = FUSED && t_end == context;
     float k_new[E], v_new[E];
     if (holds_new) {
 #pragma unroll
@@ -270,7 +273,7 @@ __device__ __forceinline__ void attention_decode(
         }
     }
     // The last position read from the cache: the new one is not there yet when fused.
-    const int last_cached = fused ? pos - 1 : pos;
+    const int last_cached = FUSED ? pos - 1 : pos;
 
     // This lane's score is of key `my_key` of the batch for row `my_row`; `owner`: the one
     // lane of the 2^SHIFT holding it that counts it in the row's sum.
@@ -292,7 +295,7 @@ __device__ __forceinline__ void attention_decode(
         for (int k = 0; k < KB; ++k) {
             // Keys past the chunk re-read its last cached one; their scores are masked below.
             const int tl = min(min(t0 + k, t_end - 1), last_cached);
-            if (tl >= 0) {
+            if (!FUSED || tl >= 0) {  // (the plain form always has a cached key)
                 load_lane<KV, E>(kh + (size_t)tl * stride, lane, d, vec, kf[k]);
                 load_lane<KV, E>(vh + (size_t)tl * stride, lane, d, vec, vf[k]);
             } else {
@@ -469,18 +472,19 @@ __device__ __forceinline__ void attention_decode(
     if (threadIdx.x == 0) tickets[blockIdx.y] = 0;
 }
 
-#define ATTENTION_DECODE(T, KV, E, ROWS)                                                        \
-    extern "C" __global__ void __launch_bounds__(DEC_THREADS, DEC_BLOCKS_PER_SM)                \
-        attention_decode_##T##_e##E##_r##ROWS(                                                  \
-            const float* q, KV* kc, KV* vc, float* part_ml, float* part_acc,                    \
-            unsigned* tickets, float* out, int context, const int* context_dev, int n_heads,    \
-            int n_kv_heads, int d, float scale, int target_splits, int vec,                     \
-            const DecodeRope rope) {                                                            \
+#define ATTENTION_DECODE_ENTRY(NAME, KV, E, ROWS, FUSED)                                      \
+    extern "C" __global__ void __launch_bounds__(DEC_THREADS) NAME(                     \
+        const float* q, KV* kc, KV* vc, float* part_ml, float* part_acc, unsigned* tickets,     \
+        float* out, int context, const int* context_dev, int n_heads, int n_kv_heads, int d,    \
+        float scale, int target_splits, int vec, const DecodeRope rope) {                       \
         grid_dependency_wait();                                                                 \
-        attention_decode<KV, E, ROWS>(q, kc, vc, part_ml, part_acc, tickets, out, context,      \
-                                      context_dev, n_heads, n_kv_heads, d, scale,               \
-                                      target_splits, vec, rope);                                \
+        attention_decode<KV, E, ROWS, FUSED>(q, kc, vc, part_ml, part_acc, tickets, out,        \
+                                             context, context_dev, n_heads, n_kv_heads, d,      \
+                                             scale, target_splits, vec, rope);                  \
     }
+#define ATTENTION_DECODE(T, KV, E, ROWS)                                                        \
+    ATTENTION_DECODE_ENTRY(attention_decode_##T##_e##E##_r##ROWS, KV, E, ROWS, false)           \
+    ATTENTION_DECODE_ENTRY(attention_decode_rope_##T##_e##E##_r##ROWS, KV, E, ROWS, true)
 #define ATTENTION_DECODE_ALL_ROWS(T, KV, E)                                                     \
     ATTENTION_DECODE(T, KV, E, 1)                                                               \
     ATTENTION_DECODE(T, KV, E, 2)                                                               \

@@ -1,14 +1,10 @@
-// Decode matrix-vector products, fused with the steps around them in a layer:
-//
-//   y_i[b, r] = s_b · (W_i[r] · (x[b] ∘ g)) + bias_i[r]      (+ y_i[b, r] with `accumulate`)
-//
-// for b < B and up to three matrices W_i that share the input x (q, k and v; gate and up),
-// launched as one product over their rows laid end to end. With `norm` set, g is that RMS
-// norm weight and s_b = 1 / rms(x[b]): the layer's RMSNorm, whose sum of squares each group
-// takes from the very x values it loads for its products (a group's lanes cover every column
-// of x once), so the norm costs no pass of its own and the normalised x is never stored.
-// Without it, g = 1 and s_b = 1. With `swiglu` the two matrices are gate and up, their rows
-// interleaved (gate r, up r) so one group holds both, and y_0 = silu(gate) · up.
+// Decode matrix-vector products (the formula and the fused forms: matvec.cuh), for b < B
+// rows of x, with registers as the only staging: the general form, for every device and
+// batch. (matvec_stream.cu is a batch-1 form through shared memory, not yet the faster.)
+// With `norm` set, each group takes the sum of squares from the very x values it loads for
+// its products (a group's lanes cover every column of x once), so the norm costs no pass of
+// its own and the normalised x is never stored. With `swiglu` one group holds both rows of a
+// (gate, up) pair.
 //
 // Longer batches run B rows per block, blockIdx.y the block of rows. The `_experts` kernels
 // take a mixture-of-experts layer's routed (token, expert) pairs instead: blockIdx.y is a tile
@@ -26,61 +22,6 @@
 // f32, reduced across each warp by shuffles and across a group's warps in shared memory.
 
 #define MATVEC_THREADS 256
-#define MATVEC_MAX_OUTPUTS 3
-
-// One matrix of a fused product and where its rows go.
-struct MatvecOut {
-    const void* w;      // [rows, cols]
-    const float* bias;  // [rows] or null
-    float* y;           // [B, rows]
-    int rows;
-    int pad;
-};
-
-// Mirrors `MatvecArgs` in matvec.rs field for field.
-struct MatvecArgs {
-    MatvecOut out[MATVEC_MAX_OUTPUTS];
-    const float* x;     // [B, cols]
-    const float* norm;  // [cols] or null
-    float eps;
-    int outputs;
-    int total_rows;  // rows of all outputs (twice the rows of one with swiglu)
-    int cols;
-    int accumulate;
-    int swiglu;
-    int vec;  // every row and x start on 16 bytes and cols is a whole number of chunks
-    int wpr;
-    // The `_experts` kernels only:
-    const int* tiles;  // [1 + 3·tiles]: the tile count, then (expert, first, pairs) per tile
-    const int* order;  // pair indices grouped by expert; a tile's are order[first..first + pairs]
-    const unsigned long long* experts;  // [experts][outputs] weight addresses (out[i].w unused)
-    int x_div;         // pair p reads x row p / x_div
-    int prefetch_blocks;  // blocks that may start before the kernel before ends (matvec_prefetch)
-};
-static_assert(sizeof(MatvecArgs) == 176, "KernelArgs in matvec.rs has 176 bytes");
-
-__device__ __forceinline__ MatvecOut matvec_out(const MatvecArgs& a, int i) {
-    return i == 0 ? a.out[0] : (i == 1 ? a.out[1] : a.out[2]);
-}
-
-// The output a row of the fused product belongs to, and the row's index there.
-__device__ __forceinline__ int matvec_locate(const MatvecArgs& a, int row, int* local) {
-    if (a.swiglu) {
-        *local = row >> 1;
-        return row & 1;
-    }
-    int i = 0;
-    if (a.outputs > 1 && row >= a.out[0].rows) {
-        row -= a.out[0].rows;
-        i = 1;
-        if (a.outputs > 2 && row >= a.out[1].rows) {
-            row -= a.out[1].rows;
-            i = 2;
-        }
-    }
-    *local = row;
-    return i;
-}
 
 // NORM: whether `a.norm` is set, known when compiling, so a plain product's inner loop holds
 // nothing of the norm (a runtime test there cost the bf16 kernels a fifth of their speed).
@@ -227,26 +168,14 @@ __device__ __forceinline__ void matvec(const MatvecArgs& a) {
             gate += partial[first + w][(2 * rr) * B + b];
             up += partial[first + w][(2 * rr + 1) * B + b];
         }
-        const int r = row >> 1;
-        gate *= scale;
-        up *= scale;
-        if (a.out[0].bias) gate += a.out[0].bias[r];
-        if (a.out[1].bias) up += a.out[1].bias[r];
-        float* out = a.out[0].y + yb * a.out[0].rows + r;
-        const float v = silu(gate) * up;
-        *out = a.accumulate ? *out + v : v;
+        matvec_store(a, row, gate, up, scale, yb);
         return;
     }
     const int row = group_row0 + rr;
     if (row >= a.total_rows) return;
     float sum = 0.0f;
     for (int w = 0; w < wpr; ++w) sum += partial[first + w][rr * B + b];
-    int local;
-    const MatvecOut o = matvec_out(a, matvec_locate(a, row, &local));
-    float v = sum * scale;
-    if (o.bias) v += o.bias[local];
-    float* out = o.y + yb * o.rows + local;
-    *out = a.accumulate ? *out + v : v;
+    matvec_store(a, row, sum, 0.0f, scale, yb);
 }
 
 // Before waiting on the kernel before (grid_dependency_wait), a block of the first wave asks
