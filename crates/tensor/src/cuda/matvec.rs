@@ -98,6 +98,19 @@ struct KernelArgs {
 // The kernel's struct asserts the same size (a field added on one side only fails both).
 const _: () = assert!(size_of::<KernelArgs>() == 176);
 
+impl KernelArgs {
+    /// The matrices' shape and the epilogue, as both kernel forms read them.
+    fn describe(&mut self, shape: &Shape, epilogue: Epilogue) -> Result<(), CudaError> {
+        const OP: &str = "matvec";
+        self.outputs = shape.outputs as i32;
+        self.total_rows = int(OP, "rows", shape.total_rows)?;
+        self.cols = int(OP, "cols", shape.cols)?;
+        self.accumulate = i32::from(epilogue == Epilogue::Accumulate);
+        self.swiglu = i32::from(epilogue == Epilogue::SwiGlu);
+        Ok(())
+    }
+}
+
 /// `y[b] = W · x[b]` for `b < batch` (`y[b] += …` with `accumulate`, e.g. straight into the
 /// residual stream).
 ///
@@ -343,11 +356,7 @@ fn launch_product(
         return Ok(());
     }
     let cols = shape.cols;
-    args.outputs = shape.outputs as i32;
-    args.total_rows = int(OP, "rows", shape.total_rows)?;
-    args.cols = int(OP, "cols", cols)?;
-    args.accumulate = i32::from(epilogue == Epilogue::Accumulate);
-    args.swiglu = i32::from(epilogue == Epilogue::SwiGlu);
+    args.describe(shape, epilogue)?;
     let per_chunk = 16 / shape.dtype.size_in_bytes();
     let vectorised = cols.is_multiple_of(per_chunk) && shape.aligned;
     // Warps sharing a group of rows: enough that each lane takes about 4 steps of a row (more
@@ -408,11 +417,7 @@ fn launch_stream(
     if shape.total_rows == 0 {
         return Ok(());
     }
-    args.outputs = shape.outputs as i32;
-    args.total_rows = int(OP, "rows", shape.total_rows)?;
-    args.cols = int(OP, "cols", shape.cols)?;
-    args.accumulate = i32::from(epilogue == Epilogue::Accumulate);
-    args.swiglu = i32::from(epilogue == Epilogue::SwiGlu);
+    args.describe(shape, epilogue)?;
     args.vec = 1;
     let units = if epilogue == Epilogue::SwiGlu {
         shape.total_rows / 2
