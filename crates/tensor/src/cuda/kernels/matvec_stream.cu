@@ -21,8 +21,12 @@
 // Status: correct (cuda_ops, golden) but not yet fast, so the host takes it only with
 // EMBER_STREAM_MATVEC=1. On the H200 it moved 1.7-1.9 TB/s on 4096-12288-column bf16
 // matrices and 1.0 on 1024-column ones, against 2.7-4.1 for the register form (qwen3-8b
-// decode 103 tok/s against 180): the rate follows the number of bulk copies more than the
-// bytes in flight, which 4 x 16 KiB and 5 x 32 KiB stages did not change.
+// decode 103 tok/s against 180). Pieces of 24 KiB instead of 8 changed nothing; stages of
+// 16 KiB (up to 12 of them) instead of 32 fell to 1.1-1.2 TB/s: each stage costs about one
+// memory round trip (~1.3 us) whatever is in flight, as if the stages did not overlap. The
+// suspect is the fence.proxy.async before each refill, which may wait for the copies in
+// flight (CUTLASS's TMA pipelines order a consumer's reads before the next copy with the
+// barrier alone); next, without it, and per-thread cp.async copies as the alternative.
 
 #define MVS_THREADS 256
 #define MVS_WARPS (MVS_THREADS / 32)
