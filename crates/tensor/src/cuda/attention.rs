@@ -543,7 +543,7 @@ mod tests {
     /// constants on both sides, or chunks would go unlaunched (only a GPU would show it).
     #[test]
     fn decode_constants_match_the_kernel() {
-        let m = Module::AttentionDecode;
+        let m = Module::AttentionDecode(crate::cuda::Float::Bf16);
         assert_eq!(m.define("DEC_MAX_SPLITS"), MAX_SPLITS);
         assert_eq!(m.define("DEC_MIN_KEYS_PER_SPLIT"), MIN_KEYS_PER_SPLIT);
         assert_eq!(m.define("DEC_KEY_ROUND"), KEY_ROUND);

@@ -37,6 +37,40 @@ pub fn nvrtc_version() -> Result<(i32, i32), CudaError> {
     Ok((major, minor))
 }
 
+/// `f` of every module, several at once (a thread each, up to the machine's cores): NVRTC
+/// compiles a program on one thread, and a fresh cache would otherwise wait for each module in
+/// turn (the decode attention's alone takes half a minute). Results in the order given.
+pub fn in_parallel<T: Send>(modules: &[Module], f: impl Fn(Module) -> T + Sync) -> Vec<T> {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(modules.len());
+    if threads <= 1 {
+        return modules.iter().map(|&m| f(m)).collect();
+    }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let mut done: Vec<(usize, T)> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut mine = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(&module) = modules.get(i) else { break };
+                        mine.push((i, f(module)));
+                    }
+                    mine
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| w.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    });
+    done.sort_by_key(|&(i, _)| i);
+    done.into_iter().map(|(_, v)| v).collect()
+}
+
 /// The NVRTC architecture name for a compute capability: `(9, 0)` → `sm_90`.
 pub fn arch_name((major, minor): (i32, i32)) -> String {
     format!("sm_{major}{minor}")

@@ -14,7 +14,7 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 
-use super::compile::{Compiler, arch_name, nvrtc_version};
+use super::compile::{Compiler, arch_name, in_parallel, nvrtc_version};
 use super::error::{CudaError, ensure};
 use super::kernels::{Kernel, Module};
 use super::memory::{DevSlice, DevSliceMut, DeviceElem, DeviceMemory};
@@ -277,10 +277,15 @@ impl CudaDevice {
         let capability = self.info().compute_capability;
         {
             let mut kernels = self.kernels();
-            for module in Module::ALL {
-                if capability >= module.min_compute_capability() {
-                    self.module(&mut kernels, module)?;
-                }
+            let modules: Vec<Module> = Module::ALL
+                .into_iter()
+                .filter(|m| capability >= m.min_compute_capability())
+                .filter(|m| !kernels.modules.contains_key(m))
+                .collect();
+            let compiler = &self.inner.compiler;
+            let images = in_parallel(&modules, |m| compiler.cubin(m, false));
+            for (module, image) in modules.into_iter().zip(images) {
+                self.load_module(&mut kernels, module, image?)?;
             }
         }
         for kernel in Kernel::all() {
@@ -305,9 +310,19 @@ impl CudaDevice {
         if let Some(m) = kernels.modules.get(&module) {
             return Ok(Arc::clone(m));
         }
-        let compiler = &self.inner.compiler;
+        let cubin = self.inner.compiler.cubin(module, false)?;
+        self.load_module(kernels, module, cubin)
+    }
+
+    /// Loads a module from its compiled (or cached) image and lists it.
+    fn load_module(
+        &self,
+        kernels: &mut Kernels,
+        module: Module,
+        cubin: Vec<u8>,
+    ) -> Result<Arc<CudaModule>, CudaError> {
         let load = |cubin: Vec<u8>| self.inner.ctx.load_module(Ptx::from_binary(cubin));
-        let loaded = match load(compiler.cubin(module, false)?) {
+        let loaded = match load(cubin) {
             Ok(m) => m,
             // A cached image the driver refuses (damaged, or from another driver): rebuild it.
             Err(e) => {
@@ -315,7 +330,7 @@ impl CudaDevice {
                     "cached {}.cu did not load ({e}); recompiling",
                     module.name()
                 );
-                load(compiler.cubin(module, true)?)
+                load(self.inner.compiler.cubin(module, true)?)
                     .map_err(CudaError::driver("cuModuleLoadData"))?
             }
         };

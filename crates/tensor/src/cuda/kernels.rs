@@ -25,7 +25,9 @@ pub enum Module {
     Embedding,
     Argmax,
     Attention,
-    AttentionDecode,
+    /// Decode attention over a cache of one element type: a module each, so that a first
+    /// load compiles the three at once (together they took half a minute).
+    AttentionDecode(Float),
     /// Tensor-core attention (mma.sync with bf16 operands): compute capability 8.0 and later.
     AttentionMma,
     Moe,
@@ -34,7 +36,7 @@ pub enum Module {
 }
 
 impl Module {
-    pub const ALL: [Module; 12] = [
+    pub const ALL: [Module; 14] = [
         Module::Matvec,
         Module::MatvecStream,
         Module::RmsNorm,
@@ -43,7 +45,9 @@ impl Module {
         Module::Embedding,
         Module::Argmax,
         Module::Attention,
-        Module::AttentionDecode,
+        Module::AttentionDecode(Float::F32),
+        Module::AttentionDecode(Float::Bf16),
+        Module::AttentionDecode(Float::F16),
         Module::AttentionMma,
         Module::Moe,
         Module::ExpertsMma,
@@ -60,7 +64,9 @@ impl Module {
             Module::Embedding => "embedding",
             Module::Argmax => "argmax",
             Module::Attention => "attention",
-            Module::AttentionDecode => "attention_decode",
+            Module::AttentionDecode(Float::F32) => "attention_decode_f32",
+            Module::AttentionDecode(Float::Bf16) => "attention_decode_bf16",
+            Module::AttentionDecode(Float::F16) => "attention_decode_f16",
             Module::AttentionMma => "attention_mma",
             Module::Moe => "moe",
             Module::ExpertsMma => "experts_mma",
@@ -77,7 +83,7 @@ impl Module {
             Module::Embedding => include_str!("kernels/embedding.cu"),
             Module::Argmax => include_str!("kernels/argmax.cu"),
             Module::Attention => include_str!("kernels/attention.cu"),
-            Module::AttentionDecode => include_str!("kernels/attention_decode.cu"),
+            Module::AttentionDecode(_) => include_str!("kernels/attention_decode.cu"),
             Module::AttentionMma => include_str!("kernels/attention_mma.cu"),
             Module::Moe => include_str!("kernels/moe.cu"),
             Module::ExpertsMma => include_str!("kernels/experts_mma.cu"),
@@ -119,7 +125,12 @@ impl Module {
             Module::Matvec | Module::MatvecStream => MATVEC,
             _ => "",
         };
-        format!("{COMMON}\n{header}\n{}", self.body())
+        // The decode attention file defines its kernels for the cache type its module names.
+        let instances = match self {
+            Module::AttentionDecode(kv) => format!("ATTENTION_DECODE_ALL({kv}, {})\n", kv.c_type()),
+            _ => String::new(),
+        };
+        format!("{COMMON}\n{header}\n{}\n{instances}", self.body())
     }
 }
 
@@ -138,6 +149,15 @@ impl Float {
             Float::F32 => "f32",
             Float::Bf16 => "bf16",
             Float::F16 => "f16",
+        }
+    }
+
+    /// The type common.cuh gives it.
+    pub fn c_type(self) -> &'static str {
+        match self {
+            Float::F32 => "float",
+            Float::Bf16 => "bf16_t",
+            Float::F16 => "f16_t",
         }
     }
 
@@ -231,7 +251,7 @@ impl Kernel {
             Kernel::Embedding { .. } => Module::Embedding,
             Kernel::Argmax => Module::Argmax,
             Kernel::AttentionPrefill { .. } | Kernel::KvStore { .. } => Module::Attention,
-            Kernel::AttentionDecode { .. } => Module::AttentionDecode,
+            Kernel::AttentionDecode { kv, .. } => Module::AttentionDecode(kv),
             Kernel::AttentionPrefillMma { .. } => Module::AttentionMma,
             Kernel::MoeRoute | Kernel::MoeCombine => Module::Moe,
             Kernel::ExpertsMma { .. } => Module::ExpertsMma,

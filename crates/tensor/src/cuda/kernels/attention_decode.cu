@@ -495,6 +495,5 @@ __device__ __forceinline__ void attention_decode(
     ATTENTION_DECODE_ALL_ROWS(T, KV, 4)                                                         \
     ATTENTION_DECODE_ALL_ROWS(T, KV, 8)
 
-ATTENTION_DECODE_ALL(f32, float)
-ATTENTION_DECODE_ALL(bf16, bf16_t)
-ATTENTION_DECODE_ALL(f16, f16_t)
+// Instantiated per cache type by the module that includes this file (kernels.rs appends
+// `ATTENTION_DECODE_ALL(bf16, bf16_t)` or the like): a module a type, compiled side by side.
