@@ -23,10 +23,10 @@
 // matrices and 1.0 on 1024-column ones, against 2.7-4.1 for the register form (qwen3-8b
 // decode 103 tok/s against 180). Pieces of 24 KiB instead of 8 changed nothing; stages of
 // 16 KiB (up to 12 of them) instead of 32 fell to 1.1-1.2 TB/s: each stage costs about one
-// memory round trip (~1.3 us) whatever is in flight, as if the stages did not overlap. The
-// suspect is the fence.proxy.async before each refill, which may wait for the copies in
-// flight (CUTLASS's TMA pipelines order a consumer's reads before the next copy with the
-// barrier alone); next, without it, and per-thread cp.async copies as the alternative.
+// memory round trip (~1.3 us) whatever is in flight, as if the stages did not overlap. Those
+// runs issued fence.proxy.async before each refill, which (the suspect) waits for the copies
+// in flight; it is gone since, not yet measured. If that is not it, per-thread cp.async
+// copies into the same stages are the alternative.
 
 #define MVS_THREADS 256
 #define MVS_WARPS (MVS_THREADS / 32)
@@ -234,13 +234,11 @@ __device__ __forceinline__ void matvec_stream(const MatvecArgs& a, const StreamP
             if (lane == 0) sh.part[parity][q][sub] = acc;
         }
         __syncthreads();  // the stage is read and its piece sums are in `part`
-        if (threadIdx.x == 0 && st + plan.buffers < plan.stages) {
-            // The buffer was read through the generic proxy; the copy writes through the async one.
-#if __CUDA_ARCH__ >= 900
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#endif
+        // The freed buffer's next copy. No proxy fence first: every read of the buffer has
+        // returned (the sums above used them) before the barrier, and a copy only writes it,
+        // as in CUTLASS's TMA pipelines; fence.proxy.async waits for the copies in flight.
+        if (threadIdx.x == 0 && st + plan.buffers < plan.stages)
             stream_issue<W>(a, plan, sh, st + plan.buffers);
-        }
         // A thread per row (pair) the stage touched: its pieces' sums, in order, onto the
         // row's running sum; the row is written once its last piece is in.
         const int last = first + count - 1;
