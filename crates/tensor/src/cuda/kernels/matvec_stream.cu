@@ -236,7 +236,7 @@ __device__ __forceinline__ void matvec_stream(const MatvecArgs& a, const StreamP
         __syncthreads();  // the stage is read and its piece sums are in `part`
         // The freed buffer's next copy. No proxy fence first: every read of the buffer has
         // returned (the sums above used them) before the barrier, and a copy only writes it,
-        // as in CUTLASS's TMA pipelines; fence.proxy.async waits for the copies in flight.
+        // as in CUTLASS's TMA pipelines (a fence here seemed to wait for the copies in flight).
         if (threadIdx.x == 0 && st + plan.buffers < plan.stages)
             stream_issue<W>(a, plan, sh, st + plan.buffers);
         // A thread per row (pair) the stage touched: its pieces' sums, in order, onto the
