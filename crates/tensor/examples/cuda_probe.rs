@@ -3,7 +3,8 @@
 //! `cargo run --release -p ember-tensor --example cuda_probe`
 //!
 //! Prints the device, the device-to-device copy bandwidth (bytes read plus written), decode
-//! matvec bandwidth per weight type and shape as a share of that copy rate, flash-decoding
+//! matvec bandwidth per weight type and shape as a share of that copy rate, a bf16 decode
+//! layer's four fused products at the qwen3-0.6b and qwen3-8b shapes, flash-decoding
 //! attention bandwidth, and cuBLASLt GEMM TFLOP/s: medians of several timed runs after a
 //! warm-up. Weights rotate over enough copies to pass ~1 GiB per run, so the 60 MB L2 cannot
 //! serve them.
@@ -12,7 +13,8 @@ use std::process::ExitCode;
 
 use ember_tensor::cpu::AttentionShape;
 use ember_tensor::cuda::{
-    self, CudaDevice, CudaError, DevMat, DeviceBuffer, DeviceElem, Float, Gemm, matvec_bytes,
+    self, CudaDevice, CudaError, DevMat, DeviceBuffer, DeviceElem, Epilogue, Float, Gemm,
+    MatvecNorm, MatvecOutput, matvec_bytes,
 };
 use ember_tensor::{BufferKind, BufferOwner};
 use half::{bf16, f16};
@@ -140,6 +142,162 @@ impl Probe {
         Ok(bytes as f64 / ms / 1e6)
     }
 
+    /// Microseconds per launch of each of a bf16 decode layer's four products as the model
+    /// fuses them (q/k/v with the input norm, o into the residual, gate/up with the norm and
+    /// SwiGLU, down into the residual), each launched back to back over as many layers' weights
+    /// as pass [`SWEEP_BYTES`], and of the four in a layer's order (attention left out); with
+    /// the bytes each moves.
+    fn layer_products(
+        &mut self,
+        shape: &LayerShape,
+    ) -> Result<Vec<(&'static str, f64, usize)>, CudaError> {
+        let LayerShape {
+            hidden,
+            q_rows,
+            kv_rows,
+            inter,
+            ..
+        } = *shape;
+        let mats = [
+            ("q", q_rows, hidden),
+            ("k", kv_rows, hidden),
+            ("v", kv_rows, hidden),
+            ("o", hidden, q_rows),
+            ("gate", inter, hidden),
+            ("up", inter, hidden),
+            ("down", hidden, inter),
+        ];
+        let layer_bytes: usize = mats.iter().map(|(_, r, c)| r * c * 2).sum();
+        let layers = SWEEP_BYTES.div_ceil(layer_bytes).max(2);
+        // Random weights for the first layer, copies of them for the rest.
+        let mut weights: Vec<Vec<DeviceBuffer>> = Vec::with_capacity(layers);
+        for l in 0..layers {
+            let mut layer = Vec::with_capacity(mats.len());
+            for (i, &(_, rows, cols)) in mats.iter().enumerate() {
+                if l == 0 {
+                    layer.push(self.random(rows * cols, bf16::from_f32)?);
+                    continue;
+                }
+                let mut w = self.alloc(rows * cols * 2)?;
+                self.device
+                    .copy(weights[0][i].as_slice::<u8>(), &mut w.as_mut_slice::<u8>())?;
+                layer.push(w);
+            }
+            weights.push(layer);
+        }
+        let x = self.random(q_rows.max(inter).max(hidden), |v| v * 0.1)?;
+        let norm = self.random(hidden, |v| 1.0 + 0.1 * v)?;
+        let mut ys = Vec::new();
+        for n in [q_rows, kv_rows, kv_rows, hidden, inter, inter] {
+            ys.push(self.alloc(n * 4)?);
+        }
+        let [yq, yk, yv, yh, yg, yu] = &mut ys[..] else {
+            unreachable!()
+        };
+        let device = self.device.clone();
+        // One product of `layer`: 0 q/k/v, 1 o, 2 gate/up, 3 down.
+        let mut product = |layer: &[DeviceBuffer], which: usize| -> Result<(), CudaError> {
+            let mat = |i: usize| {
+                let (_, rows, cols) = mats[i];
+                DevMat::new(
+                    ember_tensor::DType::BF16,
+                    layer[i].as_slice::<u8>(),
+                    rows,
+                    cols,
+                )
+            };
+            let norm = Some(MatvecNorm {
+                weight: norm.as_slice(),
+                eps: 1e-6,
+            });
+            let x = x.as_slice();
+            match which {
+                0 => {
+                    let (q, k, v) = (mat(0)?, mat(1)?, mat(2)?);
+                    let mut outs = [output(&q, yq), output(&k, yk), output(&v, yv)];
+                    cuda::matvec_fused(
+                        &device,
+                        &mut outs,
+                        x.slice(0..hidden),
+                        1,
+                        norm,
+                        Epilogue::Store,
+                    )
+                }
+                1 => {
+                    let o = mat(3)?;
+                    let mut outs = [output(&o, yh)];
+                    cuda::matvec_fused(
+                        &device,
+                        &mut outs,
+                        x.slice(0..q_rows),
+                        1,
+                        None,
+                        Epilogue::Accumulate,
+                    )
+                }
+                2 => {
+                    let (g, u) = (mat(4)?, mat(5)?);
+                    let mut outs = [output(&g, yg), output(&u, yu)];
+                    cuda::matvec_fused(
+                        &device,
+                        &mut outs,
+                        x.slice(0..hidden),
+                        1,
+                        norm,
+                        Epilogue::SwiGlu,
+                    )
+                }
+                _ => {
+                    let d = mat(6)?;
+                    let mut outs = [output(&d, yh)];
+                    cuda::matvec_fused(
+                        &device,
+                        &mut outs,
+                        x.slice(0..inter),
+                        1,
+                        None,
+                        Epilogue::Accumulate,
+                    )
+                }
+            }
+        };
+        let bytes = [
+            mats[..3].iter().map(|(_, r, c)| r * c * 2).sum::<usize>(),
+            hidden * q_rows * 2,
+            2 * inter * hidden * 2,
+            hidden * inter * 2,
+        ];
+        let mut results = Vec::new();
+        for (which, name) in [
+            "q/k/v + norm",
+            "o + residual",
+            "gate/up + norm + swiglu",
+            "down + residual",
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let ms = time(&self.device, || {
+                for layer in &weights {
+                    product(layer, which)?;
+                }
+                Ok(())
+            })?;
+            results.push((name, ms * 1e3 / layers as f64, bytes[which]));
+        }
+        let ms = time(&self.device, || {
+            for layer in &weights {
+                for which in 0..4 {
+                    product(layer, which)?;
+                }
+            }
+            Ok(())
+        })?;
+        results.push(("the four in order", ms * 1e3 / layers as f64, layer_bytes));
+        Ok(results)
+    }
+
     fn gemm(
         &mut self,
         gemm: &Gemm,
@@ -210,6 +368,25 @@ impl Probe {
     }
 }
 
+/// A product's output over all of `y`, without bias.
+fn output<'w, 'y>(w: &'w DevMat<'w>, y: &'y mut DeviceBuffer) -> MatvecOutput<'w, 'y> {
+    MatvecOutput {
+        w,
+        bias: None,
+        y: y.as_mut_slice(),
+    }
+}
+
+/// A dense decode layer's product shapes.
+struct LayerShape {
+    name: &'static str,
+    hidden: usize,
+    /// Rows of q (heads · head_dim), of k and of v.
+    q_rows: usize,
+    kv_rows: usize,
+    inter: usize,
+}
+
 fn run() -> Result<(), CudaError> {
     let device = CudaDevice::open(0)?;
     println!("device: {}", device.info());
@@ -270,6 +447,35 @@ fn run() -> Result<(), CudaError> {
             "context {context:>6}: {us:>7.1} µs, {gbs:>5.0} GB/s ({:.0}% of copy)",
             100.0 * gbs / copy
         );
+    }
+
+    for shape in [
+        LayerShape {
+            name: "qwen3-0.6b",
+            hidden: 1024,
+            q_rows: 2048,
+            kv_rows: 1024,
+            inter: 3072,
+        },
+        LayerShape {
+            name: "qwen3-8b",
+            hidden: 4096,
+            q_rows: 4096,
+            kv_rows: 1024,
+            inter: 12288,
+        },
+    ] {
+        println!(
+            "\n{} decode layer products (bf16, batch 1), µs a launch:",
+            shape.name
+        );
+        for (name, us, bytes) in probe.layer_products(&shape)? {
+            let gbs = bytes as f64 / us / 1e3;
+            println!(
+                "{name:<24} {us:>7.1} µs {gbs:>6.0} GB/s ({:.0}% of copy)",
+                100.0 * gbs / copy
+            );
+        }
     }
 
     println!("\ncuBLASLt bf16 GEMM (f32 accumulate), out = a[m,k]·W[n,k]ᵀ:");

@@ -416,8 +416,7 @@ fn matvec_matches_f64_reference() {
     for batch in [4, 6, 7] {
         check_matvec::<bf16>(&ctx, &mut rng, 129, 520, batch);
     }
-    // Rows cut in pieces by the streamed batch-1 product (more than 8 KiB; 5000 bf16 columns
-    // in two uneven pieces), and rows too long for it to hold x (the register form).
+    // Long rows, whole and odd (8 warps a row, some lanes a step short), at batch 1.
     for (rows, cols) in [(300, 12288), (77, 5000), (41, 40000)] {
         check_matvec::<bf16>(&ctx, &mut rng, rows, cols, 1);
         check_matvec::<f32>(&ctx, &mut rng, rows, cols, 1);

@@ -122,8 +122,6 @@ struct Inner {
     info: DeviceInfo,
     /// Kernels are launched to overlap the one before ([`CudaDevice::launch_kernel`]).
     overlap_launches: bool,
-    /// Batch-1 products stream their weights through shared memory (matvec_stream.cu).
-    stream_products: bool,
 }
 
 #[derive(Default)]
@@ -226,12 +224,6 @@ impl CudaDevice {
         let overlap_launches = info.compute_capability >= (9, 0)
             && std::env::var_os("EMBER_NO_PDL").is_none_or(|v| v.is_empty() || v == "0");
         tracing::debug!("overlapping kernel launches: {overlap_launches}");
-        // EMBER_STREAM_MATVEC=1 streams batch-1 products through shared memory: correct, but
-        // slower than the register form so far (see matvec_stream.cu), so off unless asked.
-        let stream_products = info.compute_capability
-            >= Module::MatvecStream.min_compute_capability()
-            && std::env::var_os("EMBER_STREAM_MATVEC").is_some_and(|v| !v.is_empty() && v != "0");
-        tracing::debug!("streamed batch-1 products: {stream_products}");
         Ok(CudaDevice {
             inner: Arc::new(Inner {
                 kernels: Mutex::default(),
@@ -241,19 +233,12 @@ impl CudaDevice {
                 ctx,
                 info,
                 overlap_launches,
-                stream_products,
             }),
         })
     }
 
     pub fn info(&self) -> &DeviceInfo {
         &self.inner.info
-    }
-
-    /// Whether batch-1 products take matvec_stream.cu (compute capability 9.0 on, with
-    /// `EMBER_STREAM_MATVEC=1`).
-    pub(crate) fn streams_products(&self) -> bool {
-        self.inner.stream_products
     }
 
     pub fn ordinal(&self) -> usize {

@@ -10,15 +10,11 @@ use std::fmt;
 const COMMON: &str = include_str!("kernels/common.cuh");
 /// Prepended to the modules that multiply on the tensor cores.
 const MMA: &str = include_str!("kernels/mma.cuh");
-/// Prepended to the two forms of the decode products: their argument and how a row is stored.
-const MATVEC: &str = include_str!("kernels/matvec.cuh");
 
 /// One source file of kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Module {
     Matvec,
-    /// Batch-1 decode products through bulk copies: compute capability 9.0 and later.
-    MatvecStream,
     RmsNorm,
     Rope,
     Elementwise,
@@ -36,9 +32,8 @@ pub enum Module {
 }
 
 impl Module {
-    pub const ALL: [Module; 14] = [
+    pub const ALL: [Module; 13] = [
         Module::Matvec,
-        Module::MatvecStream,
         Module::RmsNorm,
         Module::Rope,
         Module::Elementwise,
@@ -57,7 +52,6 @@ impl Module {
     pub fn name(self) -> &'static str {
         match self {
             Module::Matvec => "matvec",
-            Module::MatvecStream => "matvec_stream",
             Module::RmsNorm => "rms_norm",
             Module::Rope => "rope",
             Module::Elementwise => "elementwise",
@@ -76,7 +70,6 @@ impl Module {
     fn body(self) -> &'static str {
         match self {
             Module::Matvec => include_str!("kernels/matvec.cu"),
-            Module::MatvecStream => include_str!("kernels/matvec_stream.cu"),
             Module::RmsNorm => include_str!("kernels/rms_norm.cu"),
             Module::Rope => include_str!("kernels/rope.cu"),
             Module::Elementwise => include_str!("kernels/elementwise.cu"),
@@ -93,8 +86,6 @@ impl Module {
     /// The oldest compute capability the module compiles for.
     pub fn min_compute_capability(self) -> (i32, i32) {
         match self {
-            // cp.async.bulk and mbarrier transaction counts.
-            Module::MatvecStream => (9, 0),
             Module::AttentionMma | Module::ExpertsMma => (8, 0),
             // __match_any_sync groups a warp's pairs by expert.
             Module::Moe => (7, 0),
@@ -122,7 +113,6 @@ impl Module {
     pub fn source(self) -> String {
         let header = match self {
             Module::AttentionMma | Module::ExpertsMma => MMA,
-            Module::Matvec | Module::MatvecStream => MATVEC,
             _ => "",
         };
         // The decode attention file defines its kernels for the cache type its module names.
@@ -184,11 +174,6 @@ pub enum Kernel {
         batch: u8,
         norm: bool,
     },
-    /// A batch-1 product streamed through shared memory (matvec_stream.cu).
-    MatvecStream {
-        weights: Float,
-        norm: bool,
-    },
     /// Routed experts' products, tiles of `batch` (1 or 8) pairs.
     MatvecExperts {
         weights: Float,
@@ -244,7 +229,6 @@ impl Kernel {
     pub fn module(self) -> Module {
         match self {
             Kernel::Matvec { .. } | Kernel::MatvecExperts { .. } => Module::Matvec,
-            Kernel::MatvecStream { .. } => Module::MatvecStream,
             Kernel::RmsNorm { .. } => Module::RmsNorm,
             Kernel::Rope => Module::Rope,
             Kernel::SiluMul { .. } | Kernel::Add | Kernel::Convert { .. } => Module::Elementwise,
@@ -262,7 +246,6 @@ impl Kernel {
     /// product's stages and x).
     pub fn dynamic_smem_bytes(self) -> Option<usize> {
         match self {
-            Kernel::MatvecStream { .. } => Some(super::matvec::STREAM_MAX_SMEM),
             Kernel::AttentionPrefill { width, .. } => {
                 // Key tile (rows padded by one), value tile, 16 query rows: see attention.cu.
                 let row = width as usize * 32;
@@ -298,9 +281,6 @@ impl Kernel {
             }
             for batch in [1, 8] {
                 kernels.push(Kernel::MatvecExperts { weights: f, batch });
-            }
-            for norm in [false, true] {
-                kernels.push(Kernel::MatvecStream { weights: f, norm });
             }
             for head_dim in [64, 128] {
                 kernels.push(Kernel::AttentionPrefillMma { kv: f, head_dim });
@@ -349,9 +329,6 @@ impl Kernel {
                 "matvec_{weights}_b{batch}{}",
                 if norm { "_norm" } else { "" }
             ),
-            Kernel::MatvecStream { weights, norm } => {
-                format!("matvec_stream_{weights}{}", if norm { "_norm" } else { "" })
-            }
             Kernel::MatvecExperts { weights, batch } => {
                 format!("matvec_{weights}_b{batch}_experts")
             }
@@ -438,15 +415,6 @@ mod tests {
                     source.contains("NAME##_norm(")
                         && source.contains(&format!("matvec_##T##_b{batch},"))
                         && source.contains(&format!("MATVEC_ALL_BATCHES({weights},"))
-                }
-                Kernel::MatvecStream { weights, norm } => {
-                    let name = if norm {
-                        "matvec_stream_##T##_norm"
-                    } else {
-                        "matvec_stream_##T"
-                    };
-                    source.contains(&format!("MATVEC_STREAM({name}, W,"))
-                        && source.contains(&format!("MATVEC_STREAM_BOTH({weights},"))
                 }
                 Kernel::MatvecExperts { weights, batch } => {
                     source.contains("NAME##_experts(")

@@ -18,21 +18,6 @@ pub const MAX_OUTPUTS: usize = 3;
 /// Threads of a block (`MATVEC_THREADS` in matvec.cu).
 const THREADS: u32 = 256;
 
-/// A streamed product's stages in flight at most, and their size (`MVS_MAX_STAGES`,
-/// `MVS_STAGE_BYTES` in matvec_stream.cu): as many as fit beside x in the shared memory a
-/// block may take, so that one block fills a multiprocessor (an even share of the rows each)
-/// and has some 128-192 KiB of weights in flight.
-const STREAM_MAX_STAGES: usize = 6;
-const STREAM_STAGE_BYTES: usize = 32 * 1024;
-/// Fewer stages in flight than this would not keep the memory busy: the register form then.
-const STREAM_MIN_STAGES: usize = 3;
-/// The kernel's static shared memory (barriers, piece and row sums), with room to spare.
-const STREAM_STATIC_BYTES: usize = 4 * 1024;
-/// The shared memory a streamed product's block takes at most, beyond its static part.
-pub(super) const STREAM_MAX_SMEM: usize = 200 * 1024;
-/// Threads of a streamed product's block (`MVS_THREADS`).
-const STREAM_THREADS: u32 = 256;
-
 /// Blocks per multiprocessor that prefetch their weights before waiting on the kernel before
 /// (`matvec_prefetch` in matvec.cu): about those that start while it finishes.
 const PREFETCH_BLOCKS_PER_SM: usize = 2;
@@ -99,7 +84,7 @@ struct KernelArgs {
 const _: () = assert!(size_of::<KernelArgs>() == 176);
 
 impl KernelArgs {
-    /// The matrices' shape and the epilogue, as both kernel forms read them.
+    /// The matrices' shape and the epilogue, as the kernel reads them.
     fn describe(&mut self, shape: &Shape, epilogue: Epilogue) -> Result<(), CudaError> {
         const OP: &str = "matvec";
         self.outputs = shape.outputs as i32;
@@ -243,9 +228,6 @@ pub fn matvec_fused(
                 && aligned(args.x)
                 && norm.is_none_or(|n| aligned(n.weight.device_ptr())),
         };
-        if let Some(smem) = stream_smem(device, &shape).filter(|_| batch == 1) {
-            return launch_stream(device, &mut args, &shape, smem, norm.is_some(), epilogue);
-        }
         let kernel = Kernel::Matvec {
             weights: dtype,
             batch: rows as u8,
@@ -383,56 +365,6 @@ fn launch_product(
     launch!(device, kernel, config((blocks, grid_y), THREADS, 0); args)
 }
 
-/// The dynamic shared memory of a batch-1 product of `shape` through matvec_stream.cu (x as
-/// f32, then its stages), or `None` where it takes the register form: on a device that does
-/// not stream products, without whole 16-byte chunks on 16 bytes (the bulk copies' unit), or
-/// with x too long to leave room for enough stages.
-fn stream_smem(device: &CudaDevice, shape: &Shape) -> Option<usize> {
-    let per_chunk = 16 / shape.dtype.size_in_bytes();
-    if !(device.streams_products() && shape.aligned && shape.cols.is_multiple_of(per_chunk)) {
-        return None;
-    }
-    let budget = STREAM_MAX_SMEM.min(
-        device
-            .info()
-            .max_shared_per_block
-            .saturating_sub(STREAM_STATIC_BYTES),
-    );
-    let x_bytes = shape.cols * 4;
-    let stages = (budget.saturating_sub(x_bytes) / STREAM_STAGE_BYTES).min(STREAM_MAX_STAGES);
-    (stages >= STREAM_MIN_STAGES).then_some(x_bytes + stages * STREAM_STAGE_BYTES)
-}
-
-/// Launches the streamed product: one block per multiprocessor (or per row, if fewer), each
-/// with an even share of the rows, and `smem` bytes of dynamic shared memory.
-fn launch_stream(
-    device: &CudaDevice,
-    args: &mut KernelArgs,
-    shape: &Shape,
-    smem: usize,
-    norm: bool,
-    epilogue: Epilogue,
-) -> Result<(), CudaError> {
-    const OP: &str = "matvec";
-    if shape.total_rows == 0 {
-        return Ok(());
-    }
-    args.describe(shape, epilogue)?;
-    args.vec = 1;
-    let units = if epilogue == Epilogue::SwiGlu {
-        shape.total_rows / 2
-    } else {
-        shape.total_rows
-    };
-    let blocks = int(OP, "blocks", units.min(device.info().multiprocessors))? as u32;
-    let kernel = Kernel::MatvecStream {
-        weights: shape.dtype,
-        norm,
-    };
-    let args = *args;
-    launch!(device, kernel, config((blocks, 1), STREAM_THREADS, smem); args)
-}
-
 /// Bytes one [`matvec`] must move at least: the weights once, `x` and `y` once.
 pub fn matvec_bytes(dtype: Float, rows: usize, cols: usize, batch: usize) -> usize {
     rows * cols * dtype.size_in_bytes() + batch * (rows + cols) * 4
@@ -443,14 +375,9 @@ mod tests {
     use super::*;
     use crate::cuda::Module;
 
-    /// The host sizes a streamed product's shared memory and block from the kernel's own
-    /// constants.
+    /// The host sizes a product's blocks from the kernel's own block size.
     #[test]
-    fn stream_constants_match_the_kernel() {
-        let m = Module::MatvecStream;
-        assert_eq!(m.define("MVS_MAX_STAGES"), STREAM_MAX_STAGES);
-        assert_eq!(m.define("MVS_STAGE_BYTES"), STREAM_STAGE_BYTES);
-        assert_eq!(m.define("MVS_THREADS"), STREAM_THREADS as usize);
+    fn constants_match_the_kernel() {
         assert_eq!(Module::Matvec.define("MATVEC_THREADS"), THREADS as usize);
     }
 }

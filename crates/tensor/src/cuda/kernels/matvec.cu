@@ -1,6 +1,11 @@
-// Decode matrix-vector products (the formula and the fused forms: matvec.cuh), for b < B
-// rows of x, with registers as the only staging: the general form, for every device and
-// batch. (matvec_stream.cu is a batch-1 form through shared memory, not yet the faster.)
+// Decode matrix-vector products for b < B rows of x, registers their only staging:
+//
+//   y_i[b, r] = s_b · (W_i[r] · (x[b] ∘ g)) + bias_i[r]      (+ y_i[b, r] with `accumulate`)
+//
+// for up to three matrices W_i sharing the input x, their rows laid end to end (q, k and v),
+// or with `swiglu` two (gate and up) interleaved, gate r then up r, and y_0 = silu(gate) · up.
+// With `norm`, g is that RMS norm weight and s_b = 1 / rms(x[b]); else g = 1 and s_b = 1.
+//
 // With `norm` set, each group takes the sum of squares from the very x values it loads for
 // its products (a group's lanes cover every column of x once), so the norm costs no pass of
 // its own and the normalised x is never stored. With `swiglu` one group holds both rows of a
@@ -20,6 +25,91 @@
 // move once at full width, the activations come from L1, long rows are shared by enough
 // threads to keep many loads in flight, and short rows do not leave threads idle. Sums are
 // f32, reduced across each warp by shuffles and across a group's warps in shared memory.
+//
+// (A batch-1 form that streamed the weights through shared memory by bulk copies,
+// cp.async.bulk + mbarrier in 32 KiB stages, one persistent block per multiprocessor, was
+// tried on the H200 and removed: 1.6-1.9 TB/s on 4096-12288-column bf16 matrices against
+// 2.8-3.6 for this form, qwen3-8b decode 103 tok/s against 180, with or without a proxy fence
+// before each refill; its stages did not overlap. See git history, December 2026.)
+
+#define MATVEC_MAX_OUTPUTS 3
+
+// One matrix of a fused product and where its rows go.
+struct MatvecOut {
+    const void* w;      // [rows, cols]
+    const float* bias;  // [rows] or null
+    float* y;           // [B, rows]
+    int rows;
+    int pad;
+};
+
+// Mirrors `MatvecArgs` in matvec.rs field for field.
+struct MatvecArgs {
+    MatvecOut out[MATVEC_MAX_OUTPUTS];
+    const float* x;     // [B, cols]
+    const float* norm;  // [cols] or null
+    float eps;
+    int outputs;
+    int total_rows;  // rows of all outputs (twice the rows of one with swiglu)
+    int cols;
+    int accumulate;
+    int swiglu;
+    int vec;  // every row and x start on 16 bytes and cols is a whole number of chunks
+    int wpr;
+    // The `_experts` kernels only:
+    const int* tiles;  // [1 + 3·tiles]: the tile count, then (expert, first, pairs) per tile
+    const int* order;  // pair indices grouped by expert; a tile's are order[first..first + pairs]
+    const unsigned long long* experts;  // [experts][outputs] weight addresses (out[i].w unused)
+    int x_div;         // pair p reads x row p / x_div
+    int prefetch_blocks;  // blocks that may start before the kernel before ends (matvec_prefetch)
+};
+static_assert(sizeof(MatvecArgs) == 176, "KernelArgs in matvec.rs has 176 bytes");
+
+__device__ __forceinline__ MatvecOut matvec_out(const MatvecArgs& a, int i) {
+    return i == 0 ? a.out[0] : (i == 1 ? a.out[1] : a.out[2]);
+}
+
+// The output a row of the fused product belongs to, and the row's index there.
+__device__ __forceinline__ int matvec_locate(const MatvecArgs& a, int row, int* local) {
+    if (a.swiglu) {
+        *local = row >> 1;
+        return row & 1;
+    }
+    int i = 0;
+    if (a.outputs > 1 && row >= a.out[0].rows) {
+        row -= a.out[0].rows;
+        i = 1;
+        if (a.outputs > 2 && row >= a.out[1].rows) {
+            row -= a.out[1].rows;
+            i = 2;
+        }
+    }
+    *local = row;
+    return i;
+}
+
+// Finishes a row of the product for batch row `yb`: the norm's `scale`, the bias, then the
+// epilogue. With swiglu, `row` is a gate row, `sum` its sum and `up` the sum of its up row.
+__device__ __forceinline__ void matvec_store(const MatvecArgs& a, int row, float sum, float up,
+                                             float scale, size_t yb) {
+    if (a.swiglu) {
+        const int r = row >> 1;
+        float gate = sum * scale;
+        up *= scale;
+        if (a.out[0].bias) gate += a.out[0].bias[r];
+        if (a.out[1].bias) up += a.out[1].bias[r];
+        float* out = a.out[0].y + yb * a.out[0].rows + r;
+        const float v = silu(gate) * up;
+        *out = a.accumulate ? *out + v : v;
+        return;
+    }
+    int local;
+    const MatvecOut o = matvec_out(a, matvec_locate(a, row, &local));
+    float v = sum * scale;
+    if (o.bias) v += o.bias[local];
+    float* out = o.y + yb * o.rows + local;
+    *out = a.accumulate ? *out + v : v;
+}
 
 #define MATVEC_THREADS 256
 
