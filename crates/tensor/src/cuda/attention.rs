@@ -19,7 +19,7 @@ pub const MAX_HEAD_DIM: usize = 256;
 const MAX_SPLITS: usize = 64;
 /// Keys per chunk at least (`DEC_MIN_KEYS_PER_SPLIT`), and what a chunk's keys are a whole
 /// number of (`DEC_KEY_ROUND`).
-const MIN_KEYS_PER_SPLIT: usize = 64;
+const MIN_KEYS_PER_SPLIT: usize = 32;
 const KEY_ROUND: usize = 32;
 /// The most query heads a decode block takes for its kv head (`ROWS` in attention_decode.cu).
 const MAX_DECODE_ROWS: usize = 8;

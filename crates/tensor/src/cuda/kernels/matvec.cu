@@ -116,8 +116,10 @@ __device__ __forceinline__ void matvec_store(const MatvecArgs& a, int row, float
 // NORM: whether `a.norm` is set, known when compiling, so a plain product's inner loop holds
 // nothing of the norm (a runtime test there cost the bf16 kernels a fifth of their speed).
 // EXPERTS: the routed form (see the top of the file), also known when compiling.
-template <typename W, int B, int ROWS, int UNROLL, bool NORM, bool EXPERTS>
-__device__ __forceinline__ void matvec(const MatvecArgs& a) {
+// `wait`: the entry point's grid_dependency_wait(), called once the loads that need nothing
+// of the kernel before are in flight.
+template <typename W, int B, int ROWS, int UNROLL, bool NORM, bool EXPERTS, typename Wait>
+__device__ __forceinline__ void matvec(const MatvecArgs& a, Wait wait) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int wpr = a.wpr, cols = a.cols;
     const int groups = (MATVEC_THREADS / 32) / wpr;
@@ -131,6 +133,7 @@ __device__ __forceinline__ void matvec(const MatvecArgs& a) {
     int expert = 0, first_pair = 0, count = B;
     const float* xp[B];
     if (EXPERTS) {
+        wait();  // the routing kernel before wrote the tiles
         const int tile = blockIdx.y;
         if (tile >= a.tiles[0]) return;  // the grid covers the most tiles a routing can make
         const int* t = a.tiles + 1 + 3 * tile;
@@ -161,11 +164,11 @@ __device__ __forceinline__ void matvec(const MatvecArgs& a) {
     if (a.vec) {
         const int N = Chunk<W>::N;
         const int chunks = cols / N;
-#pragma unroll UNROLL
-        for (int c = tg; c < chunks; c += width) {
+        // One step: this thread's chunk c of each row (its 16 bytes `w[r]`) times x.
+        auto step = [&](int c, const uint4* w) {
             float wf[ROWS][N];
 #pragma unroll
-            for (int r = 0; r < ROWS; ++r) Chunk<W>::unpack(load_stream16(wr[r] + c * N), wf[r]);
+            for (int r = 0; r < ROWS; ++r) Chunk<W>::unpack(w[r], wf[r]);
             float gv[N];
             if (NORM) {
 #pragma unroll
@@ -200,8 +203,25 @@ __device__ __forceinline__ void matvec(const MatvecArgs& a) {
 #pragma unroll
                     for (int i = 0; i < N; ++i) acc[r][b] = fmaf(wf[r][i], xv[i], acc[r][b]);
             }
+        };
+        // The first step's weights, asked for before the wait: no kernel of the step writes
+        // them, so they come while the kernel before finishes (H200: qwen3-8b decode 189 ->
+        // 195-198 tok/s, qwen3-0.6b 979-1024 -> 1050-1094). All UNROLL steps held that way
+        // took the registers of a block per multiprocessor.
+        uint4 head[ROWS];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) head[r] = tg < chunks ? load_stream16(wr[r] + tg * N) : uint4{};
+        if (!EXPERTS) wait();
+        if (tg < chunks) step(tg, head);
+#pragma unroll UNROLL
+        for (int c = tg + width; c < chunks; c += width) {
+            uint4 w[ROWS];
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) w[r] = load_stream16(wr[r] + c * N);
+            step(c, w);
         }
     } else {
+        if (!EXPERTS) wait();
         for (int c = tg; c < cols; c += width) {
             const float gc = NORM ? g[c] : 1.0f;
 #pragma unroll
@@ -290,20 +310,17 @@ __device__ __forceinline__ void matvec_prefetch(const MatvecArgs& a) {
 #define MATVEC(NAME, W, B, ROWS, UNROLL)                                                       \
     extern "C" __global__ void __launch_bounds__(MATVEC_THREADS) NAME(const MatvecArgs a) {    \
         matvec_prefetch<W, ROWS>(a);                                                           \
-        grid_dependency_wait();                                                                \
-        matvec<W, B, ROWS, UNROLL, false, false>(a);                                           \
+        matvec<W, B, ROWS, UNROLL, false, false>(a, [] { grid_dependency_wait(); });           \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(MATVEC_THREADS) NAME##_norm(const MatvecArgs a) { \
         matvec_prefetch<W, ROWS>(a);                                                               \
-        grid_dependency_wait();                                                                    \
-        matvec<W, B, ROWS, UNROLL, true, false>(a);                                            \
+        matvec<W, B, ROWS, UNROLL, true, false>(a, [] { grid_dependency_wait(); });            \
     }
 // Routed experts: one pair per tile for a decoded token (its experts differ), eight for
 // prompts, where each expert takes many tokens and reads its weights once per eight.
 #define MATVEC_EXPERTS(NAME, W, B, ROWS, UNROLL)                                                  \
     extern "C" __global__ void __launch_bounds__(MATVEC_THREADS) NAME##_experts(const MatvecArgs a) { \
-        grid_dependency_wait();                                                                       \
-        matvec<W, B, ROWS, UNROLL, false, true>(a);                                               \
+        matvec<W, B, ROWS, UNROLL, false, true>(a, [] { grid_dependency_wait(); });               \
     }
 // (8 rows per group at batch 1, each x load feeding 8 rows, measured slower on the H200:
 // qwen3-8b decode 148 tok/s against 167.)
