@@ -91,7 +91,8 @@ def main():
     a = ap.parse_args()
     model = AutoModelForCausalLM.from_pretrained(a.checkpoint, dtype=torch.bfloat16).cuda().eval()
     ids = prompt_ids(a.prompt_tokens, model.config.vocab_size)
-    # "compile" last: torch.compile with CUDA graphs has crashed the process here.
+    # "compile" last: torch.compile with CUDA graphs has crashed the process here (torch
+    # 2.11 on the H200 machine: a segfault, December 2026).
     order = ["eager", "generate", "compile"]
     wanted = a.modes.split(",")
     modes = [m for m in order if m in wanted]
