@@ -97,7 +97,7 @@ impl KernelArgs {
 }
 
 /// `y[b] = W · x[b]` for `b < batch` (`y[b] += …` with `accumulate`, e.g. straight into the
-/// residual stream).
+/// residual stream). `W` is a weight, as for [`matvec_fused`].
 ///
 /// `w` is `[rows, cols]`; `x` is `[batch, cols]` f32; `y` is `[batch, rows]` f32. The weights
 /// are read with 16-byte loads when every row and `x` start on 16 bytes (cols a multiple of
@@ -127,6 +127,10 @@ pub fn matvec(
 /// (`[batch, cols]`): `y_i[b] = W_i · norm(x[b]) + bias_i`, finished by `epilogue`. One launch
 /// for whole blocks of [`MAX_BATCH`] rows and one for the rest. With `norm`, `x` is the
 /// un-normalised input and the norm is computed inside the product.
+///
+/// The matrices are weights: the kernel starts reading them before the kernel launched just
+/// before it has finished (programmatic dependent launch), so no kernel still in flight on
+/// the stream may write them (model weights are uploaded once and only read).
 pub fn matvec_fused(
     device: &CudaDevice,
     outputs: &mut [MatvecOutput<'_, '_>],
