@@ -188,7 +188,8 @@ pub fn attention_decode_rope_fits(head_dim: usize, layout: RopeLayout) -> bool {
 /// and value (position `context - 1`) given apart and stored into the cache by the same
 /// launch: a decode step's rope and cache store cost no launch of their own. The result is
 /// what [`super::rope_qk`], [`kv_store`] and [`attention_decode`] give, up to the order of the
-/// norms' sums.
+/// norms' sums. The rope's tables and norm weights are read before the kernel waits on the one
+/// launched before it (programmatic dependent launch): no kernel in flight may write them.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_decode_rope<T: FloatElem>(
     device: &CudaDevice,
