@@ -158,22 +158,23 @@ impl Probe {
             inter,
             ..
         } = *shape;
+        // (rows, cols) of q, k, v, o, gate, up, down.
         let mats = [
-            ("q", q_rows, hidden),
-            ("k", kv_rows, hidden),
-            ("v", kv_rows, hidden),
-            ("o", hidden, q_rows),
-            ("gate", inter, hidden),
-            ("up", inter, hidden),
-            ("down", hidden, inter),
+            (q_rows, hidden),
+            (kv_rows, hidden),
+            (kv_rows, hidden),
+            (hidden, q_rows),
+            (inter, hidden),
+            (inter, hidden),
+            (hidden, inter),
         ];
-        let layer_bytes: usize = mats.iter().map(|(_, r, c)| r * c * 2).sum();
+        let layer_bytes: usize = mats.iter().map(|(r, c)| r * c * 2).sum();
         let layers = SWEEP_BYTES.div_ceil(layer_bytes).max(2);
         // Random weights for the first layer, copies of them for the rest.
         let mut weights: Vec<Vec<DeviceBuffer>> = Vec::with_capacity(layers);
         for l in 0..layers {
             let mut layer = Vec::with_capacity(mats.len());
-            for (i, &(_, rows, cols)) in mats.iter().enumerate() {
+            for (i, &(rows, cols)) in mats.iter().enumerate() {
                 if l == 0 {
                     layer.push(self.random(rows * cols, bf16::from_f32)?);
                     continue;
@@ -187,109 +188,59 @@ impl Probe {
         }
         let x = self.random(q_rows.max(inter).max(hidden), |v| v * 0.1)?;
         let norm = self.random(hidden, |v| 1.0 + 0.1 * v)?;
-        let mut ys = Vec::new();
-        for n in [q_rows, kv_rows, kv_rows, hidden, inter, inter] {
-            ys.push(self.alloc(n * 4)?);
+        // An output per matrix (o and down would share the residual in a model).
+        let mut ys = Vec::with_capacity(mats.len());
+        for &(rows, _) in &mats {
+            ys.push(self.alloc(rows * 4)?);
         }
-        let [yq, yk, yv, yh, yg, yu] = &mut ys[..] else {
-            unreachable!()
-        };
         let device = self.device.clone();
-        // One product of `layer`: 0 q/k/v, 1 o, 2 gate/up, 3 down.
-        let mut product = |layer: &[DeviceBuffer], which: usize| -> Result<(), CudaError> {
-            let mat = |i: usize| {
-                let (_, rows, cols) = mats[i];
-                DevMat::new(
-                    ember_tensor::DType::BF16,
-                    layer[i].as_slice::<u8>(),
-                    rows,
-                    cols,
-                )
-            };
-            let norm = Some(MatvecNorm {
+        let product = |layer: &[DeviceBuffer], ys: &mut [DeviceBuffer], p: usize| {
+            let (_, which, with_norm, epilogue) = LAYER_PRODUCTS[p];
+            let ws = which
+                .iter()
+                .map(|&i| {
+                    let (rows, cols) = mats[i];
+                    DevMat::new(
+                        ember_tensor::DType::BF16,
+                        layer[i].as_slice::<u8>(),
+                        rows,
+                        cols,
+                    )
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            let mut outs: Vec<_> = ys
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| which.contains(i))
+                .zip(&ws)
+                .map(|((_, y), w)| MatvecOutput {
+                    w,
+                    bias: None,
+                    y: y.as_mut_slice(),
+                })
+                .collect();
+            let norm = with_norm.then(|| MatvecNorm {
                 weight: norm.as_slice(),
                 eps: 1e-6,
             });
-            let x = x.as_slice();
-            match which {
-                0 => {
-                    let (q, k, v) = (mat(0)?, mat(1)?, mat(2)?);
-                    let mut outs = [output(&q, yq), output(&k, yk), output(&v, yv)];
-                    cuda::matvec_fused(
-                        &device,
-                        &mut outs,
-                        x.slice(0..hidden),
-                        1,
-                        norm,
-                        Epilogue::Store,
-                    )
-                }
-                1 => {
-                    let o = mat(3)?;
-                    let mut outs = [output(&o, yh)];
-                    cuda::matvec_fused(
-                        &device,
-                        &mut outs,
-                        x.slice(0..q_rows),
-                        1,
-                        None,
-                        Epilogue::Accumulate,
-                    )
-                }
-                2 => {
-                    let (g, u) = (mat(4)?, mat(5)?);
-                    let mut outs = [output(&g, yg), output(&u, yu)];
-                    cuda::matvec_fused(
-                        &device,
-                        &mut outs,
-                        x.slice(0..hidden),
-                        1,
-                        norm,
-                        Epilogue::SwiGlu,
-                    )
-                }
-                _ => {
-                    let d = mat(6)?;
-                    let mut outs = [output(&d, yh)];
-                    cuda::matvec_fused(
-                        &device,
-                        &mut outs,
-                        x.slice(0..inter),
-                        1,
-                        None,
-                        Epilogue::Accumulate,
-                    )
-                }
-            }
+            let x = x.as_slice().slice(0..ws[0].cols);
+            cuda::matvec_fused(&device, &mut outs, x, 1, norm, epilogue)
         };
-        let bytes = [
-            mats[..3].iter().map(|(_, r, c)| r * c * 2).sum::<usize>(),
-            hidden * q_rows * 2,
-            2 * inter * hidden * 2,
-            hidden * inter * 2,
-        ];
         let mut results = Vec::new();
-        for (which, name) in [
-            "q/k/v + norm",
-            "o + residual",
-            "gate/up + norm + swiglu",
-            "down + residual",
-        ]
-        .into_iter()
-        .enumerate()
-        {
+        for (p, &(name, which, ..)) in LAYER_PRODUCTS.iter().enumerate() {
             let ms = time(&self.device, || {
                 for layer in &weights {
-                    product(layer, which)?;
+                    product(layer, &mut ys, p)?;
                 }
                 Ok(())
             })?;
-            results.push((name, ms * 1e3 / layers as f64, bytes[which]));
+            let bytes = which.iter().map(|&i| mats[i].0 * mats[i].1 * 2).sum();
+            results.push((name, ms * 1e3 / layers as f64, bytes));
         }
         let ms = time(&self.device, || {
             for layer in &weights {
-                for which in 0..4 {
-                    product(layer, which)?;
+                for p in 0..LAYER_PRODUCTS.len() {
+                    product(layer, &mut ys, p)?;
                 }
             }
             Ok(())
@@ -368,14 +319,14 @@ impl Probe {
     }
 }
 
-/// A product's output over all of `y`, without bias.
-fn output<'w, 'y>(w: &'w DevMat<'w>, y: &'y mut DeviceBuffer) -> MatvecOutput<'w, 'y> {
-    MatvecOutput {
-        w,
-        bias: None,
-        y: y.as_mut_slice(),
-    }
-}
+/// A decode layer's products as the model fuses them: name, the matrices (q, k, v, o, gate,
+/// up, down: 0..7), whether the input norm is inside, and the epilogue.
+const LAYER_PRODUCTS: [(&str, &[usize], bool, Epilogue); 4] = [
+    ("q/k/v + norm", &[0, 1, 2], true, Epilogue::Store),
+    ("o + residual", &[3], false, Epilogue::Accumulate),
+    ("gate/up + norm + swiglu", &[4, 5], true, Epilogue::SwiGlu),
+    ("down + residual", &[6], false, Epilogue::Accumulate),
+];
 
 /// A dense decode layer's product shapes.
 struct LayerShape {
