@@ -307,10 +307,11 @@ __device__ __forceinline__ void attention_decode(
     if (FUSED) {
 #pragma unroll
         for (int r = 0; r < ROWS; ++r)
-            if (r < rows) norm_rotate<E>(qv[r], lr, lr.q_norm, rope.q_norm, rope.pairs, rope.eps, lane, d);
+            if (r < rows)
+                norm_rotate<E>(qv[r], lr, lr.q_norm, rope.q_norm != nullptr, rope.pairs, rope.eps, lane, d);
     }
     if (holds_new) {
-        norm_rotate<E>(k_new, lr, lr.k_norm, rope.k_norm, rope.pairs, rope.eps, lane, d);
+        norm_rotate<E>(k_new, lr, lr.k_norm, rope.k_norm != nullptr, rope.pairs, rope.eps, lane, d);
         const bool stores = blockIdx.y % row_blocks == 0 && warp == 0 && pos < rope.capacity;
 #pragma unroll
         for (int j = 0; j < E; ++j) {
@@ -324,7 +325,6 @@ __device__ __forceinline__ void attention_decode(
             v_new[j] = to_f32(vq);
         }
     }
-
 
     // This lane's score is of key `my_key` of the batch for row `my_row`; `owner`: the one
     // lane of the 2^SHIFT holding it that counts it in the row's sum.
