@@ -38,8 +38,9 @@ pub struct ModelArgs {
     /// model's trained length, at most 4096].
     #[arg(long, short = 'c', env = "EMBER_CONTEXT")]
     pub context: Option<usize>,
-    /// KV cache element type: f32 or f16 [default: f16 for GGUF models, f32 otherwise].
-    #[arg(long, value_parser = ["f32", "f16"])]
+    /// KV cache element type: f32, f16 or bf16 [default: f16 for GGUF models; on CUDA a bf16
+    /// or f16 checkpoint's own type; f32 otherwise].
+    #[arg(long, value_parser = ["f32", "f16", "bf16"])]
     pub kv_type: Option<String>,
     /// Hold every engine buffer and the program's code resident between requests: `auto`
     /// holds them when they fit and the OS allows (else runs without, saying why);

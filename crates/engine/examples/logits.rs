@@ -1,9 +1,10 @@
-//! Prints the top-2 logits at each greedy step: `cargo run --release -p ember-engine --example logits -- MODEL PROMPT N [f32|f16]`.
+//! Prints the top-2 logits at each greedy step: `cargo run --release -p ember-engine --example logits -- MODEL PROMPT N [f32|f16|bf16]`.
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let kv_dtype = match args.get(4).map(String::as_str) {
         Some("f32") => Some(ember_engine::KvDtype::F32),
         Some("f16") => Some(ember_engine::KvDtype::F16),
+        Some("bf16") => Some(ember_engine::KvDtype::Bf16),
         _ => None,
     };
     let options = ember_engine::EngineOptions {

@@ -19,7 +19,11 @@
 //! engine does, so those runs get `CUDA_GEMM_BF16_TOLERANCE` and are teacher-forced: the
 //! reference's tokens are fed back, because a greedy id may flip where the reference's top two
 //! are closer than that error (llama-bf16, case 0, step 1: margin 0.028), and every later step
-//! would then see another context ([`check_teacher_forced`]). Mixture-of-experts layers route
+//! would then see another context ([`check_teacher_forced`]). Those checks keep an f32 KV
+//! cache; the engine's default cache on CUDA for BF16 checkpoints is bf16 (the checkpoint's
+//! type, as transformers and vLLM keep it), read by tensor-core decode attention with bf16
+//! queries, so one more run per BF16 fixture takes that default and the same bf16 tolerance,
+//! teacher-forced. Mixture-of-experts layers route
 //! on the device from f32 router logits; on that road a step whose reference routing is within
 //! [`BF16_ROUTER_GAP`] of a tie is not checked (a flipped expert is not a bug).
 
@@ -28,7 +32,7 @@ use std::path::PathBuf;
 
 use ember_engine::chat_template::ChatMessage;
 use ember_engine::sampler::{SamplingParams, logprob_of};
-use ember_engine::{Device, Engine, EngineOptions, GenerateParams};
+use ember_engine::{Device, Engine, EngineOptions, GenerateParams, KvDtype};
 use serde_json::Value;
 
 const LOGPROB_TOLERANCE: f32 = 1e-3;
@@ -55,8 +59,34 @@ fn device() -> Device {
         .unwrap_or(Device::Cpu)
 }
 
-fn tolerance(name: &str, max_batch: usize) -> f32 {
-    if device() != Device::Cpu && name.ends_with("bf16") && max_batch > CUDA_MATVEC_BATCH {
+/// A run of a fixture: the longest prompt chunk, and the KV cache's type (`None`: the
+/// engine's default for the device and checkpoint).
+#[derive(Clone, Copy)]
+struct Run {
+    max_batch: usize,
+    kv_dtype: Option<KvDtype>,
+}
+
+fn runs(name: &str) -> Vec<Run> {
+    // A prefill batch of 3 makes every prompt run in several chunks: chunking must not matter.
+    let mut runs = [512, 3]
+        .map(|max_batch| Run {
+            max_batch,
+            kv_dtype: Some(KvDtype::F32),
+        })
+        .to_vec();
+    if device() != Device::Cpu && name.ends_with("bf16") {
+        runs.push(Run {
+            max_batch: 3,
+            kv_dtype: None,
+        });
+    }
+    runs
+}
+
+fn tolerance(name: &str, run: Run) -> f32 {
+    let bf16_road = run.max_batch > CUDA_MATVEC_BATCH || run.kv_dtype != Some(KvDtype::F32);
+    if device() != Device::Cpu && name.ends_with("bf16") && bf16_road {
         CUDA_GEMM_BF16_TOLERANCE
     } else {
         LOGPROB_TOLERANCE
@@ -69,15 +99,15 @@ fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
-fn load(name: &str, max_batch: usize) -> (Engine, Value) {
+fn load(name: &str, run: Run) -> (Engine, Value) {
     let dir = fixture(name);
     let expected: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
     let options = EngineOptions {
         threads: Some(2),
         context: Some(256),
-        max_batch,
-        kv_dtype: None,
+        max_batch: run.max_batch,
+        kv_dtype: run.kv_dtype,
         device: device(),
         // `EMBER_TEST_CUDA_GRAPHS=0` runs CUDA decode steps op by op (to tell a graph's fault
         // from a kernel's).
@@ -180,9 +210,8 @@ fn check_teacher_forced(
 }
 
 fn check_fixture(name: &str) {
-    // A prefill batch of 3 makes every prompt run in several chunks: chunking must not matter.
-    for max_batch in [512, 3] {
-        let (mut engine, expected) = load(name, max_batch);
+    for run in runs(name) {
+        let (mut engine, expected) = load(name, run);
         let greedy = GenerateParams {
             max_tokens: 0,
             sampling: SamplingParams::default(),
@@ -208,7 +237,7 @@ fn check_fixture(name: &str) {
                 max_tokens: want.len(),
                 ..greedy
             };
-            let tolerance = tolerance(name, max_batch);
+            let tolerance = tolerance(name, run);
             let router_gaps: Vec<f64> = case
                 .get("router_gaps")
                 .map(|g| {
@@ -249,12 +278,13 @@ fn check_fixture(name: &str) {
                 .unwrap();
             assert_eq!(
                 generation.tokens, want,
-                "{name} case {case_index}: greedy continuation (max_batch {max_batch})"
+                "{name} case {case_index}: greedy continuation (max_batch {})",
+                run.max_batch
             );
         }
     }
 
-    let (engine, expected) = load(name, 512);
+    let (engine, expected) = load(name, runs(name)[0]);
     for (i, chat) in expected["chats"].as_array().unwrap().iter().enumerate() {
         let messages: Vec<ChatMessage> = serde_json::from_value(chat["messages"].clone()).unwrap();
         let kwargs = chat["chat_template_kwargs"]

@@ -18,9 +18,9 @@ use std::sync::Arc;
 use ember_checkpoint::TensorSource;
 use ember_tensor::cpu::{AttentionShape, RopeLayout};
 use ember_tensor::cuda::{
-    self, CudaDevice, DevMat, DevSlice, DevSliceMut, DeviceBuffer, Epilogue, ExpertRoad,
-    ExpertTable, Float, Gemm, Graph, MatvecNorm, MatvecOutput, Position, PrefillPrecision,
-    RopeHeads, RopeNorm, Routes, Routing,
+    self, AttentionPrecision, CudaDevice, DevMat, DevSlice, DevSliceMut, DeviceBuffer, Epilogue,
+    ExpertRoad, ExpertTable, Float, Gemm, Graph, MatvecNorm, MatvecOutput, Position, RopeHeads,
+    RopeNorm, Routes, Routing,
 };
 use ember_tensor::quant::dequantize_row;
 use ember_tensor::{Buffer, BufferId, BufferKind, BufferOwner, DType};
@@ -224,9 +224,10 @@ pub struct CudaBackend {
     moe: Option<MoeWorkspace>,
     /// Recorded one-token passes; `None` turns recording off.
     graphs: Option<HashMap<GraphKey, Recording>>,
-    /// Prompt attention in bf16 on the tensor cores: for 16-bit checkpoints, whose prompts
-    /// already run through bf16 GEMMs; f32 checkpoints keep f32 attention.
-    prefill_precision: PrefillPrecision,
+    /// Attention on the tensor cores with 16-bit operands (prompts always, decode over a 16-bit
+    /// cache): for 16-bit checkpoints, whose products already run in 16 bits; f32 checkpoints
+    /// keep f32 attention.
+    attention_precision: AttentionPrecision,
 }
 
 /// What a recorded pass is bound to: its shape and the cache its kernels address.
@@ -328,9 +329,9 @@ impl CudaBackend {
             )?,
             moe,
             graphs: graphs.then(HashMap::new),
-            prefill_precision: match config.dtype.as_deref() {
-                Some("bfloat16" | "float16") => PrefillPrecision::Bf16,
-                _ => PrefillPrecision::F32,
+            attention_precision: match config.dtype.as_deref() {
+                Some("bfloat16" | "float16") => AttentionPrecision::Bf16,
+                _ => AttentionPrecision::F32,
             },
             device,
         })
@@ -928,12 +929,13 @@ impl Backend for CudaBackend {
                         end,
                         shape,
                         p.scale,
+                        self.attention_precision,
                         &mut scratch,
                         &mut out,
                     )?;
                 } else {
                     // Prompts are never recorded: the host's position is the step's.
-                    let precision = self.prefill_precision;
+                    let precision = self.attention_precision;
                     cuda::attention_prefill(
                         dev, q, keys, values, p.pos0, rows, shape, p.scale, precision, &mut out,
                     )?;
@@ -943,6 +945,7 @@ impl Backend for CudaBackend {
         match kv.dtype {
             KvDtype::F32 => run!(f32),
             KvDtype::F16 => run!(f16),
+            KvDtype::Bf16 => run!(bf16),
         }
         Ok(())
     }
@@ -990,6 +993,7 @@ impl Backend for CudaBackend {
                     end,
                     shape,
                     p.scale,
+                    self.attention_precision,
                     &mut scratch,
                     &mut out,
                 )?
@@ -998,6 +1002,7 @@ impl Backend for CudaBackend {
         match kv.dtype {
             KvDtype::F32 => run!(f32),
             KvDtype::F16 => run!(f16),
+            KvDtype::Bf16 => run!(bf16),
         }
         Ok(())
     }

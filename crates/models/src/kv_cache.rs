@@ -14,13 +14,16 @@ pub enum KvDtype {
     F32,
     /// Half the memory and the decode reads; what llama.cpp keeps by default.
     F16,
+    /// bf16 bits: half the memory and the decode reads, the model's own type for bf16
+    /// checkpoints (what transformers and vLLM keep for them).
+    Bf16,
 }
 
 impl KvDtype {
     pub fn size_in_bytes(self) -> usize {
         match self {
             KvDtype::F32 => 4,
-            KvDtype::F16 => 2,
+            KvDtype::F16 | KvDtype::Bf16 => 2,
         }
     }
 }
@@ -81,6 +84,10 @@ impl KvCache {
                 KvSlice::F16(&self.keys.as_slice()[r.clone()]),
                 KvSlice::F16(&self.values.as_slice()[r]),
             ),
+            KvDtype::Bf16 => (
+                KvSlice::Bf16(&self.keys.as_slice()[r.clone()]),
+                KvSlice::Bf16(&self.values.as_slice()[r]),
+            ),
         }
     }
 
@@ -93,16 +100,27 @@ impl KvCache {
                 self.keys.as_mut_slice::<f32>()[rows.clone()].copy_from_slice(keys);
                 self.values.as_mut_slice::<f32>()[rows].copy_from_slice(values);
             }
-            KvDtype::F16 => {
-                let to_f16 = |dst: &mut [u16], src: &[f32]| {
-                    for (d, &s) in dst.iter_mut().zip(src) {
-                        *d = ember_tensor::dtype::f32_to_f16(s);
-                    }
-                };
-                to_f16(&mut self.keys.as_mut_slice::<u16>()[rows.clone()], keys);
-                to_f16(&mut self.values.as_mut_slice::<u16>()[rows], values);
-            }
+            // Both round to nearest even.
+            KvDtype::F16 => self.write_bits(rows, keys, values, ember_tensor::dtype::f32_to_f16),
+            KvDtype::Bf16 => self.write_bits(rows, keys, values, ember_tensor::dtype::f32_to_bf16),
         }
+    }
+
+    /// Stores f32 keys and values as 16-bit elements `convert` makes.
+    fn write_bits(
+        &mut self,
+        rows: std::ops::Range<usize>,
+        keys: &[f32],
+        values: &[f32],
+        convert: impl Fn(f32) -> u16,
+    ) {
+        let store = |dst: &mut [u16], src: &[f32]| {
+            for (d, &s) in dst.iter_mut().zip(src) {
+                *d = convert(s);
+            }
+        };
+        store(&mut self.keys.as_mut_slice::<u16>()[rows.clone()], keys);
+        store(&mut self.values.as_mut_slice::<u16>()[rows], values);
     }
 }
 

@@ -283,11 +283,13 @@ impl Probe {
 
     /// GB/s of one decode step's attention over a bf16 cache of `context` positions, and µs:
     /// launched back to back over as many layers' caches as make 256 MiB (each its own, as in
-    /// a model, so that short contexts are not read from L2), at least 8 launches.
+    /// a model, so that short contexts are not read from L2), at least 8 launches. `precision`
+    /// picks the kernel: f32 products or the tensor cores.
     fn attention(
         &mut self,
         shape: AttentionShape,
         context: usize,
+        precision: cuda::AttentionPrecision,
     ) -> Result<(f64, f64), CudaError> {
         let kv = context * shape.n_kv_heads * shape.head_dim;
         let layers = ((256 << 20) / (2 * kv * 2)).clamp(1, 64);
@@ -309,6 +311,7 @@ impl Probe {
                     cuda::Position::Host(context),
                     shape,
                     0.088,
+                    precision,
                     &mut scratch.as_mut_slice(),
                     &mut out.as_mut_slice(),
                 )?;
@@ -392,12 +395,17 @@ fn run() -> Result<(), CudaError> {
         n_kv_heads: 8,
         head_dim: 128,
     };
-    for context in [512, 4096, 32768] {
-        let (gbs, us) = probe.attention(shape, context)?;
-        println!(
-            "context {context:>6}: {us:>7.1} µs, {gbs:>5.0} GB/s ({:.0}% of copy)",
-            100.0 * gbs / copy
-        );
+    for precision in [
+        cuda::AttentionPrecision::F32,
+        cuda::AttentionPrecision::Bf16,
+    ] {
+        for context in [512, 2048, 4096, 32768] {
+            let (gbs, us) = probe.attention(shape, context, precision)?;
+            println!(
+                "{precision:?} context {context:>6}: {us:>7.1} µs, {gbs:>5.0} GB/s ({:.0}% of copy)",
+                100.0 * gbs / copy
+            );
+        }
     }
 
     for shape in [

@@ -13,8 +13,8 @@ use std::sync::Arc;
 use ember_residency::{Bound, Membership, RegionKind, ResidencySet, TestBackend};
 use ember_tensor::cpu::{self, AttentionShape, RopeLayout, RopeTables};
 use ember_tensor::cuda::{
-    self, CudaDevice, CudaError, DevMat, DeviceBuffer, DeviceElem, Epilogue, ExpertRoad, FloatElem,
-    Gemm, MatvecNorm, MatvecOutput, Module, Position, PrefillPrecision, RopeHeads, RopeNorm,
+    self, AttentionPrecision, CudaDevice, CudaError, DevMat, DeviceBuffer, DeviceElem, Epilogue,
+    ExpertRoad, FloatElem, Gemm, MatvecNorm, MatvecOutput, Module, Position, RopeHeads, RopeNorm,
     compile,
 };
 use ember_tensor::{BufferKind, BufferOwner, Location, ThreadPool};
@@ -1084,7 +1084,7 @@ fn check_attention<T: Elem>(
     let want = attention_reference(&q, &kf, &vf, pos0, n, shape, scale);
     // f32 throughout, then on the tensor cores (heads of 64 and 128) with bf16 operands and
     // so a bf16-sized error.
-    for precision in [PrefillPrecision::F32, PrefillPrecision::Bf16] {
+    for precision in [AttentionPrecision::F32, AttentionPrecision::Bf16] {
         let mut out = ctx.poisoned::<f32>(n * n_heads * head_dim);
         cuda::attention_prefill(
             &ctx.device,
@@ -1101,8 +1101,8 @@ fn check_attention<T: Elem>(
         .unwrap();
         let got = ctx.download::<f32>(&out);
         let (err, bound) = match precision {
-            PrefillPrecision::F32 => (max_abs_err(&got, &want), 1e-4),
-            PrefillPrecision::Bf16 => (rel_err(&got, &want), 2e-2),
+            AttentionPrecision::F32 => (max_abs_err(&got, &want), 1e-4),
+            AttentionPrecision::Bf16 => (rel_err(&got, &want), 2e-2),
         };
         assert!(
             err < bound,
@@ -1110,7 +1110,8 @@ fn check_attention<T: Elem>(
         );
     }
 
-    // Decode: the last query alone over every position.
+    // Decode: the last query alone over every position, in f32 and (a 16-bit cache, heads of
+    // 64 or 128) on the tensor cores with 16-bit queries and probabilities.
     let q_last = &q[(n - 1) * n_heads * head_dim..];
     let want = attention_reference(q_last, &kf, &vf, positions - 1, 1, shape, scale);
     let qbuf = ctx.upload(q_last);
@@ -1123,35 +1124,44 @@ fn check_attention<T: Elem>(
     };
     let (kpad, vpad) = (padded(&k), padded(&v));
     let context_buf = ctx.upload(&[positions as i32]);
-    // One scratch for both: the first launch must leave its tickets zero for the second.
+    // One scratch for all: each launch must leave its tickets zero for the next.
     let mut scratch = ctx.poisoned::<f32>(cuda::attention_decode_scratch_len(shape));
     cuda::attention_decode_scratch_reset(&ctx.device, shape, &mut scratch.as_mut_slice()).unwrap();
-    let mut results = Vec::new();
-    for (context, kb, vb) in [
-        (Position::Host(positions), &kbuf, &vbuf),
-        (Position::Device(context_buf.as_slice()), &kpad, &vpad),
-    ] {
-        let mut out = ctx.poisoned::<f32>(n_heads * head_dim);
-        cuda::attention_decode(
-            &ctx.device,
-            qbuf.as_slice(),
-            kb.as_slice::<T>(),
-            vb.as_slice::<T>(),
-            context,
-            shape,
-            scale,
-            &mut scratch.as_mut_slice(),
-            &mut out.as_mut_slice(),
-        )
-        .unwrap();
-        results.push(ctx.download::<f32>(&out));
+    for precision in [AttentionPrecision::F32, AttentionPrecision::Bf16] {
+        let mut results = Vec::new();
+        for (context, kb, vb) in [
+            (Position::Host(positions), &kbuf, &vbuf),
+            (Position::Device(context_buf.as_slice()), &kpad, &vpad),
+        ] {
+            let mut out = ctx.poisoned::<f32>(n_heads * head_dim);
+            cuda::attention_decode(
+                &ctx.device,
+                qbuf.as_slice(),
+                kb.as_slice::<T>(),
+                vb.as_slice::<T>(),
+                context,
+                shape,
+                scale,
+                precision,
+                &mut scratch.as_mut_slice(),
+                &mut out.as_mut_slice(),
+            )
+            .unwrap();
+            results.push(ctx.download::<f32>(&out));
+        }
+        let (err, bound) = match precision {
+            AttentionPrecision::F32 => (max_abs_err(&results[0], &want), 1e-4),
+            AttentionPrecision::Bf16 => (rel_err(&results[0], &want), 2e-2),
+        };
+        assert!(
+            err < bound,
+            "attention_decode {precision:?}, {what}: error {err:e}"
+        );
+        assert!(
+            bits(&results[0]) == bits(&results[1]),
+            "attention_decode {precision:?}, {what}: a context read on the device changed the result"
+        );
     }
-    let err = max_abs_err(&results[0], &want);
-    assert!(err < 1e-4, "attention_decode, {what}: error {err:e}");
-    assert!(
-        bits(&results[0]) == bits(&results[1]),
-        "attention_decode, {what}: a context read on the device changed the result"
-    );
 }
 
 fn bits(x: &[f32]) -> Vec<u32> {
@@ -1174,6 +1184,7 @@ fn attention_decode_rope_matches_rope_then_store_then_attention() {
         pos: usize,
         layout: RopeLayout,
         with_norm: bool,
+        precision: AttentionPrecision,
     ) {
         let AttentionShape {
             n_heads,
@@ -1200,7 +1211,7 @@ fn attention_decode_rope_matches_rope_then_store_then_attention() {
         let (cache, values) = (round::<T>(&cache), round::<T>(&values));
         let scale = 1.0 / (head_dim as f32).sqrt();
         let what = format!(
-            "{} cache, {shape:?}, pos {pos}, {layout:?}, norm {with_norm}",
+            "{} cache, {shape:?}, pos {pos}, {layout:?}, norm {with_norm}, {precision:?}",
             T::FLOAT
         );
 
@@ -1248,6 +1259,7 @@ fn attention_decode_rope_matches_rope_then_store_then_attention() {
             Position::Host(pos + 1),
             shape,
             scale,
+            precision,
             &mut scratch.as_mut_slice(),
             &mut want.as_mut_slice(),
         )
@@ -1283,6 +1295,7 @@ fn attention_decode_rope_matches_rope_then_store_then_attention() {
                 context,
                 shape,
                 scale,
+                precision,
                 &mut scratch.as_mut_slice(),
                 &mut out.as_mut_slice(),
             )
@@ -1346,8 +1359,21 @@ fn attention_decode_rope_matches_rope_then_store_then_attention() {
     ] {
         for layout in [RopeLayout::Halves, RopeLayout::Pairs] {
             for with_norm in [false, true] {
-                check::<f32>(&ctx, &mut rng, s, pos, layout, with_norm);
-                check::<bf16>(&ctx, &mut rng, s, pos, layout, with_norm);
+                let f32 = AttentionPrecision::F32;
+                check::<f32>(&ctx, &mut rng, s, pos, layout, with_norm, f32);
+                // 16-bit caches on the tensor cores too (heads of 64 and 128).
+                for precision in [f32, AttentionPrecision::Bf16] {
+                    check::<bf16>(&ctx, &mut rng, s, pos, layout, with_norm, precision);
+                }
+                check::<f16>(
+                    &ctx,
+                    &mut rng,
+                    s,
+                    pos,
+                    layout,
+                    with_norm,
+                    AttentionPrecision::Bf16,
+                );
             }
         }
     }
@@ -1500,6 +1526,7 @@ fn bad_arguments_are_errors_that_name_the_op() {
         Position::Host(1),
         shape,
         1.0,
+        AttentionPrecision::F32,
         &mut scratch.as_mut_slice(),
         &mut y.as_mut_slice(),
     )

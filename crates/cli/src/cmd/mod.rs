@@ -37,12 +37,11 @@ pub fn engine_options(args: &ModelArgs) -> EngineOptions {
     EngineOptions {
         threads: args.threads,
         context: args.context,
-        kv_dtype: args.kv_type.as_deref().map(|t| {
-            if t == "f16" {
-                KvDtype::F16
-            } else {
-                KvDtype::F32
-            }
+        kv_dtype: args.kv_type.as_deref().map(|t| match t {
+            "f32" => KvDtype::F32,
+            "f16" => KvDtype::F16,
+            "bf16" => KvDtype::Bf16,
+            _ => unreachable!("clap accepts only f32, f16 and bf16"),
         }),
         residency: match (args.no_residency, args.residency.as_str()) {
             (true, _) => ResidencyMode::Off,

@@ -1,35 +1,38 @@
 //! Causal attention of new queries over a sequence's cached keys and values.
 //!
 //! One (query, head) pair is one unit of work: scores against every visible key, a softmax,
-//! a weighted sum of values. Over an f32 cache the sums run in key order and prefill and
-//! decode run the same unit, so a token's output is the same whichever way it was computed.
+//! a weighted sum of values. Over an f32 or bf16 cache the sums run in key order and prefill
+//! and decode run the same unit, so a token's output is the same whichever way it was computed
+//! (bf16 is widened on load: the same sums as an f32 cache holding the same values).
 //! Over an f16 cache the unit is llama.cpp's (see `attend_items_f16`), whose summation order
 //! depends on whether the query came alone or in a batch.
 
-use super::simd::{F16, Simd, WeightElem};
+use super::simd::{Bf16, F16, Simd, WeightElem};
 use super::{Isa, SharedPtr, simd_dispatch};
 use crate::pool::ThreadPool;
 
 /// One layer's cached keys or values, `[positions, n_kv_heads·head_dim]`, in f32 or as f16
-/// bits (half the memory and bandwidth; what llama.cpp keeps by default).
+/// or bf16 bits (half the memory and bandwidth; f16 is what llama.cpp keeps by default, bf16
+/// what transformers and vLLM keep for bf16 checkpoints).
 #[derive(Clone, Copy, Debug)]
 pub enum KvSlice<'a> {
     F32(&'a [f32]),
     F16(&'a [u16]),
+    Bf16(&'a [u16]),
 }
 
 impl KvSlice<'_> {
     fn len(&self) -> usize {
         match self {
             KvSlice::F32(s) => s.len(),
-            KvSlice::F16(s) => s.len(),
+            KvSlice::F16(s) | KvSlice::Bf16(s) => s.len(),
         }
     }
 
     fn ptr(&self) -> *mut u8 {
         match self {
             KvSlice::F32(s) => s.as_ptr() as *mut u8,
-            KvSlice::F16(s) => s.as_ptr() as *mut u8,
+            KvSlice::F16(s) | KvSlice::Bf16(s) => s.as_ptr() as *mut u8,
         }
     }
 }
@@ -111,6 +114,7 @@ pub fn causal_attention(
             match keys {
                 KvSlice::F32(_) => attend_f32(isa, Job { thread, ..job }),
                 KvSlice::F16(_) => attend_f16(isa, Job { thread, ..job }),
+                KvSlice::Bf16(_) => attend_bf16(isa, Job { thread, ..job }),
             }
         }
     });
@@ -133,11 +137,22 @@ struct Job {
 }
 
 simd_dispatch!(fn attend_f32(job: Job) => attend_items_f32);
+simd_dispatch!(fn attend_bf16(job: Job) => attend_items_bf16);
 simd_dispatch!(fn attend_f16(job: Job) => attend_items_f16);
 
-/// Attention over an f32 cache: scores by [`dot4`], softmax, weighted sum in key order.
 #[inline(always)]
 unsafe fn attend_items_f32<S: Simd>(job: Job) {
+    unsafe { attend_items::<S, f32>(job) }
+}
+#[inline(always)]
+unsafe fn attend_items_bf16<S: Simd>(job: Job) {
+    unsafe { attend_items::<S, Bf16>(job) }
+}
+
+/// Attention over an f32 or bf16 cache: scores by [`dot4`], softmax, weighted sum in key
+/// order.
+#[inline(always)]
+unsafe fn attend_items<S: Simd, E: WeightElem>(job: Job) {
     let AttentionShape {
         n_heads,
         n_kv_heads,
@@ -156,22 +171,22 @@ unsafe fn attend_items_f32<S: Simd>(job: Job) {
         let kv_offset = (h / group) * d;
         unsafe {
             let q = job.q.get().add((i * n_heads + h) * d) as *const f32;
-            let key = |t: usize| (job.keys.get() as *const f32).add(t * kv_row + kv_offset);
+            let key = |t: usize| (job.keys.get() as *const E).add(t * kv_row + kv_offset);
             let mut t = 0;
             while t + 4 <= visible {
-                let s = dot4::<S, f32>(q, [key(t), key(t + 1), key(t + 2), key(t + 3)], d);
+                let s = dot4::<S, E>(q, [key(t), key(t + 1), key(t + 2), key(t + 3)], d);
                 for (j, value) in s.into_iter().enumerate() {
                     *scores.add(t + j) = value * job.scale;
                 }
                 t += 4;
             }
             while t < visible {
-                *scores.add(t) = dot4::<S, f32>(q, [key(t); 4], d)[0] * job.scale;
+                *scores.add(t) = dot4::<S, E>(q, [key(t); 4], d)[0] * job.scale;
                 t += 1;
             }
             softmax::<S>(scores, visible);
-            let value = |t: usize| (job.values.get() as *const f32).add(t * kv_row + kv_offset);
-            weighted_sum::<S, f32>(
+            let value = |t: usize| (job.values.get() as *const E).add(t * kv_row + kv_offset);
+            weighted_sum::<S, E>(
                 scores,
                 visible,
                 value,
@@ -606,6 +621,56 @@ mod tests {
             &mut scratch,
         );
         assert_eq!(last16, &out16[(n - 1) * q_row..]);
+    }
+
+    #[test]
+    fn bf16_cache_equals_f32_cache_of_the_same_values() {
+        // A head of 136 takes both the blocked and the leftover value loops, and 9 keys the
+        // one-key tail of the scores, at every lane width.
+        let shape = AttentionShape {
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 136,
+        };
+        let (n, kv_row, q_row) = (9usize, 272usize, 544usize);
+        let mut seed = 5u64;
+        let mut next = || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+            ((seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+        };
+        let bits =
+            |x: &[f32]| -> Vec<u16> { x.iter().map(|&x| crate::dtype::f32_to_bf16(x)).collect() };
+        let widen =
+            |x: &[u16]| -> Vec<f32> { x.iter().map(|&b| crate::dtype::bf16_to_f32(b)).collect() };
+        let q: Vec<f32> = (0..n * q_row).map(|_| next()).collect();
+        let k16 = bits(&(0..n * kv_row).map(|_| next()).collect::<Vec<_>>());
+        let v16 = bits(&(0..n * kv_row).map(|_| next()).collect::<Vec<_>>());
+        let (k, v) = (widen(&k16), widen(&v16));
+        let pool = ThreadPool::new(2);
+        let mut scratch = vec![0f32; attention_scratch_len(2, n)];
+        let mut run = |keys: KvSlice<'_>, values: KvSlice<'_>, pos0: usize, rows: usize| {
+            let mut out = vec![0f32; rows * q_row];
+            causal_attention(
+                &pool,
+                &q[pos0 * q_row..(pos0 + rows) * q_row],
+                keys,
+                values,
+                pos0,
+                rows,
+                shape,
+                0.2,
+                &mut out,
+                &mut scratch,
+            );
+            out
+        };
+        let prefill = run(KvSlice::Bf16(&k16), KvSlice::Bf16(&v16), 0, n);
+        assert_eq!(prefill, run(KvSlice::F32(&k), KvSlice::F32(&v), 0, n));
+        for i in 0..n {
+            let alone = run(KvSlice::Bf16(&k16), KvSlice::Bf16(&v16), i, 1);
+            assert_eq!(alone, run(KvSlice::F32(&k), KvSlice::F32(&v), i, 1));
+            assert_eq!(alone, &prefill[i * q_row..(i + 1) * q_row]);
+        }
     }
 
     /// llama.cpp's order for an f16 cache, written out plainly: `lanes` partial sums of fused

@@ -3,7 +3,7 @@
 //! `[positions, n_kv_heads · head_dim]`, queries and outputs `[tokens, n_heads · head_dim]`.
 
 use super::device::launch;
-use super::kernels::Kernel;
+use super::kernels::{Float, Kernel, Module};
 use super::rope::RopeNorm;
 use super::{
     CudaDevice, CudaError, DevSlice, DevSliceMut, FloatElem, Position, config, ensure, int,
@@ -128,6 +128,10 @@ fn check_cache<T: FloatElem>(
 /// same bits as the same context known on the host. `scratch` holds
 /// [`attention_decode_scratch_len`] values, its tickets zeroed once by
 /// [`attention_decode_scratch_reset`].
+///
+/// With [`AttentionPrecision::Bf16`], a 16-bit cache and heads of 64 or 128, the products run
+/// on the tensor cores (compute capability 8.0 on) with the queries and probabilities rounded
+/// to the cache's type; otherwise in f32.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_decode<T: FloatElem>(
     device: &CudaDevice,
@@ -137,6 +141,7 @@ pub fn attention_decode<T: FloatElem>(
     context: Position<'_>,
     shape: AttentionShape,
     scale: f32,
+    precision: AttentionPrecision,
     scratch: &mut DevSliceMut<'_, f32>,
     out: &mut DevSliceMut<'_, f32>,
 ) -> Result<(), CudaError> {
@@ -148,6 +153,7 @@ pub fn attention_decode<T: FloatElem>(
         context,
         shape,
         scale,
+        precision,
         scratch,
         out,
         RopeArgs::default(),
@@ -200,6 +206,7 @@ pub fn attention_decode_rope<T: FloatElem>(
     context: Position<'_>,
     shape: AttentionShape,
     scale: f32,
+    precision: AttentionPrecision,
     scratch: &mut DevSliceMut<'_, f32>,
     out: &mut DevSliceMut<'_, f32>,
 ) -> Result<(), CudaError> {
@@ -263,6 +270,7 @@ pub fn attention_decode_rope<T: FloatElem>(
         context,
         shape,
         scale,
+        precision,
         scratch,
         out,
         args,
@@ -296,6 +304,7 @@ fn launch_decode<T: FloatElem>(
     context: Position<'_>,
     shape: AttentionShape,
     scale: f32,
+    precision: AttentionPrecision,
     scratch: &mut DevSliceMut<'_, f32>,
     out: &mut DevSliceMut<'_, f32>,
     rope: RopeArgs,
@@ -333,9 +342,22 @@ fn launch_decode<T: FloatElem>(
         "scratch not on 16 bytes"
     );
 
-    // Query heads a block takes: the group, or blocks of 8 of it.
+    // A lane's values of a row come whole in vector loads.
+    let vec = vectorised(keys, values, head_dim) & i32::from(head_dim.is_multiple_of(width.into()));
+    let tensor_cores = precision == AttentionPrecision::Bf16
+        && T::FLOAT != Float::F32
+        && MMA_HEAD_DIMS.contains(&head_dim)
+        && vec == 1
+        && device.info().compute_capability
+            >= Module::AttentionDecodeMma(T::FLOAT).min_compute_capability();
+    // Query heads a block takes: the group, or blocks of 8 of it (always 8 on the tensor
+    // cores: the n of their product).
     let group = n_heads / n_kv_heads;
-    let rows = group.min(MAX_DECODE_ROWS).next_power_of_two();
+    let rows = if tensor_cores {
+        MAX_DECODE_ROWS
+    } else {
+        group.min(MAX_DECODE_ROWS).next_power_of_two()
+    };
     let blocks_per_split = n_kv_heads * group.div_ceil(rows);
     // As many blocks as fit on the device at once, so that the chunks run in one wave;
     // `decode_keys_per_split` in attention_decode.cu turns this into chunks.
@@ -363,13 +385,19 @@ fn launch_decode<T: FloatElem>(
         int(OP, "head_dim", head_dim)?,
     );
     let target = int(OP, "splits", target_splits)?;
-    // A lane's values of a row come whole in vector loads.
-    let vec = vectorised(keys, values, head_dim) & i32::from(head_dim.is_multiple_of(width.into()));
-    let kernel = Kernel::AttentionDecode {
-        kv: T::FLOAT,
-        width,
-        rows: rows as u8,
-        rope: rope.k_new != 0,
+    let kernel = if tensor_cores {
+        Kernel::AttentionDecodeMma {
+            kv: T::FLOAT,
+            head_dim: head_dim as u16,
+            rope: rope.k_new != 0,
+        }
+    } else {
+        Kernel::AttentionDecode {
+            kv: T::FLOAT,
+            width,
+            rows: rows as u8,
+            rope: rope.k_new != 0,
+        }
     };
     let grid = (
         grid_splits as u32,
@@ -446,18 +474,19 @@ pub fn kv_store<T: FloatElem>(
         kp, vp, kcp, vcp, n, dim, p0, p0_dev, cap)
 }
 
-/// How [`attention_prefill`] may compute.
+/// How [`attention_prefill`] and [`attention_decode`] may compute.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PrefillPrecision {
+pub enum AttentionPrecision {
     /// f32 products throughout (CUDA cores), as the CPU computes.
     F32,
-    /// bf16 queries, keys, values and probabilities with f32 sums, on the tensor cores
-    /// (FlashAttention-2), where the device and head size allow; else as `F32`. For models
-    /// whose prefill already runs in bf16 GEMMs.
+    /// 16-bit operands with f32 sums on the tensor cores, where the device and head size
+    /// allow, else as `F32`: prompts (FlashAttention-2) with bf16 queries, keys, values and
+    /// probabilities; decode over a 16-bit cache, with the queries and probabilities in the
+    /// cache's type. For models whose products already run in 16 bits.
     Bf16,
 }
 
-/// Heads the tensor-core kernel takes.
+/// Heads the tensor-core kernels take.
 const MMA_HEAD_DIMS: [usize; 2] = [64, 128];
 /// Query rows a tensor-core block takes (`MMA_ROWS` in attention_mma.cu), and its threads.
 const MMA_ROWS: usize = 64;
@@ -476,7 +505,7 @@ pub fn attention_prefill<T: FloatElem>(
     n: usize,
     shape: AttentionShape,
     scale: f32,
-    precision: PrefillPrecision,
+    precision: AttentionPrecision,
     out: &mut DevSliceMut<'_, f32>,
 ) -> Result<(), CudaError> {
     const OP: &str = "attention_prefill";
@@ -511,7 +540,7 @@ pub fn attention_prefill<T: FloatElem>(
         int(OP, "n_kv_heads", n_kv_heads)?,
         int(OP, "head_dim", head_dim)?,
     );
-    let tensor_cores = precision == PrefillPrecision::Bf16
+    let tensor_cores = precision == AttentionPrecision::Bf16
         && MMA_HEAD_DIMS.contains(&head_dim)
         && device.info().compute_capability >= super::Module::AttentionMma.min_compute_capability()
         && [kp, vp].iter().all(|p| p.is_multiple_of(16));
@@ -550,6 +579,9 @@ mod tests {
         assert_eq!(m.define("DEC_KEY_ROUND"), KEY_ROUND);
         assert_eq!(m.define("DEC_BLOCKS_PER_SM"), DECODE_BLOCKS_PER_SM);
         assert_eq!(32 * m.define("DEC_WARPS"), THREADS as usize);
+        // The tensor-core form always takes eight query heads a block (the grid's rows).
+        let mma = Module::AttentionDecodeMma(crate::cuda::Float::Bf16);
+        assert_eq!(mma.define("DEC_MMA_ROWS"), MAX_DECODE_ROWS);
         let a = Module::Attention;
         assert_eq!(a.define("ATT_WARPS") * a.define("ATT_ROWS_PER_WARP"), ROWS);
         assert_eq!(32 * a.define("ATT_WARPS"), THREADS as usize);

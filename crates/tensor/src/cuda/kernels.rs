@@ -10,6 +10,8 @@ use std::fmt;
 const COMMON: &str = include_str!("kernels/common.cuh");
 /// Prepended to the modules that multiply on the tensor cores.
 const MMA: &str = include_str!("kernels/mma.cuh");
+/// The CUDA-core decode attention, also the first half of the tensor-core one's module.
+const DECODE: &str = include_str!("kernels/attention_decode.cu");
 
 /// One source file of kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -24,6 +26,9 @@ pub enum Module {
     /// Decode attention over a cache of one element type: a module each, so that a first
     /// load compiles the three at once (together they took half a minute).
     AttentionDecode(Float),
+    /// Decode attention on the tensor cores over a 16-bit cache: compute capability 8.0 and
+    /// later. Its source follows attention_decode.cu, whose chunking and merge it shares.
+    AttentionDecodeMma(Float),
     /// Tensor-core attention (mma.sync with bf16 operands): compute capability 8.0 and later.
     AttentionMma,
     Moe,
@@ -32,7 +37,7 @@ pub enum Module {
 }
 
 impl Module {
-    pub const ALL: [Module; 13] = [
+    pub const ALL: [Module; 15] = [
         Module::Matvec,
         Module::RmsNorm,
         Module::Rope,
@@ -43,6 +48,8 @@ impl Module {
         Module::AttentionDecode(Float::F32),
         Module::AttentionDecode(Float::Bf16),
         Module::AttentionDecode(Float::F16),
+        Module::AttentionDecodeMma(Float::Bf16),
+        Module::AttentionDecodeMma(Float::F16),
         Module::AttentionMma,
         Module::Moe,
         Module::ExpertsMma,
@@ -61,6 +68,10 @@ impl Module {
             Module::AttentionDecode(Float::F32) => "attention_decode_f32",
             Module::AttentionDecode(Float::Bf16) => "attention_decode_bf16",
             Module::AttentionDecode(Float::F16) => "attention_decode_f16",
+            Module::AttentionDecodeMma(Float::Bf16) => "attention_decode_mma_bf16",
+            Module::AttentionDecodeMma(Float::F16) => "attention_decode_mma_f16",
+            // Never built: the f32 cache has no tensor-core form.
+            Module::AttentionDecodeMma(Float::F32) => "attention_decode_mma_f32",
             Module::AttentionMma => "attention_mma",
             Module::Moe => "moe",
             Module::ExpertsMma => "experts_mma",
@@ -76,7 +87,8 @@ impl Module {
             Module::Embedding => include_str!("kernels/embedding.cu"),
             Module::Argmax => include_str!("kernels/argmax.cu"),
             Module::Attention => include_str!("kernels/attention.cu"),
-            Module::AttentionDecode(_) => include_str!("kernels/attention_decode.cu"),
+            Module::AttentionDecode(_) => DECODE,
+            Module::AttentionDecodeMma(_) => include_str!("kernels/attention_decode_mma.cu"),
             Module::AttentionMma => include_str!("kernels/attention_mma.cu"),
             Module::Moe => include_str!("kernels/moe.cu"),
             Module::ExpertsMma => include_str!("kernels/experts_mma.cu"),
@@ -86,7 +98,7 @@ impl Module {
     /// The oldest compute capability the module compiles for.
     pub fn min_compute_capability(self) -> (i32, i32) {
         match self {
-            Module::AttentionMma | Module::ExpertsMma => (8, 0),
+            Module::AttentionMma | Module::ExpertsMma | Module::AttentionDecodeMma(_) => (8, 0),
             // __match_any_sync groups a warp's pairs by expert.
             Module::Moe => (7, 0),
             _ => (5, 0),
@@ -112,12 +124,17 @@ impl Module {
     /// The whole program NVRTC compiles.
     pub fn source(self) -> String {
         let header = match self {
-            Module::AttentionMma | Module::ExpertsMma => MMA,
-            _ => "",
+            Module::AttentionMma | Module::ExpertsMma => MMA.to_string(),
+            // The tensor-core decode kernel reuses the other's chunking, rope and merge.
+            Module::AttentionDecodeMma(_) => format!("{MMA}\n{DECODE}"),
+            _ => String::new(),
         };
-        // The decode attention file defines its kernels for the cache type its module names.
+        // The decode attention files define their kernels for the cache type the module names.
         let instances = match self {
             Module::AttentionDecode(kv) => format!("ATTENTION_DECODE_ALL({kv}, {})\n", kv.c_type()),
+            Module::AttentionDecodeMma(kv) => {
+                format!("ATTENTION_DECODE_MMA_ALL({kv}, {})\n", kv.c_type())
+            }
             _ => String::new(),
         };
         format!("{COMMON}\n{header}\n{}\n{instances}", self.body())
@@ -204,6 +221,13 @@ pub enum Kernel {
         rows: u8,
         rope: bool,
     },
+    /// Decode attention on the tensor cores: a 16-bit cache, heads of 64 or 128, eight query
+    /// heads a block; `rope` as for [`Kernel::AttentionDecode`].
+    AttentionDecodeMma {
+        kv: Float,
+        head_dim: u16,
+        rope: bool,
+    },
     /// `width` as for [`Kernel::AttentionDecode`].
     AttentionPrefill {
         kv: Float,
@@ -236,6 +260,7 @@ impl Kernel {
             Kernel::Argmax => Module::Argmax,
             Kernel::AttentionPrefill { .. } | Kernel::KvStore { .. } => Module::Attention,
             Kernel::AttentionDecode { kv, .. } => Module::AttentionDecode(kv),
+            Kernel::AttentionDecodeMma { kv, .. } => Module::AttentionDecodeMma(kv),
             Kernel::AttentionPrefillMma { .. } => Module::AttentionMma,
             Kernel::MoeRoute | Kernel::MoeCombine => Module::Moe,
             Kernel::ExpertsMma { .. } => Module::ExpertsMma,
@@ -284,6 +309,15 @@ impl Kernel {
             }
             for head_dim in [64, 128] {
                 kernels.push(Kernel::AttentionPrefillMma { kv: f, head_dim });
+                if f != Float::F32 {
+                    for rope in [false, true] {
+                        kernels.push(Kernel::AttentionDecodeMma {
+                            kv: f,
+                            head_dim,
+                            rope,
+                        });
+                    }
+                }
             }
             for width in [2, 4, 8] {
                 for rows in [1, 2, 4, 8] {
@@ -347,6 +381,10 @@ impl Kernel {
             } => {
                 let rope = if rope { "rope_" } else { "" };
                 format!("attention_decode_{rope}{kv}_e{width}_r{rows}")
+            }
+            Kernel::AttentionDecodeMma { kv, head_dim, rope } => {
+                let rope = if rope { "rope_" } else { "" };
+                format!("attention_decode_mma_{rope}{kv}_d{head_dim}")
             }
             Kernel::AttentionPrefill { kv, width } => format!("attention_prefill_{kv}_e{width}"),
             Kernel::KvStore { kv } => format!("kv_store_{kv}"),
@@ -440,6 +478,16 @@ mod tests {
                         && source.contains(&format!("ATTENTION_DECODE(T, KV, E, {rows})"))
                         && source.contains(&format!("ATTENTION_DECODE_ALL_ROWS(T, KV, {width})"))
                         && source.contains(&format!("ATTENTION_DECODE_ALL({kv},"))
+                }
+                Kernel::AttentionDecodeMma { kv, head_dim, rope } => {
+                    let name = if rope {
+                        "attention_decode_mma_rope_##T##_d##D, KV, D, true)"
+                    } else {
+                        "attention_decode_mma_##T##_d##D, KV, D, false)"
+                    };
+                    source.contains(&format!("ATTENTION_DECODE_MMA_ENTRY({name}"))
+                        && source.contains(&format!("ATTENTION_DECODE_MMA(T, KV, {head_dim})"))
+                        && source.contains(&format!("ATTENTION_DECODE_MMA_ALL({kv},"))
                 }
                 Kernel::AttentionPrefillMma { kv, head_dim } => {
                     source.contains(&format!("ATTENTION_MMA(T, KV, {head_dim})"))

@@ -45,7 +45,7 @@ mod rope;
 
 pub use argmax::argmax;
 pub use attention::{
-    DecodeRope, MAX_HEAD_DIM, PrefillPrecision, attention_decode, attention_decode_rope,
+    AttentionPrecision, DecodeRope, MAX_HEAD_DIM, attention_decode, attention_decode_rope,
     attention_decode_rope_fits, attention_decode_scratch_len, attention_decode_scratch_reset,
     attention_prefill, kv_store,
 };

@@ -1,6 +1,8 @@
 // Flash-decoding: one new token's queries (f32, [n_heads, d]) over the first `context`
 // positions of one layer's KV cache (f32, bf16 or f16, [positions, n_kv_heads, d]); query
-// head h reads kv head h / (n_heads / n_kv_heads).
+// head h reads kv head h / (n_heads / n_kv_heads). Every product here is f32 (CUDA cores);
+// attention_decode_mma.cu, which follows this file in its module, does them on the tensor
+// cores for 16-bit caches and shares the chunking, rope and merge below.
 //
 // The keys are split into chunks, a block per (chunk, kv head, ROWS query heads of its
 // group), so each key is read once for ROWS heads. Decode is a stream over the cache, so the
@@ -226,6 +228,117 @@ __device__ __forceinline__ void norm_rotate(float* x, const LaneRope<E>& lr, con
     }
 }
 
+// The end of a block's work, once its warps have put their rows' running maximum, sum and
+// unnormalised values in shared memory (a warp that saw no key: maximum -inf, all zero):
+// merges the warps, then writes the output (a context of one chunk) or this chunk's partial
+// result, and the last block of a (kv head, rows) to finish (an atomic ticket) merges every
+// chunk in chunk order, so the bits do not depend on which block ends last, and resets the
+// ticket for the next launch. Shared by both decode kernels.
+template <int ROWS, int DMAX>
+__device__ __forceinline__ void decode_finish(
+    const float (*warp_m)[ROWS], const float (*warp_l)[ROWS], const float (*warp_acc)[ROWS][DMAX],
+    int rows, int d, int head0, int split, int splits, int n_heads, float* __restrict__ part_ml,
+    float* __restrict__ part_acc, unsigned* __restrict__ tickets, float* __restrict__ out) {
+    __shared__ float merge_w[DEC_MAX_SPLITS][ROWS];
+    __shared__ bool last;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const bool alone = splits == 1;
+    for (int i = threadIdx.x; i < rows * d; i += DEC_THREADS) {
+        const int r = i / d, e = i - r * d;
+        float mm = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < DEC_WARPS; ++w) mm = fmaxf(mm, warp_m[w][r]);
+        float sum = 0.0f, o = 0.0f;
+#pragma unroll
+        for (int w = 0; w < DEC_WARPS; ++w) {
+            const float f = __expf(warp_m[w][r] - mm);  // 0 for a warp that saw no key
+            sum = fmaf(f, warp_l[w][r], sum);
+            o = fmaf(f, warp_acc[w][r][e], o);
+        }
+        const size_t h = head0 + r;
+        if (alone) {
+            out[h * d + e] = o / sum;
+            continue;
+        }
+        const size_t part = (size_t)split * n_heads + h;
+        part_acc[part * d + e] = o;
+        if (e == 0) {
+            part_ml[2 * part] = mm;
+            part_ml[2 * part + 1] = sum;
+        }
+    }
+    if (alone) return;
+
+    // The last block of this (kv head, rows) merges every chunk.
+    __threadfence();  // this block's partials are visible before its ticket is
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&tickets[blockIdx.y], 1u) == (unsigned)splits - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    // Each chunk's weight for each row, e^(m_s - M) / sum_s e^(m_s - M) l_s: a warp a row,
+    // a lane a chunk (two with 64).
+    const int PER_LANE = DEC_MAX_SPLITS / 32;
+    for (int r = warp; r < rows; r += DEC_WARPS) {
+        const size_t h = head0 + r;
+        float ms[PER_LANE], ls[PER_LANE], mm = NEG_INF;
+#pragma unroll
+        for (int j = 0; j < PER_LANE; ++j) {
+            const int sp = lane + 32 * j;
+            const size_t p = (size_t)sp * n_heads + h;
+            ms[j] = sp < splits ? __ldcg(part_ml + 2 * p) : NEG_INF;
+            ls[j] = sp < splits ? __ldcg(part_ml + 2 * p + 1) : 0.0f;
+            mm = fmaxf(mm, ms[j]);
+        }
+        mm = warp_max(mm);
+        float f[PER_LANE], sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < PER_LANE; ++j) {
+            f[j] = __expf(ms[j] - mm);  // 0 past the last chunk
+            sum = fmaf(f[j], ls[j], sum);
+        }
+        const float inv = 1.0f / warp_sum(sum);
+#pragma unroll
+        for (int j = 0; j < PER_LANE; ++j)
+            if (lane + 32 * j < splits) merge_w[lane + 32 * j][r] = f[j] * inv;
+    }
+    __syncthreads();
+    // The weighted sum of the chunks' values, four a thread in one 16-byte load a chunk where
+    // d allows (the scratch is on 16 bytes), all of a thread's loads in flight at once.
+    if (d % 4 == 0) {
+        for (int i = 4 * threadIdx.x; i < rows * d; i += 4 * DEC_THREADS) {
+            const int r = i / d, e = i - r * d;
+            const size_t h = head0 + r;
+            float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 16
+            for (int sp = 0; sp < splits; ++sp) {
+                const float4 v = __ldcg((const float4*)(part_acc + ((size_t)sp * n_heads + h) * d + e));
+                const float w = merge_w[sp][r];
+                o.x = fmaf(w, v.x, o.x);
+                o.y = fmaf(w, v.y, o.y);
+                o.z = fmaf(w, v.z, o.z);
+                o.w = fmaf(w, v.w, o.w);
+            }
+            float* dst = out + h * d + e;
+            dst[0] = o.x;
+            dst[1] = o.y;
+            dst[2] = o.z;
+            dst[3] = o.w;
+        }
+    } else {
+        for (int i = threadIdx.x; i < rows * d; i += DEC_THREADS) {
+            const int r = i / d, e = i - r * d;
+            const size_t h = head0 + r;
+            float o = 0.0f;
+#pragma unroll 16
+            for (int sp = 0; sp < splits; ++sp)
+                o = fmaf(merge_w[sp][r], __ldcg(part_acc + ((size_t)sp * n_heads + h) * d + e), o);
+            out[h * d + e] = o;
+        }
+    }
+    if (threadIdx.x == 0) tickets[blockIdx.y] = 0;
+}
+
 // grid: (chunks, n_kv_heads · ceil(group / ROWS)). Scratch: part_ml [chunks, n_heads, 2],
 // part_acc [chunks, n_heads, d], tickets [gridDim.y] (zero before the first launch; left zero).
 // FUSED: `rope` is set (the `_rope` entry points); known when compiling, so the plain form's
@@ -410,11 +523,9 @@ __device__ __forceinline__ void attention_decode(
         }
     }
 
-    // Merge the warps: each row's maximum, sum and values per warp, through shared memory.
+    // Each warp's rows to shared memory, for the block's merge.
     __shared__ float warp_m[DEC_WARPS][ROWS], warp_l[DEC_WARPS][ROWS];
     __shared__ float warp_acc[DEC_WARPS][ROWS][E * 32];
-    __shared__ float merge_w[DEC_MAX_SPLITS][ROWS];
-    __shared__ bool last;
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         const float lr = warp_sum(r == my_row ? l : 0.0f);
@@ -426,101 +537,8 @@ __device__ __forceinline__ void attention_decode(
         for (int j = 0; j < E; ++j) warp_acc[warp][r][lane * E + j] = acc[r][j];
     }
     __syncthreads();
-    const bool alone = splits == 1;
-    for (int i = threadIdx.x; i < rows * d; i += DEC_THREADS) {
-        const int r = i / d, e = i - r * d;
-        float mm = NEG_INF;
-#pragma unroll
-        for (int w = 0; w < DEC_WARPS; ++w) mm = fmaxf(mm, warp_m[w][r]);
-        float sum = 0.0f, o = 0.0f;
-#pragma unroll
-        for (int w = 0; w < DEC_WARPS; ++w) {
-            const float f = __expf(warp_m[w][r] - mm);  // 0 for a warp that saw no key
-            sum = fmaf(f, warp_l[w][r], sum);
-            o = fmaf(f, warp_acc[w][r][e], o);
-        }
-        const size_t h = head0 + r;
-        if (alone) {
-            out[h * d + e] = o / sum;
-            continue;
-        }
-        const size_t part = (size_t)split * n_heads + h;
-        part_acc[part * d + e] = o;
-        if (e == 0) {
-            part_ml[2 * part] = mm;
-            part_ml[2 * part + 1] = sum;
-        }
-    }
-    if (alone) return;
-
-    // The last block of this (kv head, rows) merges every chunk.
-    __threadfence();  // this block's partials are visible before its ticket is
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(&tickets[blockIdx.y], 1u) == (unsigned)splits - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    // Each chunk's weight for each row, e^(m_s - M) / sum_s e^(m_s - M) l_s: a warp a row,
-    // a lane a chunk (two with 64).
-    const int PER_LANE = DEC_MAX_SPLITS / 32;
-    for (int r = warp; r < rows; r += DEC_WARPS) {
-        const size_t h = head0 + r;
-        float ms[PER_LANE], ls[PER_LANE], mm = NEG_INF;
-#pragma unroll
-        for (int j = 0; j < PER_LANE; ++j) {
-            const int sp = lane + 32 * j;
-            const size_t p = (size_t)sp * n_heads + h;
-            ms[j] = sp < splits ? __ldcg(part_ml + 2 * p) : NEG_INF;
-            ls[j] = sp < splits ? __ldcg(part_ml + 2 * p + 1) : 0.0f;
-            mm = fmaxf(mm, ms[j]);
-        }
-        mm = warp_max(mm);
-        float f[PER_LANE], sum = 0.0f;
-#pragma unroll
-        for (int j = 0; j < PER_LANE; ++j) {
-            f[j] = __expf(ms[j] - mm);  // 0 past the last chunk
-            sum = fmaf(f[j], ls[j], sum);
-        }
-        const float inv = 1.0f / warp_sum(sum);
-#pragma unroll
-        for (int j = 0; j < PER_LANE; ++j)
-            if (lane + 32 * j < splits) merge_w[lane + 32 * j][r] = f[j] * inv;
-    }
-    __syncthreads();
-    // The weighted sum of the chunks' values, four a thread in one 16-byte load a chunk where
-    // d allows (the scratch is on 16 bytes), all of a thread's loads in flight at once.
-    if (d % 4 == 0) {
-        for (int i = 4 * threadIdx.x; i < rows * d; i += 4 * DEC_THREADS) {
-            const int r = i / d, e = i - r * d;
-            const size_t h = head0 + r;
-            float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll 16
-            for (int sp = 0; sp < splits; ++sp) {
-                const float4 v = __ldcg((const float4*)(part_acc + ((size_t)sp * n_heads + h) * d + e));
-                const float w = merge_w[sp][r];
-                o.x = fmaf(w, v.x, o.x);
-                o.y = fmaf(w, v.y, o.y);
-                o.z = fmaf(w, v.z, o.z);
-                o.w = fmaf(w, v.w, o.w);
-            }
-            float* dst = out + h * d + e;
-            dst[0] = o.x;
-            dst[1] = o.y;
-            dst[2] = o.z;
-            dst[3] = o.w;
-        }
-    } else {
-        for (int i = threadIdx.x; i < rows * d; i += DEC_THREADS) {
-            const int r = i / d, e = i - r * d;
-            const size_t h = head0 + r;
-            float o = 0.0f;
-#pragma unroll 16
-            for (int sp = 0; sp < splits; ++sp)
-                o = fmaf(merge_w[sp][r], __ldcg(part_acc + ((size_t)sp * n_heads + h) * d + e), o);
-            out[h * d + e] = o;
-        }
-    }
-    if (threadIdx.x == 0) tickets[blockIdx.y] = 0;
+    decode_finish<ROWS, E * 32>(warp_m, warp_l, warp_acc, rows, d, head0, split, splits, n_heads,
+                                part_ml, part_acc, tickets, out);
 }
 
 #define ATTENTION_DECODE_ENTRY(NAME, KV, E, ROWS, FUSED)                                      \

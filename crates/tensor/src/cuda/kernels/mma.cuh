@@ -15,6 +15,13 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
     return r;
 }
 
+// The same with f16: `cvt` saturates nothing, so values past 65504 become infinite.
+__device__ __forceinline__ unsigned pack_f16(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
 // c += a · b for one m16n8k16 tile (a row-major, b column-major).
 __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
     asm volatile(
@@ -24,3 +31,21 @@ __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+
+// c += a · b with f16 operands.
+__device__ __forceinline__ void mma_f16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The transpose of an 8×8 matrix of 16-bit values held a register a lane as the fragments
+// above hold it (lane l: row l / 4, columns 2(l % 4) and 2(l % 4) + 1): lane l gets rows
+// 2(l % 4) and 2(l % 4) + 1 of column l / 4.
+__device__ __forceinline__ unsigned transpose_8x8(unsigned x) {
+    unsigned r;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
+    return r;
+}
