@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Generate the "golden" test fixtures for ember's engine crate.
 
-For each of eight tiny, randomly initialised Hugging Face checkpoints
-(Qwen3, Qwen3-MoE, Qwen2, Llama 3; each stored as float32 and as bfloat16)
+For each of nine tiny, randomly initialised Hugging Face checkpoints
+(Qwen3, Qwen3-MoE, Qwen2, Llama 3, each stored as float32 and as bfloat16;
+and a bfloat16 Qwen3 with heads of 128, for CUDA's tensor-core decode)
 this script writes, under crates/engine/tests/fixtures/golden/<name>/:
 
   * the checkpoint exactly as `save_pretrained` lays it out (config.json,
@@ -23,7 +24,7 @@ greedy top1-top2 log-prob margin is >= MIN_MARGIN at every recorded step
 
 Rerun (needs `pip install torch transformers`; no network / HF hub needed):
 
-    python3 scripts/make_golden.py              # all eight fixtures (~10 s on CPU)
+    python3 scripts/make_golden.py              # all nine fixtures (~10 s on CPU)
     python3 scripts/make_golden.py qwen3moe     # only fixtures whose name contains an argument
 
 Existing fixture directories are deleted and rewritten.  Output is byte-for-byte
@@ -620,6 +621,31 @@ def qwen3(dtype: torch.dtype, suffix: str):
     return record(f"qwen3-{suffix}", Qwen3ForCausalLM, config, tok, gen, dtype, 0.25, QWEN3_CHATS, 1000)
 
 
+def qwen3_hd128(dtype: torch.dtype, suffix: str):
+    """Qwen3 with real heads of 128, the size CUDA's tensor-core decode attention takes."""
+    tok = make_qwen_tokenizer(QWEN3_CHAT_TEMPLATE, eos="<|im_end|>", real_qwen2_pipeline=False)
+    eot, im_end = tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    config = Qwen3Config(
+        vocab_size=QWEN_CONFIG_VOCAB,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        intermediate_size=128,
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        rms_norm_eps=1e-6,
+        bos_token_id=eot,
+        eos_token_id=im_end,
+        pad_token_id=eot,
+        architectures=["Qwen3ForCausalLM"],
+    )
+    gen = GenerationConfig(bos_token_id=eot, eos_token_id=[im_end, eot], pad_token_id=eot)
+    return record(f"qwen3-hd128-{suffix}", Qwen3ForCausalLM, config, tok, gen, dtype, 0.25, QWEN3_CHATS, 5000)
+
+
 def qwen3moe(dtype: torch.dtype, suffix: str):
     tok = make_qwen_tokenizer(QWEN3_CHAT_TEMPLATE, eos="<|im_end|>", real_qwen2_pipeline=False)
     eot, im_end = tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
@@ -712,11 +738,17 @@ def main(only=None):
     """Write all fixtures (or only those whose name contains a CLI argument)."""
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     print(f"transformers {transformers.__version__}, torch {torch.__version__}")
-    for family in (qwen3, qwen3moe, qwen2, llama):
-        for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
-            if only and not any(o in f"{family.__name__}-{suffix}" for o in only):
-                continue
-            family(dtype, suffix)
+    runs = [
+        (family, dtype, suffix)
+        for family in (qwen3, qwen3moe, qwen2, llama)
+        for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16"))
+    ]
+    # Heads of 128 matter only where CUDA decodes over a 16-bit cache: bf16 alone.
+    runs.append((qwen3_hd128, torch.bfloat16, "bf16"))
+    for family, dtype, suffix in runs:
+        if only and not any(o in f"{family.__name__}-{suffix}" for o in only):
+            continue
+        family(dtype, suffix)
     total = sum(f.stat().st_size for f in OUT_DIR.rglob("*") if f.is_file())
     print(f"wrote {OUT_DIR.relative_to(ROOT)} ({total / 1e6:.2f} MB)")
 

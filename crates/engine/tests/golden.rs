@@ -14,9 +14,10 @@
 //!
 //! `EMBER_TEST_DEVICE=cuda` runs the same checks on the GPU (the H200 machine runs this test
 //! binary so). There too every sum is f32 and weights are widened exactly, and batches of up
-//! to 8 tokens (matrix-vector kernels) are held to the same 1e-3. Longer prompt chunks of BF16
-//! checkpoints go through bf16 GEMMs, which round their activations to bf16 as every bf16
-//! engine does, so those runs get `CUDA_GEMM_BF16_TOLERANCE` and are teacher-forced: the
+//! to 8 tokens (matrix-vector kernels, f32 attention) are held to the same 1e-3. Longer prompt
+//! chunks of BF16 checkpoints go through bf16 GEMMs, which round their activations to bf16 as
+//! every bf16 engine does (and, for heads of 64 or 128, through tensor-core attention with bf16
+//! operands), so those runs get `CUDA_GEMM_BF16_TOLERANCE` and are teacher-forced: the
 //! reference's tokens are fed back, because a greedy id may flip where the reference's top two
 //! are closer than that error (llama-bf16, case 0, step 1: margin 0.028), and every later step
 //! would then see another context ([`check_teacher_forced`]). Those checks keep an f32 KV
@@ -323,6 +324,12 @@ fn qwen3_f32() {
 #[test]
 fn qwen3_bf16() {
     check_fixture("qwen3-bf16");
+}
+
+/// Heads of 128: on CUDA its default bf16 cache is read by the tensor-core decode attention.
+#[test]
+fn qwen3_hd128_bf16() {
+    check_fixture("qwen3-hd128-bf16");
 }
 
 #[test]

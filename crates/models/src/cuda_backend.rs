@@ -224,9 +224,9 @@ pub struct CudaBackend {
     moe: Option<MoeWorkspace>,
     /// Recorded one-token passes; `None` turns recording off.
     graphs: Option<HashMap<GraphKey, Recording>>,
-    /// Attention on the tensor cores with 16-bit operands (prompts always, decode over a 16-bit
-    /// cache): for 16-bit checkpoints, whose products already run in 16 bits; f32 checkpoints
-    /// keep f32 attention.
+    /// Attention on the tensor cores with 16-bit operands (prompt chunks on the GEMM road,
+    /// decode over a 16-bit cache): for 16-bit checkpoints, whose products already run in 16
+    /// bits; f32 checkpoints keep f32 attention.
     attention_precision: AttentionPrecision,
 }
 
@@ -934,8 +934,15 @@ impl Backend for CudaBackend {
                         &mut out,
                     )?;
                 } else {
-                    // Prompts are never recorded: the host's position is the step's.
-                    let precision = self.attention_precision;
+                    // Prompts are never recorded: the host's position is the step's. Chunks
+                    // short enough for the matrix-vector products keep f32 activations
+                    // throughout, attention included; 16-bit operands only where the GEMMs
+                    // already round the activations to bf16.
+                    let precision = if rows > cuda::MAX_BATCH {
+                        self.attention_precision
+                    } else {
+                        AttentionPrecision::F32
+                    };
                     cuda::attention_prefill(
                         dev, q, keys, values, p.pos0, rows, shape, p.scale, precision, &mut out,
                     )?;
