@@ -20,6 +20,15 @@ pub enum KvDtype {
 }
 
 impl KvDtype {
+    /// The name `--kv-type` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::F32 => "f32",
+            KvDtype::F16 => "f16",
+            KvDtype::Bf16 => "bf16",
+        }
+    }
+
     pub fn size_in_bytes(self) -> usize {
         match self {
             KvDtype::F32 => 4,

@@ -20,7 +20,7 @@ pub fn load_engine(args: &ModelArgs) -> anyhow::Result<Engine> {
         Engine::load(&model, &options).with_context(|| format!("loading {}", model.display()))?;
     let bytes: usize = engine.buffers().iter().map(|b| b.bytes).sum();
     tracing::info!(
-        "loaded {} ({}, {} layers) in {:.2} s: {} buffers, {:.2} GiB, on {}, context {}",
+        "loaded {} ({}, {} layers) in {:.2} s: {} buffers, {:.2} GiB, on {}, context {} ({} cache)",
         model.display(),
         engine.config().architecture.hf_name(),
         engine.config().num_hidden_layers,
@@ -29,6 +29,7 @@ pub fn load_engine(args: &ModelArgs) -> anyhow::Result<Engine> {
         bytes as f64 / (1u64 << 30) as f64,
         engine.device_label(),
         engine.context(),
+        engine.kv_dtype().name(),
     );
     Ok(engine)
 }
