@@ -597,16 +597,16 @@ def record(name: str, model_cls, config, tokenizer, gen_cfg, stored_dtype, std, 
 # --------------------------------------------------------------------------
 
 
-def qwen3(dtype: torch.dtype, suffix: str):
+def qwen3(dtype: torch.dtype, suffix: str, name="qwen3", hidden=64, layers=3, head_dim=32, seed0=1000):
     tok = make_qwen_tokenizer(QWEN3_CHAT_TEMPLATE, eos="<|im_end|>", real_qwen2_pipeline=False)
     eot, im_end = tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
     config = Qwen3Config(
         vocab_size=QWEN_CONFIG_VOCAB,  # > len(tokenizer), as in real Qwen checkpoints
-        hidden_size=64,
-        num_hidden_layers=3,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=32,
+        head_dim=head_dim,
         intermediate_size=128,
         tie_word_embeddings=True,
         max_position_embeddings=512,
@@ -618,32 +618,12 @@ def qwen3(dtype: torch.dtype, suffix: str):
         architectures=["Qwen3ForCausalLM"],
     )
     gen = GenerationConfig(bos_token_id=eot, eos_token_id=[im_end, eot], pad_token_id=eot)
-    return record(f"qwen3-{suffix}", Qwen3ForCausalLM, config, tok, gen, dtype, 0.25, QWEN3_CHATS, 1000)
+    return record(f"{name}-{suffix}", Qwen3ForCausalLM, config, tok, gen, dtype, 0.25, QWEN3_CHATS, seed0)
 
 
 def qwen3_hd128(dtype: torch.dtype, suffix: str):
     """Qwen3 with real heads of 128, the size CUDA's tensor-core decode attention takes."""
-    tok = make_qwen_tokenizer(QWEN3_CHAT_TEMPLATE, eos="<|im_end|>", real_qwen2_pipeline=False)
-    eot, im_end = tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
-    config = Qwen3Config(
-        vocab_size=QWEN_CONFIG_VOCAB,
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=128,
-        intermediate_size=128,
-        tie_word_embeddings=True,
-        max_position_embeddings=512,
-        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-        rms_norm_eps=1e-6,
-        bos_token_id=eot,
-        eos_token_id=im_end,
-        pad_token_id=eot,
-        architectures=["Qwen3ForCausalLM"],
-    )
-    gen = GenerationConfig(bos_token_id=eot, eos_token_id=[im_end, eot], pad_token_id=eot)
-    return record(f"qwen3-hd128-{suffix}", Qwen3ForCausalLM, config, tok, gen, dtype, 0.25, QWEN3_CHATS, 5000)
+    return qwen3(dtype, suffix, name="qwen3-hd128", hidden=128, layers=2, head_dim=128, seed0=5000)
 
 
 def qwen3moe(dtype: torch.dtype, suffix: str):
