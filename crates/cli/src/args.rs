@@ -42,6 +42,11 @@ pub struct ModelArgs {
     /// or f16 checkpoint's own type; f32 otherwise].
     #[arg(long, value_parser = ["f32", "f16", "bf16"])]
     pub kv_type: Option<String>,
+    /// Tokens per forward pass in prefill (llama.cpp's --ubatch-size): longer prompts run in
+    /// chunks of this many; larger chunks feed the GEMMs better and hold larger activation
+    /// buffers.
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    pub prefill_chunk: u32,
     /// Hold every engine buffer and the program's code resident between requests: `auto`
     /// holds them when they fit and the OS allows (else runs without, saying why);
     /// `required` refuses to start without.

@@ -284,6 +284,8 @@ impl Engine {
             .kv_dtype
             .unwrap_or_else(|| default_kv_dtype(&weights, &config, cuda.is_some()));
         let residency_device = cuda.clone();
+        // A chunk never needs more rows than the context holds positions.
+        let max_batch = options.max_batch.clamp(1, context);
         let (runner, keepalive_scratch, weights): (Box<dyn Runner>, _, _) = match cuda {
             None => {
                 let pool = ThreadPool::new(threads);
@@ -294,15 +296,8 @@ impl Engine {
                     KvDtype::F16 => Arithmetic::LlamaCpp,
                     KvDtype::F32 | KvDtype::Bf16 => Arithmetic::Transformers,
                 };
-                let backend = CpuBackend::new(
-                    &config,
-                    pool,
-                    &owner,
-                    options.max_batch,
-                    context,
-                    1,
-                    arithmetic,
-                )?;
+                let backend =
+                    CpuBackend::new(&config, pool, &owner, max_batch, context, 1, arithmetic)?;
                 let model = Transformer::load(&backend, config, source, context)?;
                 let kv = KvCache::new(&model.config, context, kv_dtype, &owner)?;
                 let scratch = owner.alloc(
@@ -327,7 +322,7 @@ impl Engine {
                     device.clone(),
                     &config,
                     &owner,
-                    options.max_batch,
+                    max_batch,
                     1,
                     options.cuda_graphs,
                 )?;

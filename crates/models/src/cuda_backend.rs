@@ -803,19 +803,31 @@ impl Backend for CudaBackend {
             return norm_mlp_step_by_step(self, rows, norm, eps, gate, up, down);
         }
         // Prefill in bf16 GEMMs, the activations converted only where they are made: the norm
-        // and SwiGLU write bf16 for the next GEMM.
+        // and SwiGLU write bf16 for the next GEMM. Gate and up come out in bf16, as
+        // transformers' bf16 Linear layers give them (half the bytes of f32 to write and to
+        // read back), and SwiGLU multiplies them in f32.
         self.norm_into_gemm_input(Slot::Residual, rows, norm, eps)?;
-        self.gemm_from_input(gate.weight, n, Slot::Gate, 0, false)?;
-        self.gemm_from_input(up.weight, n, Slot::Up, 0, false)?;
+        let len = n * width;
         {
-            let len = n * width;
+            let mat = gate.weight.as_mat()?;
+            let a = self
+                .gemm_input
+                .as_slice::<bf16>()
+                .slice(0..n * gate.weight.cols);
+            let mut y = self.slots[Slot::Gate.index()].as_mut_slice::<bf16>();
+            self.gemm.matmul(a, &mat, &mut y.slice_mut(0..len), false)?;
+            let mat = up.weight.as_mat()?;
+            let mut y = self.slots[Slot::Up.index()].as_mut_slice::<bf16>();
+            self.gemm.matmul(a, &mat, &mut y.slice_mut(0..len), false)?;
+        }
+        {
             let [g, u] = self
                 .slots
                 .get_disjoint_mut([Slot::Gate.index(), Slot::Up.index()])
                 .expect("distinct slots");
             let (g, u) = (
-                g.as_slice::<f32>().slice(0..len),
-                u.as_slice::<f32>().slice(0..len),
+                g.as_slice::<bf16>().slice(0..len),
+                u.as_slice::<bf16>().slice(0..len),
             );
             let mut a = self.gemm_input.as_mut_slice::<bf16>();
             cuda::silu_mul(&self.device, g, u, &mut a.slice_mut(0..len))?;

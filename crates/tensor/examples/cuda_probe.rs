@@ -320,6 +320,41 @@ impl Probe {
         })? / launches as f64;
         Ok((2.0 * kv as f64 * 2.0 / ms / 1e6, ms * 1e3))
     }
+
+    /// TFLOP/s and µs of a prompt chunk's causal attention: `n` queries after `pos0` cached
+    /// positions, over a cache of `kv` type; the FLOPs counted are those the causal mask
+    /// leaves (two products of 2·head_dim each per query and key it sees).
+    fn prompt_attention<T: cuda::FloatElem>(
+        &mut self,
+        shape: AttentionShape,
+        pos0: usize,
+        n: usize,
+        from_f32: fn(f32) -> T,
+        precision: cuda::AttentionPrecision,
+    ) -> Result<(f64, f64), CudaError> {
+        let kv = (pos0 + n) * shape.n_kv_heads * shape.head_dim;
+        let keys = self.random(kv, from_f32)?;
+        let values = self.random(kv, from_f32)?;
+        let q = self.random(n * shape.n_heads * shape.head_dim, |x| x)?;
+        let mut out = self.alloc(n * shape.n_heads * shape.head_dim * 4)?;
+        let ms = time(&self.device, || {
+            cuda::attention_prefill(
+                &self.device,
+                q.as_slice(),
+                keys.as_slice::<T>(),
+                values.as_slice::<T>(),
+                pos0,
+                n,
+                shape,
+                0.088,
+                precision,
+                &mut out.as_mut_slice(),
+            )
+        })?;
+        let seen = (n * pos0 + n * (n + 1) / 2) as f64;
+        let flops = 4.0 * seen * (shape.n_heads * shape.head_dim) as f64;
+        Ok((flops / ms / 1e9, ms * 1e3))
+    }
 }
 
 /// A decode layer's products as the model fuses them: name, the matrices (q, k, v, o, gate,
@@ -406,6 +441,23 @@ fn run() -> Result<(), CudaError> {
                 100.0 * gbs / copy
             );
         }
+    }
+
+    println!("\nattention_prefill, tensor cores (qwen3-8b heads 32/8×128), causal FLOPs:");
+    for (pos0, n) in [(0, 512), (1536, 512), (0, 2048), (0, 8192)] {
+        let (tf, us) = probe.prompt_attention(
+            shape,
+            pos0,
+            n,
+            bf16::from_f32,
+            cuda::AttentionPrecision::Bf16,
+        )?;
+        let (tf32, us32) =
+            probe.prompt_attention(shape, pos0, n, |x| x, cuda::AttentionPrecision::Bf16)?;
+        println!(
+            "{n:>5} queries after {pos0:>5}: bf16 cache {us:>7.1} µs {tf:>4.0} TFLOP/s, \
+             f32 cache {us32:>7.1} µs {tf32:>4.0} TFLOP/s"
+        );
     }
 
     for shape in [

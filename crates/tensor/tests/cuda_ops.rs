@@ -845,8 +845,8 @@ fn silu_mul_add_and_convert() {
     let mut out = ctx.poisoned::<f32>(n);
     cuda::silu_mul(
         &ctx.device,
-        gbuf.as_slice(),
-        ubuf.as_slice(),
+        gbuf.as_slice::<f32>(),
+        ubuf.as_slice::<f32>(),
         &mut out.as_mut_slice::<f32>(),
     )
     .unwrap();
@@ -855,13 +855,33 @@ fn silu_mul_add_and_convert() {
     let mut out16 = ctx.poisoned::<bf16>(n);
     cuda::silu_mul(
         &ctx.device,
-        gbuf.as_slice(),
-        ubuf.as_slice(),
+        gbuf.as_slice::<f32>(),
+        ubuf.as_slice::<f32>(),
         &mut out16.as_mut_slice::<bf16>(),
     )
     .unwrap();
     let err = rel_err(&widen(&ctx.download::<bf16>(&out16)), &want);
     assert!(err < 4e-3, "silu_mul to bf16: error {err:e}");
+    // bf16 inputs (a prompt's gate/up GEMM outputs), on 16 bytes and off them (one by one).
+    let (gate16, up16) = (round::<bf16>(&gate), round::<bf16>(&up));
+    let want16: Vec<f64> = widen(&gate16)
+        .iter()
+        .zip(widen(&up16))
+        .map(|(&g, u)| g as f64 / (1.0 + (-g as f64).exp()) * u as f64)
+        .collect();
+    let (g16, u16) = (ctx.upload(&gate16), ctx.upload(&up16));
+    for first in [0, 1] {
+        let mut out = ctx.poisoned::<bf16>(n - first);
+        cuda::silu_mul(
+            &ctx.device,
+            g16.as_slice::<bf16>().slice(first..n),
+            u16.as_slice::<bf16>().slice(first..n),
+            &mut out.as_mut_slice::<bf16>(),
+        )
+        .unwrap();
+        let err = rel_err(&widen(&ctx.download::<bf16>(&out)), &want16[first..]);
+        assert!(err < 4e-3, "silu_mul bf16 from {first}: error {err:e}");
+    }
     let mut g = ctx.upload(&gate);
     cuda::silu_mul_in_place(&ctx.device, &mut g.as_mut_slice(), ubuf.as_slice()).unwrap();
     assert_eq!(ctx.download::<f32>(&g), ctx.download::<f32>(&out));
@@ -1488,6 +1508,9 @@ fn attention_matches_f64_reference() {
         check_attention::<bf16>(&ctx, &mut rng, s, pos0, n);
     }
     check_attention::<f16>(&ctx, &mut rng, shape(32, 8, 128), 1000, 9);
+    check_attention::<f16>(&ctx, &mut rng, shape(8, 2, 64), 70, 150);
+    // Three tiles of keys before the queries, a chunk ending one key into a tile.
+    check_attention::<bf16>(&ctx, &mut rng, shape(4, 4, 128), 192, 129);
 }
 
 #[test]

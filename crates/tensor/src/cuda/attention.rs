@@ -549,8 +549,9 @@ pub fn attention_prefill<T: FloatElem>(
             kv: T::FLOAT,
             head_dim: head_dim as u16,
         };
+        let smem = kernel.dynamic_smem_bytes().unwrap_or(0);
         let grid = (n.div_ceil(MMA_ROWS) as u32, n_heads as u32);
-        return launch!(device, kernel, config(grid, MMA_THREADS, 0);
+        return launch!(device, kernel, config(grid, MMA_THREADS, smem);
             qp, kp, vp, op, tokens, p0, heads, kv_heads, scale);
     }
     let vec = vectorised(keys, values, head_dim);
@@ -572,7 +573,7 @@ mod tests {
     /// The host sizes the decode grid and scratch with the kernel's own chunking: the same
     /// constants on both sides, or chunks would go unlaunched (only a GPU would show it).
     #[test]
-    fn decode_constants_match_the_kernel() {
+    fn attention_constants_match_the_kernels() {
         let m = Module::AttentionDecode(crate::cuda::Float::Bf16);
         assert_eq!(m.define("DEC_MAX_SPLITS"), MAX_SPLITS);
         assert_eq!(m.define("DEC_MIN_KEYS_PER_SPLIT"), MIN_KEYS_PER_SPLIT);
@@ -582,6 +583,9 @@ mod tests {
         // The tensor-core form always takes eight query heads a block (the grid's rows).
         let mma = Module::AttentionDecodeMma(crate::cuda::Float::Bf16);
         assert_eq!(mma.define("DEC_MMA_ROWS"), MAX_DECODE_ROWS);
+        let p = Module::AttentionMma;
+        assert_eq!(p.define("MMA_ROWS"), MMA_ROWS);
+        assert_eq!(32 * p.define("MMA_WARPS"), MMA_THREADS as usize);
         let a = Module::Attention;
         assert_eq!(a.define("ATT_WARPS") * a.define("ATT_ROWS_PER_WARP"), ROWS);
         assert_eq!(32 * a.define("ATT_WARPS"), THREADS as usize);

@@ -6,11 +6,12 @@ use super::{
     CudaDevice, CudaError, DevSlice, DevSliceMut, FloatElem, THREADS, config, ensure, stride_blocks,
 };
 
-/// `out = silu(gate) · up` (SwiGLU); `out` is f32 or bf16 (the input of the down GEMM).
-pub fn silu_mul<O: FloatElem>(
+/// `out = silu(gate) · up` (SwiGLU), computed in f32: `gate` and `up` are f32 or bf16 (a
+/// prompt's gate/up GEMM outputs), `out` f32 or bf16 (the input of the down GEMM).
+pub fn silu_mul<I: FloatElem, O: FloatElem>(
     device: &CudaDevice,
-    gate: DevSlice<'_, f32>,
-    up: DevSlice<'_, f32>,
+    gate: DevSlice<'_, I>,
+    up: DevSlice<'_, I>,
     out: &mut DevSliceMut<'_, O>,
 ) -> Result<(), CudaError> {
     launch_silu_mul(device, gate.device_ptr(), gate.len(), up, out)
@@ -26,11 +27,11 @@ pub fn silu_mul_in_place(
     launch_silu_mul(device, ptr, len, up, gate)
 }
 
-fn launch_silu_mul<O: FloatElem>(
+fn launch_silu_mul<I: FloatElem, O: FloatElem>(
     device: &CudaDevice,
     gate: u64,
     len: usize,
-    up: DevSlice<'_, f32>,
+    up: DevSlice<'_, I>,
     out: &mut DevSliceMut<'_, O>,
 ) -> Result<(), CudaError> {
     ensure!(
@@ -41,16 +42,23 @@ fn launch_silu_mul<O: FloatElem>(
         out.len()
     );
     ensure!(
-        O::FLOAT != Float::F16,
+        I::FLOAT != Float::F16 && O::FLOAT != Float::F16,
         "silu_mul",
-        "f16 output is not built (f32 or bf16)"
+        "{} to {} is not built (f32 or bf16 each)",
+        I::FLOAT,
+        O::FLOAT
     );
     if len == 0 {
         return Ok(());
     }
     let (u, o, n) = (up.device_ptr(), out.device_ptr(), len as i64);
-    let cfg = config((stride_blocks(device, len), 1), THREADS, 0);
-    launch!(device, Kernel::SiluMul { out: O::FLOAT }, cfg; gate, u, o, n)
+    let vec = i32::from([gate, u, o].iter().all(|p| p.is_multiple_of(16)));
+    let kernel = Kernel::SiluMul {
+        input: I::FLOAT,
+        out: O::FLOAT,
+    };
+    let cfg = config((stride_blocks(device, len.div_ceil(8)), 1), THREADS, 0);
+    launch!(device, kernel, cfg; gate, u, o, n, vec)
 }
 
 /// `x += y`.

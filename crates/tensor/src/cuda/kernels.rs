@@ -12,6 +12,10 @@ const COMMON: &str = include_str!("kernels/common.cuh");
 const MMA: &str = include_str!("kernels/mma.cuh");
 /// The CUDA-core decode attention, also the first half of the tensor-core one's module.
 const DECODE: &str = include_str!("kernels/attention_decode.cu");
+/// Stages and keys a tile of the tensor-core prompt attention (`MMA_STAGES`, `MMA_KEYS` in
+/// attention_mma.cu), which size its shared memory.
+const PREFILL_MMA_STAGES: usize = 2;
+const PREFILL_MMA_KEYS: usize = 64;
 
 /// One source file of kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -200,7 +204,9 @@ pub enum Kernel {
         out: Float,
     },
     Rope,
+    /// `input`: gate's and up's type (f32 or bf16); `out` f32 or bf16.
     SiluMul {
+        input: Float,
         out: Float,
     },
     Add,
@@ -276,6 +282,11 @@ impl Kernel {
                 let row = width as usize * 32;
                 Some((32 * (row + 1) + 32 * row + 16 * row) * 4)
             }
+            Kernel::AttentionPrefillMma { head_dim, .. } => {
+                // Two stages of a key and a value tile, rows of 16-bit values padded by 8: see
+                // attention_mma.cu.
+                Some(PREFILL_MMA_STAGES * 2 * PREFILL_MMA_KEYS * (head_dim as usize + 8) * 2)
+            }
             _ => None,
         }
     }
@@ -335,7 +346,9 @@ impl Kernel {
         }
         for out in [Float::F32, Float::Bf16] {
             kernels.push(Kernel::RmsNorm { out });
-            kernels.push(Kernel::SiluMul { out });
+            for input in [Float::F32, Float::Bf16] {
+                kernels.push(Kernel::SiluMul { input, out });
+            }
         }
         for to in floats {
             kernels.push(Kernel::Convert {
@@ -368,7 +381,7 @@ impl Kernel {
             }
             Kernel::RmsNorm { out } => format!("rms_norm_{out}"),
             Kernel::Rope => "rope".into(),
-            Kernel::SiluMul { out } => format!("silu_mul_{out}"),
+            Kernel::SiluMul { input, out } => format!("silu_mul_{input}_{out}"),
             Kernel::Add => "add_f32".into(),
             Kernel::Convert { from, to } => format!("convert_{from}_{to}"),
             Kernel::Embedding { table } => format!("embedding_{table}"),
@@ -403,6 +416,15 @@ impl Kernel {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The prompt attention's shared memory is sized on the host from the kernel's tiling.
+    #[test]
+    fn prefill_tiles_match_the_kernel() {
+        let m = Module::AttentionMma;
+        assert_eq!(m.define("MMA_STAGES"), PREFILL_MMA_STAGES);
+        assert_eq!(m.define("MMA_KEYS"), PREFILL_MMA_KEYS);
+        assert_eq!(m.define("MMA_PAD"), 8);
+    }
 
     /// Kernels are launched to overlap the one before (`CudaDevice::launch_kernel`), which is
     /// safe only because each waits for it first: every kernel body calls

@@ -34,21 +34,6 @@
 #define DEC_MMA_ROWS 8
 #define DEC_MMA_KEYS 16
 
-// The cache's 16-bit type on the tensor cores.
-template <typename KV> struct DecodeMma;
-template <> struct DecodeMma<bf16_t> {
-    static __device__ __forceinline__ unsigned pack(float lo, float hi) { return pack_bf16(lo, hi); }
-    static __device__ __forceinline__ void mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-        mma_bf16(c, a, b0, b1);
-    }
-};
-template <> struct DecodeMma<f16_t> {
-    static __device__ __forceinline__ unsigned pack(float lo, float hi) { return pack_f16(lo, hi); }
-    static __device__ __forceinline__ void mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-        mma_f16(c, a, b0, b1);
-    }
-};
-
 __device__ __forceinline__ unsigned word_of(const uint4& v, int w) {
     return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
 }
@@ -61,7 +46,7 @@ __device__ __forceinline__ void attention_decode_mma(
     float* __restrict__ part_ml, float* __restrict__ part_acc, unsigned* __restrict__ tickets,
     float* __restrict__ out, int context, const int* __restrict__ context_dev, int n_heads,
     int n_kv_heads, float scale, int target_splits, const DecodeRope& rope, Wait wait) {
-    using Mma = DecodeMma<KV>;
+    using Mma = Mma16<KV>;
     const int ROWS = DEC_MMA_ROWS, KEYS = DEC_MMA_KEYS;
     const int E = D / 32;        // a lane's values of a row when it holds them in order (rope)
     const int SLICES = D / 16;   // k slices of the first product, d tiles of the second

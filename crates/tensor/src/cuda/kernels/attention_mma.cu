@@ -1,64 +1,100 @@
 // Causal attention of a prompt chunk on the tensor cores (sm_80 and later): FlashAttention-2's
-// forward pass with bf16 operands and f32 accumulation, for heads of D = 64 or 128 values.
+// forward pass with 16-bit operands and f32 sums, for heads of D = 64 or 128 values.
 //
 // Layouts as in attention.cu: queries and outputs [n, n_heads, D] f32, the cache of one layer
 // [positions, n_kv_heads, D] (f32, bf16 or f16); query i is at position pos0 + i and sees
 // keys 0..=pos0 + i; query head h reads kv head h / (n_heads / n_kv_heads).
 //
-// A block of 4 warps takes 64 queries of one head, a warp 16 of them, whose bf16 fragments it
-// keeps in registers for the whole pass. Keys and values come in tiles of 64, converted to
-// bf16 into shared memory (the values transposed, so both products read 32-bit pairs along
-// their reduction dimension). Per tile each warp computes its 16×64 scores with
-// mma.m16n8k16, masks the diagonal, updates the running max and sum in the log2 domain
-// (online softmax), and feeds the probabilities straight from the score registers into the
-// P·V product (an accumulator fragment of m16n8 is laid out as the operand fragment of
-// m16k16 needs). Rows past the last query are computed on clamped inputs and not written.
+// A block of 4 warps takes 64 queries of one head, a warp 16 of them, whose fragments it keeps
+// in registers for the whole pass. Keys and values come in tiles of 64 through two stages of
+// shared memory, so the next tile's copy runs under this tile's products: a 16-bit cache is
+// copied as it is (cp.async), an f32 cache is rounded to bf16 on the way. Both tiles are stored
+// as the cache stores them (a key's or value's D values in a row); ldmatrix gives the keys as
+// the first product's B fragments and, transposed, the values as the second's. Per tile each
+// warp computes its 16×64 scores with mma.m16n8k16, masks the diagonal, updates the running
+// max and sum in the log2 domain (online softmax), and feeds the probabilities straight from
+// the score registers into the P·V product (an m16n8 accumulator is laid out as the m16k16
+// operand needs). Rows past the last query are computed on clamped inputs and not written.
+//
+// Operands are the cache's 16-bit type (bf16 for an f32 cache): the queries and the
+// probabilities are rounded to it, as transformers' 16-bit attention rounds them.
+//
+// H200, 32/8 heads of 128, bf16 cache, 512 queries after 1536 positions (qwen3-8b's prompt in
+// chunks of 512): 318 µs a layer for the first form of this kernel (values transposed through
+// registers into shared memory, one stage, no overlap of copy and products); see cuda_probe.
 
 #define MMA_ROWS 64
 #define MMA_KEYS 64
 #define MMA_WARPS 4
 #define MMA_THREADS (MMA_WARPS * 32)
-// Padding of a shared row in bf16 values: 16 bytes, so the 8 rows a fragment load touches
-// start in 8 different bank quads.
+#define MMA_STAGES 2
+// Padding of a shared row in 16-bit values: 16 bytes, so the 8 rows an ldmatrix reads start in
+// 8 different bank quads.
 #define MMA_PAD 8
 
-// Four consecutive cache values as floats (16-byte aligned for f32, 8 for 16-bit types).
-template <typename KV> struct Load4;
-template <> struct Load4<float> {
-    static __device__ __forceinline__ float4 at(const float* p) { return *(const float4*)p; }
-};
-template <> struct Load4<bf16_t> {
-    static __device__ __forceinline__ float4 at(const bf16_t* p) {
-        const uint2 v = *(const uint2*)p;
-        return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u),
-                           __uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u));
+// Copies keys t0..t0 + 63 of one kv head (at `head` values into each cache row) into a stage's
+// K and V tiles, rows of D + MMA_PAD values; keys at or past `keys` are zeros.
+template <typename KV, int D> struct StageTile {
+    // 16-bit caches: 16-byte asynchronous copies, complete after cp_async_wait.
+    static __device__ __forceinline__ void copy(unsigned short* ks, unsigned short* vs,
+                                                const KV* kc, const KV* vc, int t0, int keys,
+                                                int kv_stride, int head) {
+        const int CHUNKS = D / 8;  // 16-byte pieces of a row
+#pragma unroll
+        for (int i = 0; i < MMA_KEYS * CHUNKS / MMA_THREADS; ++i) {
+            const int idx = threadIdx.x + i * MMA_THREADS;
+            const int j = idx / CHUNKS, c = (idx % CHUNKS) * 8;
+            const bool valid = t0 + j < keys;
+            const size_t off = valid ? (size_t)(t0 + j) * kv_stride + head + c : 0;
+            cp_async_16(shared_address(ks + j * (D + MMA_PAD) + c), kc + off, valid);
+            cp_async_16(shared_address(vs + j * (D + MMA_PAD) + c), vc + off, valid);
+        }
     }
 };
-template <> struct Load4<f16_t> {
-    static __device__ __forceinline__ float4 at(const f16_t* p) {
-        const uint2 v = *(const uint2*)p;
-        f16_t a, b, c, d;
-        a.bits = (unsigned short)(v.x & 0xffffu);
-        b.bits = (unsigned short)(v.x >> 16);
-        c.bits = (unsigned short)(v.y & 0xffffu);
-        d.bits = (unsigned short)(v.y >> 16);
-        return make_float4(to_f32(a), to_f32(b), to_f32(c), to_f32(d));
+template <int D> struct StageTile<float, D> {
+    // An f32 cache: read, round to bf16 and store, so complete when the call returns.
+    static __device__ __forceinline__ uint4 rounded(const float* p) {
+        const float4 a = *(const float4*)p, b = *(const float4*)(p + 4);
+        return make_uint4(pack_bf16(a.x, a.y), pack_bf16(a.z, a.w), pack_bf16(b.x, b.y),
+                          pack_bf16(b.z, b.w));
+    }
+    static __device__ __forceinline__ void copy(unsigned short* ks, unsigned short* vs,
+                                                const float* kc, const float* vc, int t0,
+                                                int keys, int kv_stride, int head) {
+        const int CHUNKS = D / 8;
+        for (int i = 0; i < MMA_KEYS * CHUNKS / MMA_THREADS; ++i) {
+            const int idx = threadIdx.x + i * MMA_THREADS;
+            const int j = idx / CHUNKS, c = (idx % CHUNKS) * 8;
+            uint4 k8 = make_uint4(0, 0, 0, 0), v8 = k8;
+            if (t0 + j < keys) {
+                const size_t off = (size_t)(t0 + j) * kv_stride + head + c;
+                k8 = rounded(kc + off);
+                v8 = rounded(vc + off);
+            }
+            *(uint4*)(ks + j * (D + MMA_PAD) + c) = k8;
+            *(uint4*)(vs + j * (D + MMA_PAD) + c) = v8;
+        }
     }
 };
 
-// grid: (ceil(n / 64), n_heads); MMA_THREADS threads.
+// grid: (ceil(n / 64), n_heads); MMA_THREADS threads; dynamic shared memory for MMA_STAGES
+// stages of a K and a V tile (Kernel::dynamic_smem_bytes).
 template <typename KV, int D>
 __device__ __forceinline__ void attention_prefill_mma(const float* __restrict__ q,
                                                       const KV* __restrict__ kc,
                                                       const KV* __restrict__ vc,
                                                       float* __restrict__ out, int n, int pos0,
                                                       int n_heads, int n_kv_heads, float scale) {
-    __shared__ __align__(16) unsigned short ks[MMA_KEYS][D + MMA_PAD];  // keys, bf16
-    __shared__ __align__(16) unsigned short vt[D][MMA_KEYS + MMA_PAD];  // values transposed
+    using Mma = Mma16<KV>;
+    const int ROW = D + MMA_PAD;      // a shared row, in 16-bit values
+    const int TILE = MMA_KEYS * ROW;  // a K or V tile
+    extern __shared__ __align__(16) unsigned short tiles[];  // stage s: K at 2s, V at 2s + 1
+
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;  // the fragment's row group and pair
     const int h = blockIdx.y, kvh = h / (n_heads / n_kv_heads);
-    const int q0 = blockIdx.x * MMA_ROWS, w0 = q0 + warp * 16;
+    // The last query blocks see the most keys: they start first, so the short ones fill in.
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * MMA_ROWS, w0 = q0 + warp * 16;
     const int q_stride = n_heads * D, kv_stride = n_kv_heads * D;
     // log2 domain: exp(x · scale) = exp2(x · scale · log2 e).
     const float scale_log2 = scale * 1.4426950408889634f;
@@ -71,10 +107,10 @@ __device__ __forceinline__ void attention_prefill_mma(const float* __restrict__ 
 #pragma unroll
         for (int k = 0; k < D / 16; ++k) {
             const int c = k * 16 + 2 * t;
-            qa[k][0] = pack_bf16(r0[c], r0[c + 1]);
-            qa[k][1] = pack_bf16(r8[c], r8[c + 1]);
-            qa[k][2] = pack_bf16(r0[c + 8], r0[c + 9]);
-            qa[k][3] = pack_bf16(r8[c + 8], r8[c + 9]);
+            qa[k][0] = Mma::pack(r0[c], r0[c + 1]);
+            qa[k][1] = Mma::pack(r8[c], r8[c + 1]);
+            qa[k][2] = Mma::pack(r0[c + 8], r0[c + 9]);
+            qa[k][3] = Mma::pack(r8[c + 8], r8[c + 9]);
         }
     }
     float o[D / 8][4];
@@ -84,99 +120,114 @@ __device__ __forceinline__ void attention_prefill_mma(const float* __restrict__ 
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
     // Positions of those rows: they see keys up to and including these.
     const int p_row[2] = {pos0 + w0 + g, pos0 + w0 + g + 8};
+    // The warp's first row sees this tile's keys only up to here.
+    const int warp_first = pos0 + w0, warp_last = pos0 + min(w0 + 15, n - 1);
+
+    // Byte offsets of this lane's ldmatrix row in a tile. Keys (first product): matrix
+    // l / 8 is values 8(l / 8).. of 8 keys, so one x4 holds two k steps of an n tile. Values
+    // (second, transposed): matrices (keys 0-7, 8-15) × (values 0-7, 8-15), so one x4 holds
+    // both k halves of two n tiles.
+    const int mi = lane >> 3, mr = lane & 7;
+    const unsigned k_lane = (mr * ROW + mi * 8) * 2;
+    const unsigned v_lane = (((mi & 1) * 8 + mr) * ROW + (mi >> 1) * 8) * 2;
+    const unsigned tiles_at = shared_address(tiles);
 
     const int keys = pos0 + min(n, q0 + MMA_ROWS);  // the block's last query sees these
-    for (int t0 = 0; t0 < keys; t0 += MMA_KEYS) {
-        __syncthreads();  // the previous tile is no longer read
-        // 64 keys × D values, 4 at a time; keys past `keys` are zero (and masked below).
-        for (int idx = threadIdx.x; idx < MMA_KEYS * D / 4; idx += MMA_THREADS) {
-            const int j = idx / (D / 4), e = (idx % (D / 4)) * 4;
-            float4 kv4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), vv4 = kv4;
-            if (t0 + j < keys) {
-                const size_t off = (size_t)(t0 + j) * kv_stride + kvh * D + e;
-                kv4 = Load4<KV>::at(kc + off);
-                vv4 = Load4<KV>::at(vc + off);
-            }
-            *(uint2*)&ks[j][e] = make_uint2(pack_bf16(kv4.x, kv4.y), pack_bf16(kv4.z, kv4.w));
-            const unsigned v01 = pack_bf16(vv4.x, vv4.y), v23 = pack_bf16(vv4.z, vv4.w);
-            vt[e][j] = (unsigned short)(v01 & 0xffffu);
-            vt[e + 1][j] = (unsigned short)(v01 >> 16);
-            vt[e + 2][j] = (unsigned short)(v23 & 0xffffu);
-            vt[e + 3][j] = (unsigned short)(v23 >> 16);
+    const int n_tiles = (keys + MMA_KEYS - 1) / MMA_KEYS;
+    StageTile<KV, D>::copy(tiles, tiles + TILE, kc, vc, 0, keys, kv_stride, kvh * D);
+    cp_async_commit();
+    for (int tile = 0; tile < n_tiles; ++tile) {
+        const int t0 = tile * MMA_KEYS, stage = tile & 1;
+        if (tile + 1 < n_tiles) {
+            // The other stage was last read in the previous tile, behind its closing barrier.
+            unsigned short* next = tiles + 2 * (stage ^ 1) * TILE;
+            StageTile<KV, D>::copy(next, next + TILE, kc, vc, t0 + MMA_KEYS, keys, kv_stride,
+                                   kvh * D);
         }
+        cp_async_commit();
+        cp_async_wait<1>();  // this tile's copies have landed (the next one's may not have)
         __syncthreads();
-        // A warp whose first row sees none of this tile has nothing to add.
-        if (t0 > pos0 + min(w0 + 15, n - 1)) continue;
-
-        // Scores: 16 rows × 64 keys, as 8 accumulator tiles of 16×8.
-        float s[MMA_KEYS / 8][4];
+        // A warp whose rows see none of this tile has nothing to add.
+        if (t0 <= warp_last) {
+            const unsigned k_at = tiles_at + 2 * stage * TILE * 2 + k_lane;
+            const unsigned v_at = tiles_at + (2 * stage + 1) * TILE * 2 + v_lane;
+            // Scores: 16 rows × 64 keys, as 8 accumulator tiles of 16×8.
+            float s[MMA_KEYS / 8][4];
 #pragma unroll
-        for (int j = 0; j < MMA_KEYS / 8; ++j) {
-            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+            for (int j = 0; j < MMA_KEYS / 8; ++j) {
+                s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
 #pragma unroll
-            for (int k = 0; k < D / 16; ++k) {
-                const unsigned short* kr = &ks[j * 8 + g][k * 16 + 2 * t];
-                mma_bf16(s[j], qa[k], *(const unsigned*)kr, *(const unsigned*)(kr + 8));
+                for (int k = 0; k < D / 32; ++k) {
+                    unsigned b[4];
+                    ldmatrix_x4(b, k_at + (j * 8 * ROW + k * 32) * 2);
+                    Mma::mma(s[j], qa[2 * k], b[0], b[1]);
+                    Mma::mma(s[j], qa[2 * k + 1], b[2], b[3]);
+                }
             }
-        }
-        // Mask, scale, and the tile's row maxima (over the 4 lanes sharing a row).
-        float tile_max[2] = {NEG_INF, NEG_INF};
+            // Scale, mask the keys past a row's position (only where the tile reaches the
+            // warp's diagonal), and the tile's row maxima (over the 4 lanes sharing a row).
+            const bool diagonal = t0 + MMA_KEYS - 1 > warp_first;
+            float tile_max[2] = {NEG_INF, NEG_INF};
 #pragma unroll
-        for (int j = 0; j < MMA_KEYS / 8; ++j)
+            for (int j = 0; j < MMA_KEYS / 8; ++j)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int r = i >> 1, key = t0 + j * 8 + 2 * t + (i & 1);
-                const float v = key <= p_row[r] && key < keys ? s[j][i] * scale_log2 : NEG_INF;
-                s[j][i] = v;
-                tile_max[r] = fmaxf(tile_max[r], v);
+                for (int i = 0; i < 4; ++i) {
+                    const int r = i >> 1, key = t0 + j * 8 + 2 * t + (i & 1);
+                    const float v = diagonal && key > p_row[r] ? NEG_INF : s[j][i] * scale_log2;
+                    s[j][i] = v;
+                    tile_max[r] = fmaxf(tile_max[r], v);
+                }
+            float correction[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(FULL_MASK, tile_max[r], 1));
+                tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(FULL_MASK, tile_max[r], 2));
+                const float m_new = fmaxf(m[r], tile_max[r]);
+                // Key 0 is in every row's first tile, so m_new is finite for every real row;
+                // clamped rows past the chunk may see nothing (and are not written).
+                correction[r] = m_new == NEG_INF ? 1.0f : exp2f(m[r] - m_new);
+                m[r] = m_new;
             }
-        float correction[2];
+            float row_sum[2] = {0.0f, 0.0f};
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(FULL_MASK, tile_max[r], 1));
-            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(FULL_MASK, tile_max[r], 2));
-            const float m_new = fmaxf(m[r], tile_max[r]);
-            // A row that sees no key of this tile keeps its state (m_new may still be -inf
-            // only for rows not yet past any key, which never happens: key 0 is always seen).
-            correction[r] = m_new == NEG_INF ? 1.0f : exp2f(m[r] - m_new);
-            m[r] = m_new;
-        }
-        float row_sum[2] = {0.0f, 0.0f};
+            for (int j = 0; j < MMA_KEYS / 8; ++j)
 #pragma unroll
-        for (int j = 0; j < MMA_KEYS / 8; ++j)
+                for (int i = 0; i < 4; ++i) {
+                    const int r = i >> 1;
+                    const float p = s[j][i] == NEG_INF ? 0.0f : exp2f(s[j][i] - m[r]);
+                    s[j][i] = p;
+                    row_sum[r] += p;
+                }
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int r = i >> 1;
-                const float p = s[j][i] == NEG_INF ? 0.0f : exp2f(s[j][i] - m[r]);
-                s[j][i] = p;
-                row_sum[r] += p;
+            for (int r = 0; r < 2; ++r) {
+                row_sum[r] += __shfl_xor_sync(FULL_MASK, row_sum[r], 1);
+                row_sum[r] += __shfl_xor_sync(FULL_MASK, row_sum[r], 2);
+                l[r] = l[r] * correction[r] + row_sum[r];
             }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            row_sum[r] += __shfl_xor_sync(FULL_MASK, row_sum[r], 1);
-            row_sum[r] += __shfl_xor_sync(FULL_MASK, row_sum[r], 2);
-            l[r] = l[r] * correction[r] + row_sum[r];
-        }
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j) {
-            o[j][0] *= correction[0];
-            o[j][1] *= correction[0];
-            o[j][2] *= correction[1];
-            o[j][3] *= correction[1];
-        }
-        // O += P · V, 16 keys at a time: score tiles 2k and 2k + 1 are the A fragment.
-#pragma unroll
-        for (int k = 0; k < MMA_KEYS / 16; ++k) {
-            const unsigned pa[4] = {pack_bf16(s[2 * k][0], s[2 * k][1]),
-                                    pack_bf16(s[2 * k][2], s[2 * k][3]),
-                                    pack_bf16(s[2 * k + 1][0], s[2 * k + 1][1]),
-                                    pack_bf16(s[2 * k + 1][2], s[2 * k + 1][3])};
 #pragma unroll
             for (int j = 0; j < D / 8; ++j) {
-                const unsigned short* vr = &vt[j * 8 + g][k * 16 + 2 * t];
-                mma_bf16(o[j], pa, *(const unsigned*)vr, *(const unsigned*)(vr + 8));
+                o[j][0] *= correction[0];
+                o[j][1] *= correction[0];
+                o[j][2] *= correction[1];
+                o[j][3] *= correction[1];
+            }
+            // O += P · V, 16 keys at a time: score tiles 2k and 2k + 1 are the A fragment.
+#pragma unroll
+            for (int k = 0; k < MMA_KEYS / 16; ++k) {
+                const unsigned pa[4] = {Mma::pack(s[2 * k][0], s[2 * k][1]),
+                                        Mma::pack(s[2 * k][2], s[2 * k][3]),
+                                        Mma::pack(s[2 * k + 1][0], s[2 * k + 1][1]),
+                                        Mma::pack(s[2 * k + 1][2], s[2 * k + 1][3])};
+#pragma unroll
+                for (int j = 0; j < D / 16; ++j) {
+                    unsigned b[4];
+                    ldmatrix_x4_trans(b, v_at + (k * 16 * ROW + j * 16) * 2);
+                    Mma::mma(o[2 * j], pa, b[0], b[1]);
+                    Mma::mma(o[2 * j + 1], pa, b[2], b[3]);
+                }
             }
         }
+        __syncthreads();  // this stage is free for the tile after next
     }
 
     // Rows g and g + 8, columns 2t and 2t + 1 of each 8-wide tile.

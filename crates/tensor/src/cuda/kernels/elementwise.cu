@@ -1,26 +1,65 @@
 // Element-wise kernels over flat arrays, grid-stride loops.
 
-// out[i] = silu(gate[i]) * up[i] (SwiGLU); out may alias gate.
-template <typename O>
-__device__ __forceinline__ void silu_mul(const float* gate, const float* __restrict__ up, O* out,
-                                         long long n) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x) {
-        out[i] = from_f32<O>(silu(gate[i]) * up[i]);
+// Eight consecutive values as floats, and back (16-byte aligned).
+__device__ __forceinline__ void load8(const float* p, float* v) {
+    const float4 a = ((const float4*)p)[0], b = ((const float4*)p)[1];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+__device__ __forceinline__ void load8(const bf16_t* p, float* v) {
+    const uint4 a = *(const uint4*)p;
+    const unsigned w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        v[2 * i] = __uint_as_float(w[i] << 16);
+        v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
     }
 }
-
-extern "C" __global__ void silu_mul_f32(const float* gate, const float* up, float* out,
-                                        long long n) {
-    grid_dependency_wait();
-    silu_mul<float>(gate, up, out, n);
+__device__ __forceinline__ void store8(float* p, const float* v) {
+    ((float4*)p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    ((float4*)p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+__device__ __forceinline__ void store8(bf16_t* p, const float* v) {
+    unsigned w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        w[i] = from_f32<bf16_t>(v[2 * i]).bits | ((unsigned)from_f32<bf16_t>(v[2 * i + 1]).bits << 16);
+    *(uint4*)p = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-extern "C" __global__ void silu_mul_bf16(const float* gate, const float* up, bf16_t* out,
-                                         long long n) {
-    grid_dependency_wait();
-    silu_mul<bf16_t>(gate, up, out, n);
+// out[i] = silu(gate[i]) * up[i] (SwiGLU), in f32 from f32 or bf16 inputs (the bf16 ones are a
+// prompt's gate/up GEMM outputs); out may alias gate. With `vec` (every pointer on 16 bytes)
+// eight values a thread a step, then the tail one by one.
+template <typename I, typename O>
+__device__ __forceinline__ void silu_mul(const I* gate, const I* __restrict__ up, O* out,
+                                         long long n, int vec) {
+    const long long first = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    long long done = 0;
+    if (vec) {
+        for (long long i = first; i < n / 8; i += stride) {
+            float g[8], u[8];
+            load8(gate + 8 * i, g);
+            load8(up + 8 * i, u);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) g[j] = silu(g[j]) * u[j];
+            store8(out + 8 * i, g);
+        }
+        done = n / 8 * 8;
+    }
+    for (long long i = done + first; i < n; i += stride)
+        out[i] = from_f32<O>(silu(to_f32(gate[i])) * to_f32(up[i]));
 }
+
+#define SILU_MUL(NAME, I, O)                                                          \
+    extern "C" __global__ void NAME(const I* gate, const I* up, O* out, long long n, \
+                                    int vec) {                                        \
+        grid_dependency_wait();                                                       \
+        silu_mul<I, O>(gate, up, out, n, vec);                                        \
+    }
+SILU_MUL(silu_mul_f32_f32, float, float)
+SILU_MUL(silu_mul_f32_bf16, float, bf16_t)
+SILU_MUL(silu_mul_bf16_bf16, bf16_t, bf16_t)
+SILU_MUL(silu_mul_bf16_f32, bf16_t, float)
 
 // x[i] += y[i].
 extern "C" __global__ void add_f32(float* x, const float* __restrict__ y, long long n) {

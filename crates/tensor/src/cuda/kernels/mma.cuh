@@ -41,6 +41,55 @@ __device__ __forceinline__ void mma_f16(float* c, const unsigned* a, unsigned b0
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// The 16-bit operands the tensor cores take for values stored as KV: a 16-bit type's own, bf16
+// for f32 (which is rounded to it).
+template <typename KV> struct Mma16;
+template <> struct Mma16<bf16_t> {
+    static __device__ __forceinline__ unsigned pack(float lo, float hi) { return pack_bf16(lo, hi); }
+    static __device__ __forceinline__ void mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+        mma_bf16(c, a, b0, b1);
+    }
+};
+template <> struct Mma16<f16_t> {
+    static __device__ __forceinline__ unsigned pack(float lo, float hi) { return pack_f16(lo, hi); }
+    static __device__ __forceinline__ void mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+        mma_f16(c, a, b0, b1);
+    }
+};
+template <> struct Mma16<float> : Mma16<bf16_t> {};
+
+// The shared-memory address PTX takes, of a generic pointer into shared memory.
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+
+// Four 8×8 matrices of 16-bit values from shared memory, lane l giving the address of row
+// l % 8 of matrix l / 8 (16 contiguous bytes); register i holds matrix i as a fragment (lane
+// l: row l / 4, columns 2(l % 4), 2(l % 4) + 1), or with `.trans` its transpose.
+__device__ __forceinline__ void ldmatrix_x4(unsigned* r, unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+// 16 bytes from global to shared memory without passing through registers; with `valid`
+// false the 16 bytes are zeros and nothing is read (`src` must still be a global address).
+__device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+                 "r"(valid ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
 // The transpose of an 8×8 matrix of 16-bit values held a register a lane as the fragments
 // above hold it (lane l: row l / 4, columns 2(l % 4) and 2(l % 4) + 1): lane l gets rows
 // 2(l % 4) and 2(l % 4) + 1 of column l / 4.
