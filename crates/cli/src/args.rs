@@ -44,9 +44,9 @@ pub struct ModelArgs {
     pub kv_type: Option<String>,
     /// Tokens per forward pass in prefill (llama.cpp's --ubatch-size): longer prompts run in
     /// chunks of this many; larger chunks feed the GEMMs better and hold larger activation
-    /// buffers.
-    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..=65536))]
-    pub prefill_chunk: u32,
+    /// buffers [default: 512 on the CPU, 2048 on CUDA].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    pub prefill_chunk: Option<u32>,
     /// Hold every engine buffer and the program's code resident between requests: `auto`
     /// holds them when they fit and the OS allows (else runs without, saying why);
     /// `required` refuses to start without.

@@ -18,7 +18,7 @@ fn main() {
         let options = EngineOptions {
             threads: Some(2),
             context: Some(256),
-            max_batch,
+            prefill_chunk: Some(max_batch),
             device,
             ..EngineOptions::default()
         };

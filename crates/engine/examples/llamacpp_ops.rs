@@ -132,7 +132,7 @@ fn main() {
     let options = ember_engine::EngineOptions {
         threads: Some(2),
         context: Some(512),
-        max_batch: 512,
+        prefill_chunk: Some(512),
         ..Default::default()
     };
     let mut engine = ember_engine::Engine::load(&model, &options).expect("loading");

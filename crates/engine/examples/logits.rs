@@ -10,7 +10,7 @@ fn main() {
     let options = ember_engine::EngineOptions {
         threads: Some(2),
         context: Some(256),
-        max_batch: 256,
+        prefill_chunk: Some(256),
         kv_dtype,
         ..Default::default()
     };

@@ -6,7 +6,7 @@ fn main() {
         &ember_engine::EngineOptions {
             threads: Some(1),
             context: Some(64),
-            max_batch: 8,
+            prefill_chunk: Some(8),
             ..Default::default()
         },
     )

@@ -34,6 +34,8 @@ pub struct DecodeBenchReport {
     pub threads: usize,
     /// What ran it: "cpu (avx512, 2 threads)", "cuda (NVIDIA H200 …)".
     pub device: String,
+    /// Prompt tokens a forward pass took (the prompt ran in chunks of this many).
+    pub prefill_chunk: usize,
     /// Medians over the repeats.
     pub prefill_tok_s: f64,
     pub decode_tok_s: f64,
@@ -52,6 +54,7 @@ impl DecodeBenchReport {
             "model": self.model,
             "threads": self.threads,
             "device": self.device,
+            "prefill_chunk": self.prefill_chunk,
             "prefill_tok_s": round(self.prefill_tok_s),
             "decode_tok_s": round(self.decode_tok_s),
             "bytes_per_token": self.bytes_per_token.round(),
@@ -121,6 +124,7 @@ pub fn bench_decode(
         model: engine.dir().display().to_string(),
         threads: engine.threads(),
         device: engine.device_label(),
+        prefill_chunk: engine.prefill_chunk(),
         prefill_tok_s: median(&prefill_runs),
         decode_tok_s: median(&decode_runs),
         prefill_runs,

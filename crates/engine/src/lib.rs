@@ -18,7 +18,7 @@ pub mod tokenizer;
 
 pub use ember_models::KvDtype;
 pub use engine::{
-    DEFAULT_CONTEXT, Device, Engine, EngineOptions, FinishReason, GenerateParams, Generation,
-    PromptEncoder, ResidencyMode, Step,
+    DEFAULT_CONTEXT, DEFAULT_PREFILL_CHUNK_CPU, DEFAULT_PREFILL_CHUNK_CUDA, Device, Engine,
+    EngineOptions, FinishReason, GenerateParams, Generation, PromptEncoder, ResidencyMode, Step,
 };
 pub use error::{Error, Result};

@@ -52,7 +52,7 @@ fn load(dir: &Path) -> Engine {
         &EngineOptions {
             threads: Some(2),
             context: Some(128),
-            max_batch: 16,
+            prefill_chunk: Some(16),
             kv_dtype: None,
             ..EngineOptions::default()
         },

@@ -13,7 +13,7 @@ fn load(name: &str, cuda_graphs: bool) -> Engine {
         .join(name);
     let options = EngineOptions {
         context: Some(96),
-        max_batch: 16,
+        prefill_chunk: Some(16),
         device: Device::Cuda(0),
         cuda_graphs,
         ..EngineOptions::default()

@@ -15,7 +15,7 @@ fn load(name: &str, threads: usize, max_batch: usize) -> Engine {
         &EngineOptions {
             threads: Some(threads),
             context: Some(128),
-            max_batch,
+            prefill_chunk: Some(max_batch),
             kv_dtype: None,
             ..EngineOptions::default()
         },

@@ -107,7 +107,7 @@ fn load(name: &str, run: Run) -> (Engine, Value) {
     let options = EngineOptions {
         threads: Some(2),
         context: Some(256),
-        max_batch: run.max_batch,
+        prefill_chunk: Some(run.max_batch),
         kv_dtype: run.kv_dtype,
         device: device(),
         // `EMBER_TEST_CUDA_GRAPHS=0` runs CUDA decode steps op by op (to tell a graph's fault

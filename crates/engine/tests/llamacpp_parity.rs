@@ -79,7 +79,7 @@ fn check(fixture: &str, required: bool) {
     let options = EngineOptions {
         threads: Some(2),
         context: Some(512),
-        max_batch: 512,
+        prefill_chunk: Some(512),
         kv_dtype: None,
         ..EngineOptions::default()
     };

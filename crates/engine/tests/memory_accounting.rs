@@ -41,7 +41,7 @@ fn listed_buffers_account_for_resident_memory_growth() {
     let options = EngineOptions {
         threads: Some(2),
         context: Some(4096),
-        max_batch: 64,
+        prefill_chunk: Some(64),
         kv_dtype: None,
         ..EngineOptions::default()
     };

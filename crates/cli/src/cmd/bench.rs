@@ -26,9 +26,10 @@ fn decode(args: BenchDecodeArgs) -> anyhow::Result<ExitCode> {
         println!("model            {}", report.model);
         println!("device           {}", report.device);
         println!(
-            "prefill          {:.1} tok/s  (pp{}, median of {})",
+            "prefill          {:.1} tok/s  (pp{} in chunks of {}, median of {})",
             report.prefill_tok_s,
             args.prompt_tokens,
+            report.prefill_chunk,
             report.prefill_runs.len()
         );
         println!(

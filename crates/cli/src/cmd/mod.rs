@@ -52,7 +52,7 @@ pub fn engine_options(args: &ModelArgs) -> EngineOptions {
         load_limit_gib: args.load_limit_gib,
         device: args.device,
         cuda_graphs: !args.no_cuda_graphs,
-        max_batch: args.prefill_chunk as usize,
+        prefill_chunk: args.prefill_chunk.map(|n| n as usize),
     }
 }
 

@@ -9,7 +9,7 @@ pub fn load_error(path: &Path) -> String {
     let options = EngineOptions {
         threads: Some(1),
         context: Some(16),
-        max_batch: 4,
+        prefill_chunk: Some(4),
         ..EngineOptions::default()
     };
     match Engine::load(path, &options) {
