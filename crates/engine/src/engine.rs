@@ -27,36 +27,6 @@ use crate::tokenizer::Tokenizer;
 /// whole trained length (often 32k-128k positions, gigabytes of KV cache).
 pub const DEFAULT_CONTEXT: usize = 4096;
 
-/// Prompt passes of a whole chunk, a quarter of it, and so on down to a few tokens, then a
-/// decode step, each forgotten. A CUDA engine's first pass of a size loads the cuBLASLt kernels
-/// that size picks (the driver loads kernels lazily, on first use) and its GEMM plans, and the
-/// first step records the decode graph: H200, the first 2048-token prompt of qwen3-8b after
-/// load took 223 ms against 59 ms for the next, and a 512-token prompt after a warm-up of
-/// 2048 alone still paid 14 ms more on qwen3-0.6b. Paid at load, not by the first request.
-fn warm_up(runner: &mut dyn Runner) -> Result<()> {
-    let started = std::time::Instant::now();
-    let capacity = runner.capacity();
-    let mut sizes = Vec::new();
-    let mut size = runner.max_batch().min(capacity.saturating_sub(1)).max(1);
-    loop {
-        sizes.push(size);
-        runner.forward(&vec![0; size], Logits::Last)?;
-        if size < capacity {
-            runner.forward(&[0], Logits::Last)?;
-        }
-        runner.reset();
-        if size <= 8 {
-            break;
-        }
-        size /= 4;
-    }
-    tracing::info!(
-        "warm-up: prompts of {sizes:?} tokens, each with a step, in {:.2} s",
-        started.elapsed().as_secs_f64()
-    );
-    Ok(())
-}
-
 /// Prompt tokens a forward pass takes by default on the CPU (llama.cpp's ubatch).
 pub const DEFAULT_PREFILL_CHUNK_CPU: usize = 512;
 /// On CUDA: longer chunks keep cuBLASLt's GEMMs busier (H200, qwen3-8b, a 2048-token prompt:
@@ -322,11 +292,11 @@ impl Engine {
             .kv_dtype
             .unwrap_or_else(|| default_kv_dtype(&weights, &config, cuda.is_some()));
         let residency_device = cuda.clone();
-        // A chunk never needs more rows than the context holds positions.
         let default_chunk = match cuda {
             Some(_) => DEFAULT_PREFILL_CHUNK_CUDA,
             None => DEFAULT_PREFILL_CHUNK_CPU,
         };
+        // A chunk never needs more rows than the context holds positions.
         let max_batch = options
             .prefill_chunk
             .unwrap_or(default_chunk)
@@ -678,6 +648,37 @@ fn establish_residency(
 enum KeepaliveScratch {
     Host(Arc<Mutex<Buffer>>),
     Device(CudaDevice, Arc<Mutex<DeviceBuffer>>),
+}
+
+/// Prompt passes of a whole chunk, a quarter of it, and so on down to a few tokens, then a
+/// decode step, each forgotten. A CUDA engine's first pass of a size loads the cuBLASLt kernels
+/// that size picks (the driver loads kernels lazily, on first use) and its GEMM plans, and the
+/// first step records the decode graph: H200, the first 2048-token prompt of qwen3-8b after
+/// load took 223 ms against 59 ms for the next, and a 512-token prompt after a warm-up of
+/// 2048 alone still paid 14 ms more on qwen3-0.6b. Paid at load, not by the first request.
+fn warm_up(runner: &mut dyn Runner) -> Result<()> {
+    let started = std::time::Instant::now();
+    let capacity = runner.capacity();
+    let mut sizes = Vec::new();
+    let mut size = runner.max_batch().min(capacity.saturating_sub(1)).max(1);
+    loop {
+        sizes.push(size);
+        runner.forward(&vec![0; size], Logits::Last)?;
+        if size < capacity {
+            runner.forward(&[0], Logits::Last)?;
+        }
+        runner.reset();
+        // Prompts this short take the matrix-vector kernels, no GEMM.
+        if size <= cuda::MAX_BATCH {
+            break;
+        }
+        size /= 4;
+    }
+    tracing::info!(
+        "warm-up: prompts of {sizes:?} tokens, each with a step, in {:.2} s",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
 
 /// The KV cache's type when the options name none. GGUF models: f16, as llama.cpp keeps it.
