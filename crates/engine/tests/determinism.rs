@@ -61,3 +61,33 @@ fn prefill_chunks_tokens_and_threads_give_identical_logits() {
         );
     }
 }
+
+/// The prompt chunk defaults to the CPU's 512 and never exceeds the context (a chunk longer
+/// than the cache would only hold idle activation rows); a chunk of the whole context gives
+/// the same bits as any other.
+#[test]
+fn prefill_chunk_defaults_and_is_clamped_to_the_context() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/golden/qwen2-f32");
+    let load = |context, prefill_chunk| {
+        Engine::load(
+            &dir,
+            &EngineOptions {
+                threads: Some(1),
+                context: Some(context),
+                prefill_chunk,
+                ..EngineOptions::default()
+            },
+        )
+        .unwrap()
+    };
+    assert_eq!(
+        load(4096, None).prefill_chunk(),
+        ember_engine::DEFAULT_PREFILL_CHUNK_CPU
+    );
+    let mut clamped = load(128, Some(100_000));
+    assert_eq!(clamped.prefill_chunk(), 128);
+    assert_eq!(load(128, Some(0)).prefill_chunk(), 1);
+    let prompt = clamped.encode_prompt("Clamped, not different.").unwrap();
+    let whole = clamped.prefill(&prompt).unwrap().to_vec();
+    assert_eq!(load(128, Some(3)).prefill(&prompt).unwrap(), &whole[..]);
+}
