@@ -480,9 +480,9 @@ pub enum AttentionPrecision {
     /// f32 products throughout (CUDA cores), as the CPU computes.
     F32,
     /// 16-bit operands with f32 sums on the tensor cores, where the device and head size
-    /// allow, else as `F32`: prompts (FlashAttention-2) with bf16 queries, keys, values and
-    /// probabilities; decode over a 16-bit cache, with the queries and probabilities in the
-    /// cache's type. For models whose products already run in 16 bits.
+    /// allow, else as `F32`: prompts (FlashAttention-2) and decode over a 16-bit cache with the
+    /// queries and probabilities rounded to the cache's type, prompts over an f32 cache with
+    /// everything rounded to bf16. For models whose products already run in 16 bits.
     Bf16,
 }
 
