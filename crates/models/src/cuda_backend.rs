@@ -441,8 +441,8 @@ impl CudaBackend {
     }
 
     /// `dst[offset..] (+)= gemm_input[..rows] · Wᵀ` for bf16 weights whose input the caller
-    /// left in `gemm_input` as bf16.
-    fn gemm_from_input(
+    /// left in `gemm_input` as bf16; `dst` holds `O` (f32, or bf16 for gate and up).
+    fn gemm_from_input<O: cuda::FloatElem>(
         &mut self,
         w: &CudaMatrix,
         rows: usize,
@@ -452,7 +452,7 @@ impl CudaBackend {
     ) -> Result<()> {
         let mat = w.as_mat()?;
         let a = self.gemm_input.as_slice::<bf16>().slice(0..rows * w.cols);
-        let mut y = self.slots[dst.index()].as_mut_slice::<f32>();
+        let mut y = self.slots[dst.index()].as_mut_slice::<O>();
         let mut y = y.slice_mut(offset..offset + rows * w.rows);
         self.gemm.matmul(a, &mat, &mut y, accumulate)?;
         Ok(())
@@ -765,7 +765,7 @@ impl Backend for CudaBackend {
         let n = rows.len();
         self.norm_into_gemm_input(src, rows, norm, eps)?;
         for p in projections {
-            self.gemm_from_input(p.weight, n, p.dst, 0, false)?;
+            self.gemm_from_input::<f32>(p.weight, n, p.dst, 0, false)?;
             if let Some(bias) = p.bias {
                 self.add_bias(bias, p.dst, n, p.weight.rows)?;
             }
@@ -808,18 +808,8 @@ impl Backend for CudaBackend {
         // read back), and SwiGLU multiplies them in f32.
         self.norm_into_gemm_input(Slot::Residual, rows, norm, eps)?;
         let len = n * width;
-        {
-            let mat = gate.weight.as_mat()?;
-            let a = self
-                .gemm_input
-                .as_slice::<bf16>()
-                .slice(0..n * gate.weight.cols);
-            let mut y = self.slots[Slot::Gate.index()].as_mut_slice::<bf16>();
-            self.gemm.matmul(a, &mat, &mut y.slice_mut(0..len), false)?;
-            let mat = up.weight.as_mat()?;
-            let mut y = self.slots[Slot::Up.index()].as_mut_slice::<bf16>();
-            self.gemm.matmul(a, &mat, &mut y.slice_mut(0..len), false)?;
-        }
+        self.gemm_from_input::<bf16>(gate.weight, n, Slot::Gate, 0, false)?;
+        self.gemm_from_input::<bf16>(up.weight, n, Slot::Up, 0, false)?;
         {
             let [g, u] = self
                 .slots
@@ -832,7 +822,7 @@ impl Backend for CudaBackend {
             let mut a = self.gemm_input.as_mut_slice::<bf16>();
             cuda::silu_mul(&self.device, g, u, &mut a.slice_mut(0..len))?;
         }
-        self.gemm_from_input(down.weight, n, Slot::Residual, offset, true)
+        self.gemm_from_input::<f32>(down.weight, n, Slot::Residual, offset, true)
     }
 
     fn linear_into_residual(
