@@ -4,7 +4,10 @@
 //! names a kernel by [`Kernel`], never by a string: the symbol is formatted in one place,
 //! [`Kernel::symbol`], from the same names the `.cu` macros paste together.
 
+use std::borrow::Cow;
 use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 /// Prepended to every module: 16-bit float conversions, warp and block reductions, loads.
 const COMMON: &str = include_str!("kernels/common.cuh");
@@ -12,6 +15,33 @@ const COMMON: &str = include_str!("kernels/common.cuh");
 const MMA: &str = include_str!("kernels/mma.cuh");
 /// The CUDA-core decode attention, also the first half of the tensor-core one's module.
 const DECODE: &str = include_str!("kernels/attention_decode.cu");
+
+/// A folder whose kernel files replace the built-in ones of the same name (a development aid:
+/// kernel variants compared on a GPU machine with one binary, no rebuild). Files it lacks
+/// stay built in; the disk cache is keyed by the source, so variants never mix.
+const SOURCE_DIR_VAR: &str = "EMBER_KERNEL_SOURCE_DIR";
+
+/// `file`'s text from [`SOURCE_DIR_VAR`]'s folder when it is set and holds the file, else the
+/// built-in `text`.
+fn kernel_file(file: &str, text: &'static str) -> Cow<'static, str> {
+    static DIR: OnceLock<Option<PathBuf>> = OnceLock::new();
+    let dir = DIR.get_or_init(|| {
+        let dir = std::env::var_os(SOURCE_DIR_VAR).filter(|v| !v.is_empty())?;
+        tracing::warn!(
+            "kernel sources from {} where it has them ({SOURCE_DIR_VAR})",
+            PathBuf::from(&dir).display()
+        );
+        Some(PathBuf::from(dir))
+    });
+    file_from(dir.as_deref(), file, text)
+}
+
+fn file_from(dir: Option<&Path>, file: &str, text: &'static str) -> Cow<'static, str> {
+    match dir.map(|d| std::fs::read_to_string(d.join(file))) {
+        Some(Ok(replaced)) => Cow::Owned(replaced),
+        _ => Cow::Borrowed(text),
+    }
+}
 /// Stages and keys a tile of the tensor-core prompt attention (`MMA_STAGES`, `MMA_KEYS` in
 /// attention_mma.cu), which size its shared memory.
 const PREFILL_MMA_STAGES: usize = 2;
@@ -82,20 +112,27 @@ impl Module {
         }
     }
 
-    fn body(self) -> &'static str {
+    /// The module's own file: its name and built-in text (the decode attention modules are
+    /// instances of one file each).
+    fn file(self) -> (&'static str, &'static str) {
+        macro_rules! file {
+            ($name:literal) => {
+                ($name, include_str!(concat!("kernels/", $name)))
+            };
+        }
         match self {
-            Module::Matvec => include_str!("kernels/matvec.cu"),
-            Module::RmsNorm => include_str!("kernels/rms_norm.cu"),
-            Module::Rope => include_str!("kernels/rope.cu"),
-            Module::Elementwise => include_str!("kernels/elementwise.cu"),
-            Module::Embedding => include_str!("kernels/embedding.cu"),
-            Module::Argmax => include_str!("kernels/argmax.cu"),
-            Module::Attention => include_str!("kernels/attention.cu"),
-            Module::AttentionDecode(_) => DECODE,
-            Module::AttentionDecodeMma(_) => include_str!("kernels/attention_decode_mma.cu"),
-            Module::AttentionMma => include_str!("kernels/attention_mma.cu"),
-            Module::Moe => include_str!("kernels/moe.cu"),
-            Module::ExpertsMma => include_str!("kernels/experts_mma.cu"),
+            Module::Matvec => file!("matvec.cu"),
+            Module::RmsNorm => file!("rms_norm.cu"),
+            Module::Rope => file!("rope.cu"),
+            Module::Elementwise => file!("elementwise.cu"),
+            Module::Embedding => file!("embedding.cu"),
+            Module::Argmax => file!("argmax.cu"),
+            Module::Attention => file!("attention.cu"),
+            Module::AttentionDecode(_) => ("attention_decode.cu", DECODE),
+            Module::AttentionDecodeMma(_) => file!("attention_decode_mma.cu"),
+            Module::AttentionMma => file!("attention_mma.cu"),
+            Module::Moe => file!("moe.cu"),
+            Module::ExpertsMma => file!("experts_mma.cu"),
         }
     }
 
@@ -127,10 +164,13 @@ impl Module {
 
     /// The whole program NVRTC compiles.
     pub fn source(self) -> String {
+        let common = kernel_file("common.cuh", COMMON);
+        let mma = kernel_file("mma.cuh", MMA);
+        let decode = kernel_file("attention_decode.cu", DECODE);
         let header = match self {
-            Module::AttentionMma | Module::ExpertsMma => MMA.to_string(),
+            Module::AttentionMma | Module::ExpertsMma => mma.into_owned(),
             // The tensor-core decode kernel reuses the other's chunking, rope and merge.
-            Module::AttentionDecodeMma(_) => format!("{MMA}\n{DECODE}"),
+            Module::AttentionDecodeMma(_) => format!("{mma}\n{decode}"),
             _ => String::new(),
         };
         // The decode attention files define their kernels for the cache type the module names.
@@ -141,7 +181,9 @@ impl Module {
             }
             _ => String::new(),
         };
-        format!("{COMMON}\n{header}\n{}\n{instances}", self.body())
+        let (name, text) = self.file();
+        let body = kernel_file(name, text);
+        format!("{common}\n{header}\n{body}\n{instances}")
     }
 }
 
@@ -426,13 +468,27 @@ mod tests {
         assert_eq!(m.define("MMA_PAD"), 8);
     }
 
+    /// A source folder replaces the files it holds and only those.
+    #[test]
+    fn a_source_folder_replaces_the_files_it_holds() {
+        let dir = std::env::temp_dir().join(format!("ember-kernel-src-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("matvec.cu"), "// a variant").unwrap();
+        let (name, text) = Module::Matvec.file();
+        assert_eq!(file_from(Some(&dir), name, text), "// a variant");
+        let (name, text) = Module::RmsNorm.file();
+        assert_eq!(file_from(Some(&dir), name, text), text);
+        assert_eq!(file_from(None, "matvec.cu", text), text);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     /// Kernels are launched to overlap the one before (`CudaDevice::launch_kernel`), which is
     /// safe only because each waits for it first: every kernel body calls
     /// `grid_dependency_wait()`.
     #[test]
     fn every_kernel_waits_for_the_one_before() {
         for module in Module::ALL {
-            let body = module.body();
+            let (_, body) = module.file();
             let mut kernels = 0;
             for (at, _) in body.match_indices("__global__") {
                 let open = at + body[at..].find('{').expect("a kernel body");

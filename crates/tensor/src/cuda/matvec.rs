@@ -360,13 +360,27 @@ fn launch_product(
     let blocks = int(OP, "blocks", shape.total_rows.div_ceil(rows_per_block))? as u32;
     args.vec = i32::from(vectorised);
     args.wpr = warps_per_rows as i32;
-    args.prefetch_blocks = int(
-        OP,
-        "blocks",
-        PREFETCH_BLOCKS_PER_SM * device.info().multiprocessors,
-    )?;
+    let weight_bytes = shape.total_rows * cols * shape.dtype.size_in_bytes();
+    args.prefetch_blocks = if prefetches(weight_bytes, device.info().l2_bytes) {
+        int(
+            OP,
+            "blocks",
+            PREFETCH_BLOCKS_PER_SM * device.info().multiprocessors,
+        )?
+    } else {
+        0
+    };
     let args = *args;
     launch!(device, kernel, config((blocks, grid_y), THREADS, 0); args)
+}
+
+/// Whether a product's first blocks prefetch their weights into L2 while the kernel before
+/// finishes (`matvec_prefetch` in matvec.cu): only for matrices of at most half the L2. On the
+/// H200 it is worth 7% of qwen3-0.6b's decode (matrices of 4-13 MB), while qwen3-8b's (34-201
+/// MB) ran 1.4% faster without it (208 -> 211 tok/s, December 2026): there the first wave is a
+/// small share of the matrix, and its early requests only compete with the kernel before.
+fn prefetches(weight_bytes: usize, l2_bytes: usize) -> bool {
+    weight_bytes <= l2_bytes / 2
 }
 
 /// Bytes one [`matvec`] must move at least: the weights once, `x` and `y` once.
@@ -383,5 +397,18 @@ mod tests {
     #[test]
     fn constants_match_the_kernel() {
         assert_eq!(Module::Matvec.define("MATVEC_THREADS"), THREADS as usize);
+    }
+
+    /// On the H200's 50 MB of L2: every matrix of qwen3-0.6b prefetches, none of qwen3-8b's.
+    #[test]
+    fn only_matrices_of_up_to_half_the_l2_prefetch() {
+        let l2 = 50 << 20;
+        let bf16 = |rows: usize, cols: usize| rows * cols * 2;
+        // qwen3-0.6b: q/k/v (4096 rows of 1024), gate/up (2 × 3072 of 1024).
+        assert!(prefetches(bf16(4096, 1024), l2));
+        assert!(prefetches(bf16(6144, 1024), l2));
+        // qwen3-8b: o (4096 of 4096), q/k/v (6144 of 4096).
+        assert!(!prefetches(bf16(4096, 4096), l2));
+        assert!(!prefetches(bf16(6144, 4096), l2));
     }
 }

@@ -292,7 +292,8 @@ __device__ __forceinline__ void matvec(const MatvecArgs& a, Wait wait) {
 // L2 for its rows of the weights, which no kernel writes: scheduled while that kernel
 // finishes, it then finds its rows in the cache, their reads overlapped with the other's
 // tail. One bulk prefetch per row, by a thread each. Later blocks start after the kernel
-// before has ended and load at once; a prefetch there would only add requests.
+// before has ended and load at once; a prefetch there would only add requests. The host
+// turns it off (prefetch_blocks 0) for matrices over half the L2, where it measured slower.
 template <typename W, int ROWS>
 __device__ __forceinline__ void matvec_prefetch(const MatvecArgs& a) {
     const int rows = (MATVEC_THREADS / 32) / a.wpr * ROWS;
@@ -306,15 +307,18 @@ __device__ __forceinline__ void matvec_prefetch(const MatvecArgs& a) {
 }
 
 // More rows per group at larger batches, so each x load feeds more FMAs; fewer steps unrolled
-// there, so the registers still leave room for two blocks per multiprocessor.
-#define MATVEC(NAME, W, B, ROWS, UNROLL)                                                       \
+// there, so the registers still leave room for two blocks per multiprocessor. NORM_UNROLL is
+// the `_norm` form's: at batch 1 it unrolls 2 steps, not 4, which takes it from 62 registers
+// (4 blocks a multiprocessor) to 48 (5) with no spill (H200, qwen3-8b decode 203 -> 208 tok/s;
+// capped at 40 registers, six blocks, it spilled and qwen3-0.6b lost 8%).
+#define MATVEC(NAME, W, B, ROWS, UNROLL, NORM_UNROLL)                                          \
     extern "C" __global__ void __launch_bounds__(MATVEC_THREADS) NAME(const MatvecArgs a) {    \
         matvec_prefetch<W, ROWS>(a);                                                           \
         matvec<W, B, ROWS, UNROLL, false, false>(a, [] { grid_dependency_wait(); });           \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(MATVEC_THREADS) NAME##_norm(const MatvecArgs a) { \
         matvec_prefetch<W, ROWS>(a);                                                               \
-        matvec<W, B, ROWS, UNROLL, true, false>(a, [] { grid_dependency_wait(); });            \
+        matvec<W, B, ROWS, NORM_UNROLL, true, false>(a, [] { grid_dependency_wait(); });       \
     }
 // Routed experts: one pair per tile for a decoded token (its experts differ), eight for
 // prompts, where each expert takes many tokens and reads its weights once per eight.
@@ -324,15 +328,15 @@ __device__ __forceinline__ void matvec_prefetch(const MatvecArgs& a) {
     }
 // (8 rows per group at batch 1, each x load feeding 8 rows, measured slower on the H200:
 // qwen3-8b decode 148 tok/s against 167.)
-#define MATVEC_ALL_BATCHES(T, W)              \
-    MATVEC(matvec_##T##_b1, W, 1, 2, 4)       \
-    MATVEC(matvec_##T##_b2, W, 2, 2, 4)       \
-    MATVEC(matvec_##T##_b3, W, 3, 4, 2)       \
-    MATVEC(matvec_##T##_b4, W, 4, 4, 2)       \
-    MATVEC(matvec_##T##_b5, W, 5, 4, 1)       \
-    MATVEC(matvec_##T##_b6, W, 6, 4, 1)       \
-    MATVEC(matvec_##T##_b7, W, 7, 4, 1)       \
-    MATVEC(matvec_##T##_b8, W, 8, 4, 1)       \
+#define MATVEC_ALL_BATCHES(T, W)                \
+    MATVEC(matvec_##T##_b1, W, 1, 2, 4, 2)      \
+    MATVEC(matvec_##T##_b2, W, 2, 2, 4, 4)      \
+    MATVEC(matvec_##T##_b3, W, 3, 4, 2, 2)      \
+    MATVEC(matvec_##T##_b4, W, 4, 4, 2, 2)      \
+    MATVEC(matvec_##T##_b5, W, 5, 4, 1, 1)      \
+    MATVEC(matvec_##T##_b6, W, 6, 4, 1, 1)      \
+    MATVEC(matvec_##T##_b7, W, 7, 4, 1, 1)      \
+    MATVEC(matvec_##T##_b8, W, 8, 4, 1, 1)      \
     MATVEC_EXPERTS(matvec_##T##_b1, W, 1, 2, 4) \
     MATVEC_EXPERTS(matvec_##T##_b8, W, 8, 4, 1)
 
