@@ -186,6 +186,14 @@ impl CudaDevice {
             return Err(CudaError::NoDevice { ordinal, count });
         }
         let ctx = CudaContext::new(ordinal).map_err(CudaError::driver("creating the context"))?;
+        // cudarc's event tracking orders its own `CudaSlice`s across streams, and to start it
+        // the first `new_stream` synchronises the whole context: an error while another
+        // engine in this process records a graph on the same (primary) context, as parallel
+        // tests do. ember makes no `CudaSlice`: its buffers are raw allocations used on one
+        // stream, freed after that stream drains (`free`), so the tracking has nothing to do.
+        // SAFETY: no `CudaSlice` is made on this context by ember; the rules it lifts are
+        // for those.
+        unsafe { ctx.disable_event_tracking() };
         let stream = ctx
             .new_stream()
             .map_err(CudaError::driver("creating a stream"))?;
