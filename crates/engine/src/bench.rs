@@ -109,11 +109,13 @@ pub fn bench_decode(
     for _ in 0..options.repeats.max(1) {
         engine.reset();
         let start = Instant::now();
-        let mut token = argmax(engine.prefill(&prompt)?);
+        // Greedy as a request without log-probabilities runs it: each token picked where the
+        // logits are.
+        let mut token = engine.prefill_greedy(&prompt)?;
         prefill_runs.push(options.prompt_tokens as f64 / start.elapsed().as_secs_f64());
         let start = Instant::now();
         for _ in 0..options.decode_tokens {
-            token = argmax(engine.step(token)?);
+            token = engine.step_greedy(token)?;
         }
         decode_runs.push(options.decode_tokens as f64 / start.elapsed().as_secs_f64());
     }
@@ -133,14 +135,4 @@ pub fn bench_decode(
         bandwidth_gb_s,
         bound_tok_s: bandwidth_gb_s * 1e9 / bytes_per_token,
     })
-}
-
-fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in logits.iter().enumerate() {
-        if v > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
 }

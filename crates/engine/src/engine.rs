@@ -125,6 +125,9 @@ pub struct GenerateParams {
     pub sampling: SamplingParams,
     /// Keep going past end-of-sequence tokens until `max_tokens`.
     pub ignore_eos: bool,
+    /// Hand each step's logits to the caller ([`Step::logits`]; for log-probabilities). Off,
+    /// a greedy generation on a GPU picks each token on the device and brings back only it.
+    pub step_logits: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -135,11 +138,19 @@ pub enum FinishReason {
     Length,
 }
 
+/// What a forward pass of [`Engine::generate`] gave: a token chosen on the device, or the
+/// logits to sample one from.
+enum Next<'a> {
+    Token(u32),
+    Logits(&'a [f32]),
+}
+
 /// What one generated token looked like, handed to the caller as it is produced.
 pub struct Step<'a> {
     pub token: u32,
-    /// The logits it was sampled from.
-    pub logits: &'a [f32],
+    /// The logits it was sampled from; `None` when they stayed where they were made (a
+    /// greedy generation without [`GenerateParams::step_logits`]).
+    pub logits: Option<&'a [f32]>,
     /// Whether it ends the sequence (it is still reported; callers usually do not print it).
     pub is_eos: bool,
 }
@@ -522,23 +533,39 @@ impl Engine {
     /// Appends `tokens` to the sequence, in chunks of the batch size, and returns the logits
     /// after the last one.
     pub fn prefill(&mut self, tokens: &[u32]) -> Result<&[f32]> {
+        let last = self.prefill_all_but_the_last_chunk(tokens)?;
+        self.runner.forward(last, Logits::Last)
+    }
+
+    /// [`Self::prefill`], returning the greedy choice after the last token (the index of the
+    /// largest logit, by `ember_tensor::cpu::argmax`'s rule) instead of the logits, which a
+    /// GPU keeps.
+    pub fn prefill_greedy(&mut self, tokens: &[u32]) -> Result<u32> {
+        let last = self.prefill_all_but_the_last_chunk(tokens)?;
+        self.runner.forward_greedy(last)
+    }
+
+    /// Runs every chunk of a non-empty prompt but the last, and returns the last.
+    fn prefill_all_but_the_last_chunk<'t>(&mut self, tokens: &'t [u32]) -> Result<&'t [u32]> {
         if tokens.is_empty() {
             return Err(Error::EmptyPrompt);
         }
         let chunk = self.runner.max_batch();
-        let mut chunks = tokens.chunks(chunk).peekable();
-        while let Some(part) = chunks.next() {
-            if chunks.peek().is_none() {
-                return self.runner.forward(part, Logits::Last);
-            }
+        let last = (tokens.len() - 1) / chunk * chunk;
+        for part in tokens[..last].chunks(chunk) {
             self.runner.forward(part, Logits::Last)?;
         }
-        unreachable!("a non-empty prompt has a last chunk")
+        Ok(&tokens[last..])
     }
 
     /// Appends one token and returns the logits after it.
     pub fn step(&mut self, token: u32) -> Result<&[f32]> {
         self.runner.forward(&[token], Logits::Last)
+    }
+
+    /// Appends one token and returns the greedy choice after it ([`Self::prefill_greedy`]).
+    pub fn step_greedy(&mut self, token: u32) -> Result<u32> {
+        self.runner.forward_greedy(&[token])
     }
 
     /// Generates from `prompt` on a fresh sequence. `on_step` sees every token as it is made and
@@ -564,10 +591,19 @@ impl Engine {
         let mut tokens = Vec::with_capacity(params.max_tokens);
         let mut finish_reason = FinishReason::Length;
         let mut first_token_at = None;
+        // Greedy without logits for the caller: the choice is made where the logits are.
+        let on_device = params.sampling.is_greedy() && !params.step_logits;
         if params.max_tokens > 0 {
-            let mut logits = self.prefill(prompt)?;
+            let mut next = if on_device {
+                Next::Token(self.prefill_greedy(prompt)?)
+            } else {
+                Next::Logits(self.prefill(prompt)?)
+            };
             loop {
-                let token = sampler.sample(logits);
+                let (token, logits) = match next {
+                    Next::Token(token) => (token, None),
+                    Next::Logits(logits) => (sampler.sample(logits), Some(logits)),
+                };
                 first_token_at.get_or_insert_with(Instant::now);
                 let is_eos = eos_ids.contains(&token);
                 tokens.push(token);
@@ -583,7 +619,11 @@ impl Engine {
                 if tokens.len() >= params.max_tokens || prompt.len() + tokens.len() > context - 1 {
                     break;
                 }
-                logits = self.step(token)?;
+                next = if on_device {
+                    Next::Token(self.step_greedy(token)?)
+                } else {
+                    Next::Logits(self.step(token)?)
+                };
             }
         }
         let first = first_token_at.unwrap_or_else(Instant::now);
@@ -665,7 +705,8 @@ fn warm_up(runner: &mut dyn Runner) -> Result<()> {
         sizes.push(size);
         runner.forward(&vec![0; size], Logits::Last)?;
         if size < capacity {
-            runner.forward(&[0], Logits::Last)?;
+            // Greedy, as most steps are served.
+            runner.forward_greedy(&[0])?;
         }
         runner.reset();
         // Prompts this short take the matrix-vector kernels, no GEMM.

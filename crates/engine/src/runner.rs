@@ -12,6 +12,9 @@ use crate::error::Result;
 
 pub(crate) trait Runner: Send {
     fn forward(&mut self, tokens: &[u32], logits: Logits) -> Result<&[f32]>;
+    /// A forward pass of a non-empty `tokens` that returns the greedy choice after the last,
+    /// leaving its logits where they are (on the device, for a GPU).
+    fn forward_greedy(&mut self, tokens: &[u32]) -> Result<u32>;
     fn config(&self) -> &ModelConfig;
     /// Tokens one forward pass takes at most.
     fn max_batch(&self) -> usize;
@@ -47,6 +50,12 @@ macro_rules! shared_runner_methods {
     () => {
         fn forward(&mut self, tokens: &[u32], logits: Logits) -> Result<&[f32]> {
             self.forward_pass(tokens, logits)
+        }
+
+        fn forward_greedy(&mut self, tokens: &[u32]) -> Result<u32> {
+            Ok(self
+                .model
+                .forward_greedy(&mut self.backend, &mut self.kv, tokens)?)
         }
 
         fn config(&self) -> &ModelConfig {

@@ -3,6 +3,8 @@
 use std::cmp::{Ordering, Reverse};
 use std::collections::BinaryHeap;
 
+use ember_tensor::cpu::{argmax, max_ignoring_nan};
+
 /// Per-request sampling settings. The default is greedy decoding.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SamplingParams {
@@ -124,7 +126,7 @@ impl Sampler {
         if p.is_greedy() {
             return argmax(logits);
         }
-        let max = max_logit(logits);
+        let max = max_ignoring_nan(logits);
         let inv_temperature = 1.0 / p.temperature;
         if !(max * inv_temperature).is_finite() {
             // All -inf/NaN, an infinite logit, or a temperature so small that
@@ -398,33 +400,6 @@ fn keep_top_p(candidates: &mut Vec<Candidate>, target: f32) {
     }
 }
 
-/// Largest logit, ignoring NaN; -inf for none. Sixteen independent lanes let
-/// the compiler vectorise the scan.
-fn max_logit(logits: &[f32]) -> f32 {
-    const LANES: usize = 16;
-    let mut lanes = [f32::NEG_INFINITY; LANES];
-    let chunks = logits.chunks_exact(LANES);
-    let tail = chunks.remainder();
-    for chunk in chunks {
-        for (lane, &v) in lanes.iter_mut().zip(chunk) {
-            *lane = lane.max(v);
-        }
-    }
-    lanes
-        .iter()
-        .chain(tail)
-        .fold(f32::NEG_INFINITY, |a, &b| a.max(b))
-}
-
-/// Index of the largest logit, lowest id on ties; NaN is ignored.
-fn argmax(logits: &[f32]) -> u32 {
-    let max = max_logit(logits);
-    logits
-        .iter()
-        .position(|&v| v == max)
-        .map_or(0, |i| i as u32)
-}
-
 /// Log-normaliser of a logit vector, computed with f64 accumulation.
 struct LogNorm {
     log_sum_exp: f64,
@@ -434,7 +409,7 @@ struct LogNorm {
 
 impl LogNorm {
     fn new(logits: &[f32]) -> Self {
-        let max = max_logit(logits);
+        let max = max_ignoring_nan(logits);
         if max == f32::INFINITY {
             let n_pos_inf = logits.iter().filter(|&&v| v == f32::INFINITY).count();
             return Self {

@@ -91,3 +91,37 @@ fn prefill_chunk_defaults_and_is_clamped_to_the_context() {
     let whole = clamped.prefill(&prompt).unwrap().to_vec();
     assert_eq!(load(128, Some(3)).prefill(&prompt).unwrap(), &whole[..]);
 }
+
+/// A greedy pick made where the logits are (`prefill_greedy`, `step_greedy`: on a GPU the
+/// logits never leave it) is the host's pick of the same logits, for whole and chunked
+/// prompts alike (a prompt of exactly one chunk, and one a token longer).
+#[test]
+fn greedy_picks_in_place_equal_the_hosts_pick() {
+    let argmax = ember_tensor::cpu::argmax;
+    let name = "qwen3moe-f32";
+    let mut engine = load(name, 2, 64);
+    let prompt = engine
+        .encode_prompt("Reproducible means the same bits, every time.")
+        .unwrap();
+    for chunk in [64, 5, prompt.len(), prompt.len() - 1] {
+        let mut host = load(name, 2, chunk);
+        let mut in_place = load(name, 2, chunk);
+        let mut token = argmax(host.prefill(&prompt).unwrap());
+        assert_eq!(
+            in_place.prefill_greedy(&prompt).unwrap(),
+            token,
+            "{name}: prompt in chunks of {chunk}"
+        );
+        for step in 0..6 {
+            let next = argmax(host.step(token).unwrap());
+            assert_eq!(
+                in_place.step_greedy(token).unwrap(),
+                next,
+                "{name}: step {step}, chunks of {chunk}"
+            );
+            token = next;
+        }
+        assert_eq!(in_place.position(), host.position());
+    }
+    assert!(engine.prefill_greedy(&[]).is_err(), "an empty prompt");
+}

@@ -113,11 +113,12 @@ fn check(fixture: &str, required: bool) {
             max_tokens: want.len(),
             sampling: SamplingParams::default(),
             ignore_eos: true,
+            step_logits: true,
         };
         let mut margins = Vec::new();
         let generation = engine
             .generate(&prompt_ids, &params, |step| {
-                margins.push(top2_margin(step.logits));
+                margins.push(top2_margin(step.logits.expect("logits asked for")));
                 ControlFlow::Continue(())
             })
             .unwrap();

@@ -53,6 +53,7 @@ fn listed_buffers_account_for_resident_memory_growth() {
         max_tokens: 8,
         sampling: SamplingParams::default(),
         ignore_eos: true,
+        step_logits: false,
     };
     engine
         .generate(&prompt, &params, |_| ControlFlow::Continue(()))

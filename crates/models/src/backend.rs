@@ -9,6 +9,7 @@
 use std::ops::Range;
 
 use ember_checkpoint::TensorSource;
+use ember_tensor::cpu;
 
 use crate::config::ModelConfig;
 use crate::error::Result;
@@ -392,6 +393,12 @@ pub trait Backend {
     fn project_logits(&mut self, head: &Self::Matrix, rows: usize) -> Result<()>;
     /// The first `len` logits of the last pass, on the host.
     fn logits(&mut self, len: usize) -> Result<&[f32]>;
+    /// The greedy choice after the last pass, from its first row of `vocab` logits: the index
+    /// of the largest, by [`cpu::argmax`]'s rule. A device backend picks it where the logits
+    /// are and brings back the index alone, not the row.
+    fn greedy_token(&mut self, vocab: usize) -> Result<u32> {
+        Ok(cpu::argmax(self.logits(vocab)?))
+    }
 }
 
 /// [`Backend::norm_linears`] one step at a time: the norm into `Normed`, then each product.

@@ -221,6 +221,10 @@ pub struct CudaBackend {
     attention_scratch: DeviceBuffer,
     logits: DeviceBuffer,
     logits_host: Buffer,
+    /// The greedy token of the last pass (u32), and its host side: [`Backend::greedy_token`]
+    /// brings back 4 bytes, not a row of logits.
+    greedy: DeviceBuffer,
+    greedy_host: Buffer,
     moe: Option<MoeWorkspace>,
     /// Recorded one-token passes; `None` turns recording off.
     graphs: Option<HashMap<GraphKey, Recording>>,
@@ -327,6 +331,8 @@ impl CudaBackend {
                 "logits (host)",
                 logit_rows * config.vocab_size * 4,
             )?,
+            greedy: owner.alloc_device(BufferKind::Activations, "greedy token", &device, 4)?,
+            greedy_host: owner.alloc_staging(BufferKind::Activations, "greedy token (host)", 4)?,
             moe,
             graphs: graphs.then(HashMap::new),
             attention_precision: match config.dtype.as_deref() {
@@ -1170,6 +1176,19 @@ impl Backend for CudaBackend {
         let logits = self.logits.as_slice::<f32>().slice(0..len);
         self.device.download(logits, host)?;
         Ok(&self.logits_host.as_slice::<f32>()[..len])
+    }
+
+    fn greedy_token(&mut self, vocab: usize) -> Result<u32> {
+        let logits = self.logits.as_slice::<f32>().slice(0..vocab);
+        cuda::argmax(
+            &self.device,
+            logits,
+            vocab,
+            &mut self.greedy.as_mut_slice::<u32>(),
+        )?;
+        let host = self.greedy_host.as_mut_slice::<u32>();
+        self.device.download(self.greedy.as_slice::<u32>(), host)?;
+        Ok(host[0])
     }
 
     /// `logits[..rows] = Normed[..rows] · headᵀ` (matrix-vector: at most a few rows).

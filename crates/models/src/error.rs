@@ -22,6 +22,8 @@ pub enum Error {
     Unsupported { what: String, backend: &'static str },
     #[error("a forward pass of {requested} tokens exceeds the batch capacity of {capacity}")]
     BatchTooLarge { requested: usize, capacity: usize },
+    #[error("a forward pass that must give a token was given none")]
+    NoTokens,
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

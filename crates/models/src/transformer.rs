@@ -267,6 +267,24 @@ impl<B: Backend> Transformer<B> {
         tokens: &[u32],
         logits: Logits,
     ) -> Result<&'b [f32]> {
+        let rows = self.run(b, kv, tokens, logits)?;
+        if rows == 0 {
+            return Ok(&[]);
+        }
+        b.logits(rows * self.config.vocab_size)
+    }
+
+    /// [`Self::forward`] of a non-empty `tokens` with the last token's logits, returning the
+    /// greedy choice among them ([`Backend::greedy_token`]) instead of the logits.
+    pub fn forward_greedy(&self, b: &mut B, kv: &mut B::Kv, tokens: &[u32]) -> Result<u32> {
+        if self.run(b, kv, tokens, Logits::Last)? == 0 {
+            return Err(Error::NoTokens);
+        }
+        b.greedy_token(self.config.vocab_size)
+    }
+
+    /// The work of [`Self::forward`], the logits left on the backend; returns their rows.
+    fn run(&self, b: &mut B, kv: &mut B::Kv, tokens: &[u32], logits: Logits) -> Result<usize> {
         let c = &self.config;
         let n = tokens.len();
         if n > b.max_batch() {
@@ -297,7 +315,7 @@ impl<B: Backend> Transformer<B> {
             });
         }
         if n == 0 {
-            return Ok(&[]);
+            return Ok(0);
         }
         let m = match logits {
             Logits::Last => 1,
@@ -310,7 +328,7 @@ impl<B: Backend> Transformer<B> {
         };
         b.run_pass(kv, shape, &mut |b, kv| self.pass(b, kv, n, pos0, logits))?;
         kv.advance(n);
-        b.logits(m * c.vocab_size)
+        Ok(m)
     }
 
     /// The device work of a forward pass of `n` tokens at `pos0..`.

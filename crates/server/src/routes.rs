@@ -248,6 +248,7 @@ fn plan(ready: &Ready, prompt_tokens: usize, common: &CommonParams) -> AppResult
         max_tokens,
         sampling: common.sampling,
         ignore_eos: common.ignore_eos,
+        step_logits: false,
     })
 }
 
@@ -269,7 +270,11 @@ async fn submit(
     let cancel = Arc::new(AtomicBool::new(false));
     let job = Job {
         prompt,
-        params,
+        // Log-probabilities are computed from each step's logits.
+        params: GenerateParams {
+            step_logits: logprobs.is_some(),
+            ..params
+        },
         logprobs,
         cancel: Arc::clone(&cancel),
         events: events_tx,

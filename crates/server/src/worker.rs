@@ -108,12 +108,13 @@ pub fn run(
             } else {
                 decoder.push(step.token).unwrap_or_default()
             };
-            let (logprob, top) = match job.logprobs {
-                Some(n) => (
-                    Some(logprob_of(step.logits, step.token)),
-                    top_logprobs(step.logits, n),
+            // The job's params ask for each step's logits whenever it wants log-probabilities.
+            let (logprob, top) = match (job.logprobs, step.logits) {
+                (Some(n), Some(logits)) => (
+                    Some(logprob_of(logits, step.token)),
+                    top_logprobs(logits, n),
                 ),
-                None => (None, Vec::new()),
+                _ => (None, Vec::new()),
             };
             let event = Event::Token(TokenEvent {
                 id: step.token,

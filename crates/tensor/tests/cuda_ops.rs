@@ -1013,24 +1013,25 @@ fn argmax_takes_the_lowest_index_on_ties_and_never_nan() {
     let Some(ctx) = Ctx::new() else { return };
     let mut rng = Rng(7);
     let vocab = 151_936;
-    let mut logits = rng.vec(4 * vocab);
+    let rows = 5;
+    let mut logits = rng.vec(rows * vocab);
     // Row 1: a tie between a late and an early index, and a NaN above both.
     logits[vocab + 150_000] = 5.0;
     logits[vocab + 1234] = 5.0;
     logits[vocab + 17] = f32::NAN;
-    // Row 2: all NaN. Row 3: the maximum at the very end.
+    // Row 2: all NaN. Row 3: the maximum at the very end. Row 4: NaN, then only -inf.
     logits[2 * vocab..3 * vocab].fill(f32::NAN);
     logits[4 * vocab - 1] = 9.0;
+    logits[4 * vocab..].fill(f32::NEG_INFINITY);
+    logits[4 * vocab] = f32::NAN;
     let lbuf = ctx.upload(&logits);
-    let mut out = ctx.poisoned::<u32>(4);
+    let mut out = ctx.poisoned::<u32>(rows);
     cuda::argmax(&ctx.device, lbuf.as_slice(), vocab, &mut out.as_mut_slice()).unwrap();
     let got = ctx.download::<u32>(&out);
-    let row0 = &logits[..vocab];
-    let want0 = row0
-        .iter()
-        .enumerate()
-        .fold(0, |best, (i, &v)| if v > row0[best] { i } else { best });
-    assert_eq!(got, vec![want0 as u32, 1234, 0, vocab as u32 - 1]);
+    // The host's rule, row by row, is what greedy sampling means everywhere.
+    let want: Vec<u32> = logits.chunks(vocab).map(cpu::argmax).collect();
+    assert_eq!(want[1..], [1234, 0, vocab as u32 - 1, 1]);
+    assert_eq!(got, want);
 }
 
 /// Causal attention in f64 over the cache as stored: query `i` (at position `pos0 + i`)

@@ -39,6 +39,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         max_tokens: args.max_tokens,
         sampling,
         ignore_eos: args.ignore_eos,
+        step_logits: false,
     };
     let mut decoder = StreamDecoder::new(engine.tokenizer().clone());
     let stdout = std::io::stdout();

@@ -7,6 +7,7 @@
 //! (safetensors checkpoints) a row's result never depends on the rows beside it, so prefill
 //! and decode, batched and alone, give bit-identical results on one machine.
 
+mod argmax;
 mod attention;
 mod elementwise;
 mod isa;
@@ -15,6 +16,7 @@ mod probe;
 mod quant_dot;
 pub(crate) mod simd;
 
+pub use argmax::{argmax, max_ignoring_nan};
 pub use attention::{AttentionShape, KvSlice, attention_scratch_len, causal_attention};
 pub use elementwise::{
     RopeLayout, RopeTables, add_assign, add_bias, rms_norm, rms_norm_in_place, rope_in_place,

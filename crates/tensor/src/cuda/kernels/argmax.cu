@@ -1,6 +1,6 @@
 // out[r] = the index of the largest value of row r (greedy sampling on the device), one block
-// per row. Ties go to the lowest index and NaN is never chosen, as the CPU sampler does; a
-// row of only NaN gives 0.
+// per row. Ties go to the lowest index and NaN is never chosen, as cpu::argmax does; a row of
+// only NaN gives 0.
 
 #define ARGMAX_THREADS 1024
 
@@ -21,7 +21,9 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
     int idx = 0x7fffffff;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         const float x = row[i];
-        if (x > v) {  // false for NaN; indices rise, so the first of equal values stays
+        // False for NaN; indices rise, so the first of equal values stays. The second test
+        // takes a first -inf, as the CPU's rule does (the largest non-NaN value).
+        if (x > v || (x == v && idx == 0x7fffffff)) {
             v = x;
             idx = i;
         }
