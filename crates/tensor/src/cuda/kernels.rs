@@ -42,6 +42,7 @@ fn file_from(dir: Option<&Path>, file: &str, text: &'static str) -> Cow<'static,
         _ => Cow::Borrowed(text),
     }
 }
+
 /// Stages and keys a tile of the tensor-core prompt attention (`MMA_STAGES`, `MMA_KEYS` in
 /// attention_mma.cu), which size its shared memory.
 const PREFILL_MMA_STAGES: usize = 2;
