@@ -203,6 +203,10 @@ pub struct BenchDecodeArgs {
     /// Size of the memory read probe in MiB (well past the last-level cache).
     #[arg(long, default_value_t = 1024)]
     pub probe_mib: usize,
+    /// Bring each step's logits to the host and pick the token there, as a request asking for
+    /// log-probabilities runs (the default picks it where the logits are, on the GPU).
+    #[arg(long)]
+    pub step_logits: bool,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,

@@ -4,6 +4,7 @@
 use std::time::Instant;
 
 use ember_models::KvCache;
+use ember_tensor::cpu;
 
 use crate::engine::Engine;
 use crate::error::{Error, Result};
@@ -15,6 +16,9 @@ pub struct DecodeBenchOptions {
     pub repeats: usize,
     /// Size of the read-bandwidth probe; far past the last-level cache.
     pub probe_bytes: usize,
+    /// Bring every step's logits to the host and pick there, as a request asking for
+    /// log-probabilities runs, instead of picking where the logits are.
+    pub step_logits: bool,
 }
 
 impl Default for DecodeBenchOptions {
@@ -24,6 +28,7 @@ impl Default for DecodeBenchOptions {
             decode_tokens: 128,
             repeats: 3,
             probe_bytes: 1 << 30,
+            step_logits: false,
         }
     }
 }
@@ -110,12 +115,20 @@ pub fn bench_decode(
         engine.reset();
         let start = Instant::now();
         // Greedy as a request without log-probabilities runs it: each token picked where the
-        // logits are.
-        let mut token = engine.prefill_greedy(&prompt)?;
+        // logits are (or, with `step_logits`, as one with them: on the host).
+        let mut token = if options.step_logits {
+            cpu::argmax(engine.prefill(&prompt)?)
+        } else {
+            engine.prefill_greedy(&prompt)?
+        };
         prefill_runs.push(options.prompt_tokens as f64 / start.elapsed().as_secs_f64());
         let start = Instant::now();
         for _ in 0..options.decode_tokens {
-            token = engine.step_greedy(token)?;
+            token = if options.step_logits {
+                cpu::argmax(engine.step(token)?)
+            } else {
+                engine.step_greedy(token)?
+            };
         }
         decode_runs.push(options.decode_tokens as f64 / start.elapsed().as_secs_f64());
     }

@@ -1186,7 +1186,8 @@ impl Backend for CudaBackend {
             vocab,
             &mut self.greedy.as_mut_slice::<u32>(),
         )?;
-        let host = self.greedy_host.as_mut_slice::<u32>();
+        // Staging buffers are whole pages: the token is the first 4 bytes of this one.
+        let host = &mut self.greedy_host.as_mut_slice::<u32>()[..1];
         self.device.download(self.greedy.as_slice::<u32>(), host)?;
         Ok(host[0])
     }

@@ -18,6 +18,7 @@ fn decode(args: BenchDecodeArgs) -> anyhow::Result<ExitCode> {
         decode_tokens: args.decode_tokens,
         repeats: args.repeats,
         probe_bytes: args.probe_mib << 20,
+        step_logits: args.step_logits,
     };
     let report = bench_decode(&mut engine, &options)?;
     if args.json {
