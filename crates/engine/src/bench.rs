@@ -1,6 +1,7 @@
 //! `ember bench decode`: prefill and decode speed against a memory-bandwidth bound measured in
 //! the same run.
 
+use std::ops::ControlFlow;
 use std::time::Instant;
 
 use ember_models::KvCache;
@@ -114,23 +115,28 @@ pub fn bench_decode(
     for _ in 0..options.repeats.max(1) {
         engine.reset();
         let start = Instant::now();
-        // Greedy as a request without log-probabilities runs it: each token picked where the
-        // logits are (or, with `step_logits`, as one with them: on the host).
-        let mut token = if options.step_logits {
-            cpu::argmax(engine.prefill(&prompt)?)
+        // The first token ends the prompt's time; the decode's runs from it to the last.
+        let (first, last) = if options.step_logits {
+            // As a request wanting log-probabilities runs: every row of logits to the host.
+            let mut token = cpu::argmax(engine.prefill(&prompt)?);
+            let first = Instant::now();
+            for _ in 0..options.decode_tokens {
+                token = cpu::argmax(engine.step(token)?);
+            }
+            (first, Instant::now())
         } else {
-            engine.prefill_greedy(&prompt)?
+            // As a greedy request without them: each token picked where the logits are, and
+            // the device running a step ahead where it can.
+            let (mut first, mut last) = (None, start);
+            engine.decode_greedy(&prompt, 1 + options.decode_tokens, |_| {
+                last = Instant::now();
+                first.get_or_insert(last);
+                ControlFlow::Continue(())
+            })?;
+            (first.unwrap_or(last), last)
         };
-        prefill_runs.push(options.prompt_tokens as f64 / start.elapsed().as_secs_f64());
-        let start = Instant::now();
-        for _ in 0..options.decode_tokens {
-            token = if options.step_logits {
-                cpu::argmax(engine.step(token)?)
-            } else {
-                engine.step_greedy(token)?
-            };
-        }
-        decode_runs.push(options.decode_tokens as f64 / start.elapsed().as_secs_f64());
+        prefill_runs.push(options.prompt_tokens as f64 / (first - start).as_secs_f64());
+        decode_runs.push(options.decode_tokens as f64 / (last - first).as_secs_f64());
     }
     let mean_position = options.prompt_tokens as f64 + options.decode_tokens as f64 / 2.0;
     let bytes_per_token = engine.weight_bytes_per_token() as f64

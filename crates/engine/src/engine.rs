@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 use ember_checkpoint::{GgufFile, SafetensorsSet, TensorSource, read_json};
 use ember_models::{
-    Arithmetic, CpuBackend, CudaBackend, CudaKv, KvCache, KvDtype, Logits, ModelConfig, Transformer,
+    Arithmetic, CpuBackend, CudaBackend, CudaKv, KvCache, KvDtype, Logits, ModelConfig, PassInput,
+    Transformer,
 };
 use ember_residency::{
     Bound, CODE_ID_BASE, MlockBackend, Region, ResidencySet, executable_regions,
@@ -136,13 +137,6 @@ pub enum FinishReason {
     Stop,
     /// `max_tokens`, or the context is full.
     Length,
-}
-
-/// What a forward pass of [`Engine::generate`] gave: a token chosen on the device, or the
-/// logits to sample one from.
-enum Next<'a> {
-    Token(u32),
-    Logits(&'a [f32]),
 }
 
 /// What one generated token looked like, handed to the caller as it is produced.
@@ -568,6 +562,45 @@ impl Engine {
         self.runner.forward_greedy(&[token])
     }
 
+    /// Prefills `prompt` and decodes greedily (the picks of [`Self::prefill_greedy`]) up to
+    /// `limit` tokens, each handed to `on_token` once it is on the host; `on_token` stops the
+    /// decode by returning `ControlFlow::Break`. Each step is enqueued before the token it
+    /// takes has reached the host, fed by the pick where it was made
+    /// ([`ember_models::Backend::pick_ahead`]), so a GPU does not idle while the host reads a
+    /// token and launches the next step; a step run for a token that ended the decode is
+    /// dropped, its position too. The tokens are those of [`Self::step_greedy`] one by one.
+    pub fn decode_greedy(
+        &mut self,
+        prompt: &[u32],
+        limit: usize,
+        mut on_token: impl FnMut(u32) -> ControlFlow<()>,
+    ) -> Result<()> {
+        if limit == 0 {
+            return Ok(());
+        }
+        let last = self.prefill_all_but_the_last_chunk(prompt)?;
+        self.runner.forward_ahead(PassInput::Tokens(last))?;
+        let mut made = 0;
+        loop {
+            // One pick is in flight; the step that takes it goes first if it may be needed.
+            let ahead = made + 1 < limit;
+            if ahead {
+                self.runner.forward_ahead(PassInput::Fed)?;
+            }
+            let token = self.runner.read_pick()?;
+            made += 1;
+            if on_token(token).is_break() || made >= limit {
+                if ahead {
+                    // That step's token ended the decode: its pick and position go.
+                    self.runner.read_pick()?;
+                    let len = self.runner.position() - 1;
+                    self.runner.truncate(len);
+                }
+                return Ok(());
+            }
+        }
+    }
+
     /// Generates from `prompt` on a fresh sequence. `on_step` sees every token as it is made and
     /// may stop generation early by returning `ControlFlow::Break`.
     pub fn generate(
@@ -584,46 +617,41 @@ impl Engine {
             });
         }
         let mut sampler = Sampler::new(params.sampling);
-        // Copied out: the logits below borrow the engine for the whole loop.
         let (eos_ids, context) = (self.eos_ids.clone(), self.context());
         self.reset();
         let start = Instant::now();
         let mut tokens = Vec::with_capacity(params.max_tokens);
         let mut finish_reason = FinishReason::Length;
         let mut first_token_at = None;
-        // Greedy without logits for the caller: the choice is made where the logits are.
-        let on_device = params.sampling.is_greedy() && !params.step_logits;
-        if params.max_tokens > 0 {
-            let mut next = if on_device {
-                Next::Token(self.prefill_greedy(prompt)?)
-            } else {
-                Next::Logits(self.prefill(prompt)?)
-            };
-            loop {
-                let (token, logits) = match next {
-                    Next::Token(token) => (token, None),
-                    Next::Logits(logits) => (sampler.sample(logits), Some(logits)),
-                };
-                first_token_at.get_or_insert_with(Instant::now);
-                let is_eos = eos_ids.contains(&token);
-                tokens.push(token);
-                let flow = on_step(Step {
-                    token,
-                    logits,
-                    is_eos,
-                });
-                if flow.is_break() || (is_eos && !params.ignore_eos) {
-                    finish_reason = FinishReason::Stop;
+        // Each token as it comes: whether generation goes on after it.
+        let mut accept = |token: u32, logits: Option<&[f32]>| {
+            first_token_at.get_or_insert_with(Instant::now);
+            let is_eos = eos_ids.contains(&token);
+            tokens.push(token);
+            let flow = on_step(Step {
+                token,
+                logits,
+                is_eos,
+            });
+            if flow.is_break() || (is_eos && !params.ignore_eos) {
+                finish_reason = FinishReason::Stop;
+                return ControlFlow::Break(());
+            }
+            ControlFlow::Continue(())
+        };
+        // At most this many, and the last one's position inside the context.
+        let limit = params.max_tokens.min(context - prompt.len());
+        if params.sampling.is_greedy() && !params.step_logits {
+            // Greedy without logits for the caller: the choice is made where the logits are.
+            self.decode_greedy(prompt, limit, |token| accept(token, None))?;
+        } else if limit > 0 {
+            let mut logits = self.prefill(prompt)?;
+            for made in 1.. {
+                let token = sampler.sample(logits);
+                if accept(token, Some(logits)).is_break() || made >= limit {
                     break;
                 }
-                if tokens.len() >= params.max_tokens || prompt.len() + tokens.len() > context - 1 {
-                    break;
-                }
-                next = if on_device {
-                    Next::Token(self.step_greedy(token)?)
-                } else {
-                    Next::Logits(self.step(token)?)
-                };
+                logits = self.step(token)?;
             }
         }
         let first = first_token_at.unwrap_or_else(Instant::now);

@@ -3,7 +3,9 @@
 
 use std::time::Instant;
 
-use ember_models::{Backend, CpuBackend, CudaBackend, KvStore, Logits, ModelConfig, Transformer};
+use ember_models::{
+    Backend, CpuBackend, CudaBackend, KvStore, Logits, ModelConfig, PassInput, Transformer,
+};
 use ember_tensor::cuda::CudaDevice;
 use ember_tensor::{BufferKind, BufferOwner, cpu};
 
@@ -15,6 +17,10 @@ pub(crate) trait Runner: Send {
     /// A forward pass of a non-empty `tokens` that returns the greedy choice after the last,
     /// leaving its logits where they are (on the device, for a GPU).
     fn forward_greedy(&mut self, tokens: &[u32]) -> Result<u32>;
+    /// A pass whose greedy pick is enqueued, not waited for ([`Transformer::forward_ahead`]).
+    fn forward_ahead(&mut self, input: PassInput<'_>) -> Result<()>;
+    /// The oldest pick of [`Runner::forward_ahead`] not yet read.
+    fn read_pick(&mut self) -> Result<u32>;
     fn config(&self) -> &ModelConfig;
     /// Tokens one forward pass takes at most.
     fn max_batch(&self) -> usize;
@@ -22,6 +28,8 @@ pub(crate) trait Runner: Send {
     fn position(&self) -> usize;
     fn capacity(&self) -> usize;
     fn reset(&mut self);
+    /// Forgets the positions from `len` on.
+    fn truncate(&mut self, len: usize);
     fn weight_bytes_per_token(&self) -> usize;
     /// Compute threads (CPU), or 1 for a device that runs on its own.
     fn threads(&self) -> usize;
@@ -58,6 +66,16 @@ macro_rules! shared_runner_methods {
                 .forward_greedy(&mut self.backend, &mut self.kv, tokens)?)
         }
 
+        fn forward_ahead(&mut self, input: PassInput<'_>) -> Result<()> {
+            Ok(self
+                .model
+                .forward_ahead(&mut self.backend, &mut self.kv, input)?)
+        }
+
+        fn read_pick(&mut self) -> Result<u32> {
+            Ok(self.backend.read_pick()?)
+        }
+
         fn config(&self) -> &ModelConfig {
             &self.model.config
         }
@@ -76,6 +94,10 @@ macro_rules! shared_runner_methods {
 
         fn reset(&mut self) {
             self.kv.truncate(0);
+        }
+
+        fn truncate(&mut self, len: usize) {
+            self.kv.truncate(len);
         }
 
         fn weight_bytes_per_token(&self) -> usize {

@@ -2,6 +2,7 @@
 //! chunks, token by token, or on a different number of threads. This is what later lets
 //! cached prefixes and batched requests reproduce a cold, lone run exactly.
 
+use std::ops::ControlFlow;
 use std::path::PathBuf;
 
 use ember_engine::{Engine, EngineOptions};
@@ -124,4 +125,72 @@ fn greedy_picks_in_place_equal_the_hosts_pick() {
         assert_eq!(in_place.position(), host.position());
     }
     assert!(engine.prefill_greedy(&[]).is_err(), "an empty prompt");
+}
+
+/// Greedy decode running a step ahead of the host (`decode_greedy`: each step enqueued, fed
+/// by the pick before it, before that pick is read) gives the tokens of `step_greedy` one by
+/// one; stopped early, by the caller or by its limit, the step run ahead is dropped with its
+/// position, so the sequence goes on as if it had never run.
+#[test]
+fn decoding_ahead_gives_the_tokens_of_step_by_step_decode() {
+    let name = "qwen3-f32";
+    let mut engine = load(name, 2, 64);
+    let prompt = engine
+        .encode_prompt("One step ahead, same tokens.")
+        .unwrap();
+    let mut want = vec![engine.prefill_greedy(&prompt).unwrap()];
+    for _ in 0..7 {
+        want.push(engine.step_greedy(*want.last().unwrap()).unwrap());
+    }
+    for chunk in [64, 5] {
+        let mut ahead = load(name, 2, chunk);
+        let mut got = Vec::new();
+        ahead
+            .decode_greedy(&prompt, want.len(), |t| {
+                got.push(t);
+                ControlFlow::Continue(())
+            })
+            .unwrap();
+        assert_eq!(got, want, "{name}: prompt in chunks of {chunk}");
+        // The limit's last token is not fed: nothing ran ahead of it.
+        assert_eq!(ahead.position(), prompt.len() + want.len() - 1);
+    }
+    for stop_after in [1, 3] {
+        let mut ahead = load(name, 2, 64);
+        let mut got = Vec::new();
+        ahead
+            .decode_greedy(&prompt, want.len(), |t| {
+                got.push(t);
+                if got.len() == stop_after {
+                    ControlFlow::Break(())
+                } else {
+                    ControlFlow::Continue(())
+                }
+            })
+            .unwrap();
+        assert_eq!(
+            got,
+            want[..stop_after],
+            "{name}: stopped after {stop_after}"
+        );
+        assert_eq!(ahead.position(), prompt.len() + stop_after - 1);
+        // The step run ahead for the last token left nothing behind.
+        assert_eq!(
+            ahead.step_greedy(got[stop_after - 1]).unwrap(),
+            want[stop_after],
+            "{name}: the step after stopping at {stop_after}"
+        );
+    }
+    let mut none = Vec::new();
+    engine.reset();
+    engine
+        .decode_greedy(&prompt, 0, |t| {
+            none.push(t);
+            ControlFlow::Continue(())
+        })
+        .unwrap();
+    assert!(
+        none.is_empty() && engine.position() == 0,
+        "a limit of 0 runs nothing"
+    );
 }

@@ -399,7 +399,26 @@ pub trait Backend {
     fn greedy_token(&mut self, vocab: usize) -> Result<u32> {
         Ok(cpu::argmax(self.logits(vocab)?))
     }
+
+    /// Enqueues the greedy choice after the last pass ([`Backend::greedy_token`]'s), to be
+    /// the token of the next [`Backend::begin_fed_pass`] and read later by
+    /// [`Backend::read_pick`], in order; at most [`PICKS_AHEAD`] may wait unread. So greedy
+    /// decode runs ahead of the host: a GPU leaves the pick on the device and the next pass is
+    /// enqueued before the pick comes back, so the device never waits on the host's turn
+    /// between steps. (The CPU, whose work is done when a call returns, just keeps it.)
+    fn pick_ahead(&mut self, vocab: usize) -> Result<()>;
+
+    /// The oldest pick of [`Backend::pick_ahead`] not yet read, once it is made.
+    fn read_pick(&mut self) -> Result<u32>;
+
+    /// [`Backend::begin_pass`] of one token at `pos0`: the last pick of
+    /// [`Backend::pick_ahead`], which the host may not have seen.
+    fn begin_fed_pass(&mut self, pos0: usize) -> Result<()>;
 }
+
+/// Picks of [`Backend::pick_ahead`] that may wait unread: the one the host is about to read,
+/// and the one of the pass enqueued after it.
+pub const PICKS_AHEAD: usize = 2;
 
 /// [`Backend::norm_linears`] one step at a time: the norm into `Normed`, then each product.
 pub fn norm_linears_step_by_step<B: Backend>(

@@ -1,15 +1,16 @@
 //! The CPU backend: weights read in place from the mapped checkpoint, activations in host
 //! buffers, and `ember_tensor::cpu`'s kernels on a thread pool.
 
+use std::collections::VecDeque;
 use std::ops::Range;
 
 use ember_checkpoint::TensorSource;
 use ember_tensor::cpu::{self, AttentionShape, RopeLayout, RopeTables};
 use ember_tensor::{BufferOwner, ThreadPool};
 
-use crate::backend::{AttentionParams, Backend, RopeStyle, Slot};
+use crate::backend::{AttentionParams, Backend, PICKS_AHEAD, RopeStyle, Slot};
 use crate::config::ModelConfig;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
 use crate::rope::RopeTable;
 use crate::transformer::{Mlp, Moe};
@@ -32,6 +33,9 @@ pub struct CpuBackend {
     ws: Workspace,
     /// The token ids of the pass under way.
     tokens: Vec<u32>,
+    /// Greedy picks not yet read ([`Backend::pick_ahead`]), oldest first, and the last one.
+    picks: VecDeque<u32>,
+    last_pick: Option<u32>,
 }
 
 impl CpuBackend {
@@ -60,6 +64,8 @@ impl CpuBackend {
             owner: owner.clone(),
             ws,
             tokens: Vec::with_capacity(max_batch),
+            picks: VecDeque::with_capacity(PICKS_AHEAD),
+            last_pick: None,
         })
     }
 
@@ -136,8 +142,18 @@ impl Backend for CpuBackend {
     }
 
     fn begin_pass(&mut self, tokens: &[u32], _pos0: usize) -> Result<()> {
+        // Picks not read by now never will be (as on a GPU, a pass of host tokens starts over).
+        self.picks.clear();
+        self.last_pick = None;
         self.tokens.clear();
         self.tokens.extend_from_slice(tokens);
+        Ok(())
+    }
+
+    fn begin_fed_pass(&mut self, _pos0: usize) -> Result<()> {
+        let token = self.last_pick.ok_or(Error::NoTokens)?;
+        self.tokens.clear();
+        self.tokens.push(token);
         Ok(())
     }
 
@@ -324,6 +340,23 @@ impl Backend for CpuBackend {
 
     fn logits(&mut self, len: usize) -> Result<&[f32]> {
         Ok(&self.ws.logits.as_slice::<f32>()[..len])
+    }
+
+    fn pick_ahead(&mut self, vocab: usize) -> Result<()> {
+        if self.picks.len() >= PICKS_AHEAD {
+            return Err(Error::Unsupported {
+                what: format!("more than {PICKS_AHEAD} picks waiting unread"),
+                backend: "cpu",
+            });
+        }
+        let token = cpu::argmax(self.logits(vocab)?);
+        self.picks.push_back(token);
+        self.last_pick = Some(token);
+        Ok(())
+    }
+
+    fn read_pick(&mut self) -> Result<u32> {
+        self.picks.pop_front().ok_or(Error::NoTokens)
     }
 }
 

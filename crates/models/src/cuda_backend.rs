@@ -20,14 +20,14 @@ use ember_tensor::cpu::{AttentionShape, RopeLayout};
 use ember_tensor::cuda::{
     self, AttentionPrecision, CudaDevice, DevMat, DevSlice, DevSliceMut, DeviceBuffer, Epilogue,
     ExpertRoad, ExpertTable, Float, Gemm, Graph, MatvecNorm, MatvecOutput, Position, RopeHeads,
-    RopeNorm, Routes, Routing,
+    RopeNorm, Routes, Routing, StreamEvent,
 };
 use ember_tensor::quant::dequantize_row;
 use ember_tensor::{Buffer, BufferId, BufferKind, BufferOwner, DType};
 use half::{bf16, f16};
 
 use crate::backend::{
-    AttentionParams, Backend, KvFill, KvStore, PassShape, Projection, RopeStyle, Slot,
+    AttentionParams, Backend, KvFill, KvStore, PICKS_AHEAD, PassShape, Projection, RopeStyle, Slot,
     WeightMatrix, add_to_residual, norm_linears_step_by_step, norm_mlp_step_by_step,
 };
 use crate::config::ModelConfig;
@@ -222,9 +222,11 @@ pub struct CudaBackend {
     logits: DeviceBuffer,
     logits_host: Buffer,
     /// The greedy token of the last pass (u32), and its host side: [`Backend::greedy_token`]
-    /// brings back 4 bytes, not a row of logits.
+    /// brings back 4 bytes, not a row of logits; [`Backend::pick_ahead`] one slot per pick
+    /// that may wait unread.
     greedy: DeviceBuffer,
     greedy_host: Buffer,
+    ahead: PicksAhead,
     moe: Option<MoeWorkspace>,
     /// Recorded one-token passes; `None` turns recording off.
     graphs: Option<HashMap<GraphKey, Recording>>,
@@ -232,6 +234,39 @@ pub struct CudaBackend {
     /// decode over a 16-bit cache): for 16-bit checkpoints, whose products already run in 16
     /// bits; f32 checkpoints keep f32 attention.
     attention_precision: AttentionPrecision,
+}
+
+/// The picks of [`Backend::pick_ahead`]: pick `i` lands in slot `i % PICKS_AHEAD` of
+/// `greedy_host`, and `landed[slot]` completes when it has.
+struct PicksAhead {
+    landed: [StreamEvent; PICKS_AHEAD],
+    /// Picks enqueued and picks read since the last pass of host tokens.
+    enqueued: usize,
+    read: usize,
+}
+
+impl CudaBackend {
+    /// Drops the picks still unread after waiting for the device, so that the staging slots
+    /// are free: a pass of host tokens, or a pick the host waits for, starts a fresh run.
+    fn forget_picks_ahead(&mut self) -> Result<()> {
+        if self.ahead.enqueued > self.ahead.read {
+            self.device.synchronize()?;
+        }
+        self.ahead.enqueued = 0;
+        self.ahead.read = 0;
+        Ok(())
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        // An unread pick may still be on its way into the staging buffer about to be freed.
+        if self.ahead.enqueued > self.ahead.read
+            && let Err(e) = self.device.synchronize()
+        {
+            tracing::warn!("waiting for the device before freeing its buffers failed: {e}");
+        }
+    }
 }
 
 /// What a recorded pass is bound to: its shape and the cache its kernels address.
@@ -332,7 +367,16 @@ impl CudaBackend {
                 logit_rows * config.vocab_size * 4,
             )?,
             greedy: owner.alloc_device(BufferKind::Activations, "greedy token", &device, 4)?,
-            greedy_host: owner.alloc_staging(BufferKind::Activations, "greedy token (host)", 4)?,
+            greedy_host: owner.alloc_staging(
+                BufferKind::Activations,
+                "greedy token (host)",
+                PICKS_AHEAD * 4,
+            )?,
+            ahead: PicksAhead {
+                landed: [device.new_event()?, device.new_event()?],
+                enqueued: 0,
+                read: 0,
+            },
             moe,
             graphs: graphs.then(HashMap::new),
             attention_precision: match config.dtype.as_deref() {
@@ -637,6 +681,7 @@ impl Backend for CudaBackend {
     }
 
     fn begin_pass(&mut self, tokens: &[u32], pos0: usize) -> Result<()> {
+        self.forget_picks_ahead()?;
         let int = |v: usize| i32::try_from(v).expect("positions fit the kernels' int");
         let len = STEP_TOKENS + tokens.len();
         let host = &mut self.step_host.as_mut_slice::<i32>()[..len];
@@ -1179,17 +1224,69 @@ impl Backend for CudaBackend {
     }
 
     fn greedy_token(&mut self, vocab: usize) -> Result<u32> {
+        self.forget_picks_ahead()?;
         let logits = self.logits.as_slice::<f32>().slice(0..vocab);
         cuda::argmax(
             &self.device,
             logits,
             vocab,
             &mut self.greedy.as_mut_slice::<u32>(),
+            None,
         )?;
         // Staging buffers are whole pages: the token is the first 4 bytes of this one.
         let host = &mut self.greedy_host.as_mut_slice::<u32>()[..1];
         self.device.download(self.greedy.as_slice::<u32>(), host)?;
         Ok(host[0])
+    }
+
+    fn pick_ahead(&mut self, vocab: usize) -> Result<()> {
+        let ahead = &self.ahead;
+        if ahead.enqueued - ahead.read >= PICKS_AHEAD {
+            return Err(Error::Unsupported {
+                what: format!("more than {PICKS_AHEAD} picks waiting unread"),
+                backend: "cuda",
+            });
+        }
+        let slot = ahead.enqueued % PICKS_AHEAD;
+        let logits = self.logits.as_slice::<f32>().slice(0..vocab);
+        cuda::argmax(
+            &self.device,
+            logits,
+            vocab,
+            &mut self.greedy.as_mut_slice::<u32>(),
+            Some(&mut self.step.as_mut_slice::<i32>()),
+        )?;
+        let host = &mut self.greedy_host.as_mut_slice::<u32>()[slot..slot + 1];
+        // SAFETY: the slot is read (`read_pick`) only after its event, and not written again
+        // before that read (at most PICKS_AHEAD wait); every path that drops or reuses the
+        // staging buffer synchronises the stream first (`forget_picks_ahead`, Drop).
+        unsafe {
+            self.device
+                .download_async(self.greedy.as_slice::<u32>(), host)?;
+        }
+        self.device.mark(&self.ahead.landed[slot])?;
+        self.ahead.enqueued += 1;
+        Ok(())
+    }
+
+    fn read_pick(&mut self) -> Result<u32> {
+        let ahead = &mut self.ahead;
+        if ahead.read == ahead.enqueued {
+            return Err(Error::NoTokens);
+        }
+        let slot = ahead.read % PICKS_AHEAD;
+        ahead.landed[slot].wait()?;
+        ahead.read += 1;
+        Ok(self.greedy_host.as_slice::<u32>()[slot])
+    }
+
+    fn begin_fed_pass(&mut self, _pos0: usize) -> Result<()> {
+        // The pick before advanced the pass inputs on the device (`cuda::argmax`'s `feed`),
+        // and the host cannot check their position without waiting for it.
+        if self.ahead.enqueued == 0 {
+            return Err(Error::NoTokens);
+        }
+        Ok(())
     }
 
     /// `logits[..rows] = Normed[..rows] · headᵀ` (matrix-vector: at most a few rows).

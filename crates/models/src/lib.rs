@@ -20,12 +20,14 @@ mod transformer;
 mod weights;
 mod workspace;
 
-pub use backend::{Backend, KvStore, PassShape, Slot};
+pub use backend::{Backend, KvStore, PICKS_AHEAD, PassShape, Slot};
 pub use config::{Architecture, ModelConfig, MoeConfig};
 pub use cpu_backend::{Arithmetic, CpuBackend};
 pub use cuda_backend::{CudaBackend, CudaKv};
 pub use error::{Error, Result};
 pub use kv_cache::{KvCache, KvDtype};
-pub use transformer::{Attention, FeedForward, Layer, Linear, Logits, Mlp, Moe, Transformer};
+pub use transformer::{
+    Attention, FeedForward, Layer, Linear, Logits, Mlp, Moe, PassInput, Transformer,
+};
 pub use weights::{Matrix, Vector};
 pub use workspace::Workspace;

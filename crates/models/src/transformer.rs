@@ -130,6 +130,22 @@ pub struct Layer<B: Backend> {
     pub feed_forward: FeedForward<B>,
 }
 
+/// The tokens of a forward pass.
+#[derive(Clone, Copy, Debug)]
+pub enum PassInput<'t> {
+    /// Token ids from the host.
+    Tokens(&'t [u32]),
+    /// One token: the greedy pick of the pass before, left on the device by
+    /// [`Backend::pick_ahead`].
+    Fed,
+}
+
+impl<'t> From<&'t [u32]> for PassInput<'t> {
+    fn from(tokens: &'t [u32]) -> Self {
+        PassInput::Tokens(tokens)
+    }
+}
+
 /// Which rows of logits a forward pass computes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Logits {
@@ -267,7 +283,7 @@ impl<B: Backend> Transformer<B> {
         tokens: &[u32],
         logits: Logits,
     ) -> Result<&'b [f32]> {
-        let rows = self.run(b, kv, tokens, logits)?;
+        let rows = self.run(b, kv, tokens.into(), logits)?;
         if rows == 0 {
             return Ok(&[]);
         }
@@ -277,16 +293,40 @@ impl<B: Backend> Transformer<B> {
     /// [`Self::forward`] of a non-empty `tokens` with the last token's logits, returning the
     /// greedy choice among them ([`Backend::greedy_token`]) instead of the logits.
     pub fn forward_greedy(&self, b: &mut B, kv: &mut B::Kv, tokens: &[u32]) -> Result<u32> {
-        if self.run(b, kv, tokens, Logits::Last)? == 0 {
+        if self.run(b, kv, tokens.into(), Logits::Last)? == 0 {
             return Err(Error::NoTokens);
         }
         b.greedy_token(self.config.vocab_size)
     }
 
+    /// [`Self::forward_greedy`] running ahead of the host ([`Backend::runs_ahead`]): a pass of
+    /// `input` whose pick is enqueued, not waited for; [`Backend::read_pick`] reads it. A pass
+    /// of [`PassInput::Fed`] takes the token of the pick enqueued before it, which the host
+    /// has not seen, so the device goes from one step to the next without waiting for it.
+    pub fn forward_ahead(&self, b: &mut B, kv: &mut B::Kv, input: PassInput<'_>) -> Result<()> {
+        if self.run(b, kv, input, Logits::Last)? == 0 {
+            return Err(Error::NoTokens);
+        }
+        b.pick_ahead(self.config.vocab_size)
+    }
+
     /// The work of [`Self::forward`], the logits left on the backend; returns their rows.
-    fn run(&self, b: &mut B, kv: &mut B::Kv, tokens: &[u32], logits: Logits) -> Result<usize> {
+    fn run(
+        &self,
+        b: &mut B,
+        kv: &mut B::Kv,
+        input: PassInput<'_>,
+        logits: Logits,
+    ) -> Result<usize> {
         let c = &self.config;
-        let n = tokens.len();
+        let tokens = match input {
+            PassInput::Tokens(tokens) => tokens,
+            PassInput::Fed => &[],
+        };
+        let n = match input {
+            PassInput::Tokens(tokens) => tokens.len(),
+            PassInput::Fed => 1,
+        };
         if n > b.max_batch() {
             return Err(Error::BatchTooLarge {
                 requested: n,
@@ -321,7 +361,10 @@ impl<B: Backend> Transformer<B> {
             Logits::Last => 1,
             Logits::All => n,
         };
-        b.begin_pass(tokens, pos0)?;
+        match input {
+            PassInput::Tokens(tokens) => b.begin_pass(tokens, pos0)?,
+            PassInput::Fed => b.begin_fed_pass(pos0)?,
+        }
         let shape = PassShape {
             tokens: n,
             logit_rows: m,

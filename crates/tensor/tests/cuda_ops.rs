@@ -1026,12 +1026,51 @@ fn argmax_takes_the_lowest_index_on_ties_and_never_nan() {
     logits[4 * vocab] = f32::NAN;
     let lbuf = ctx.upload(&logits);
     let mut out = ctx.poisoned::<u32>(rows);
-    cuda::argmax(&ctx.device, lbuf.as_slice(), vocab, &mut out.as_mut_slice()).unwrap();
+    cuda::argmax(
+        &ctx.device,
+        lbuf.as_slice(),
+        vocab,
+        &mut out.as_mut_slice(),
+        None,
+    )
+    .unwrap();
     let got = ctx.download::<u32>(&out);
     // The host's rule, row by row, is what greedy sampling means everywhere.
     let want: Vec<u32> = logits.chunks(vocab).map(cpu::argmax).collect();
     assert_eq!(want[1..], [1234, 0, vocab as u32 - 1, 1]);
     assert_eq!(got, want);
+
+    // Fed to the next step: a pass of 3 tokens at 40.. becomes a one-token pass at 43 of
+    // row 3's pick, read back through an event as the engine reads picks it ran ahead of.
+    let row3 = lbuf.as_slice::<f32>().slice(3 * vocab..4 * vocab);
+    let mut pick = ctx.poisoned::<u32>(1);
+    let mut feed = ctx.upload(&[40i32, 43, 7, 8, 9]);
+    cuda::argmax(
+        &ctx.device,
+        row3,
+        vocab,
+        &mut pick.as_mut_slice(),
+        Some(&mut feed.as_mut_slice()),
+    )
+    .unwrap();
+    let mut host = [0u32];
+    let event = ctx.device.new_event().unwrap();
+    // SAFETY: `host` is read only after the event, and outlives it.
+    unsafe { ctx.device.download_async(pick.as_slice(), &mut host) }.unwrap();
+    ctx.device.mark(&event).unwrap();
+    event.wait().unwrap();
+    assert_eq!(host, [want[3]]);
+    assert_eq!(ctx.download::<i32>(&feed), [43, 44, want[3] as i32, 8, 9]);
+    // One row only: the next step takes one token.
+    let err = cuda::argmax(
+        &ctx.device,
+        lbuf.as_slice(),
+        vocab,
+        &mut out.as_mut_slice(),
+        Some(&mut feed.as_mut_slice()),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("one row"), "{err}");
 }
 
 /// Causal attention in f64 over the cache as stored: query `i` (at position `pos0 + i`)

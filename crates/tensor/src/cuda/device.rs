@@ -10,7 +10,7 @@ use cudarc::driver::sys::{
     self as drv_sys, CUdevice_attribute, CUevent_flags, CUfunction_attribute,
 };
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, result as drv,
+    CudaContext, CudaEvent, CudaFunction, CudaModule, CudaStream, LaunchConfig, result as drv,
 };
 use cudarc::nvrtc::Ptx;
 
@@ -513,6 +513,56 @@ impl CudaDevice {
         self.synchronize()
     }
 
+    /// Enqueues a copy of device memory into a host slice of the same length, after the work
+    /// before it, and returns without waiting: the copy has landed once an event recorded
+    /// after it ([`Self::mark`]) has completed. From page-locked memory (staging buffers
+    /// the residency set holds) it runs while the host goes on; from pageable memory the
+    /// driver finishes it before returning.
+    ///
+    /// # Safety
+    ///
+    /// `dst` must stay allocated, and be neither read nor written, until that event has
+    /// completed or the stream has been synchronised.
+    pub unsafe fn download_async<T: DeviceElem>(
+        &self,
+        src: DevSlice<'_, T>,
+        dst: &mut [T],
+    ) -> Result<(), CudaError> {
+        ensure!(
+            dst.len() == src.len(),
+            "download",
+            "{} elements into {}",
+            src.len(),
+            dst.len()
+        );
+        if dst.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: `src` is live device memory of `dst.len()` elements; the caller keeps `dst`
+        // alive and untouched until the copy is known to have landed.
+        unsafe { drv::memcpy_dtoh_async(dst, src.device_ptr(), self.inner.stream.cu_stream()) }
+            .map_err(CudaError::driver("cuMemcpyDtoHAsync"))
+    }
+
+    /// An event for marking points of the stream the host waits for ([`Self::mark`]).
+    pub fn new_event(&self) -> Result<StreamEvent, CudaError> {
+        let event = self
+            .inner
+            .ctx
+            .new_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))
+            .map_err(CudaError::driver("cuEventCreate"))?;
+        Ok(StreamEvent(event))
+    }
+
+    /// Marks the stream's current end: `event` completes once the work enqueued so far has.
+    pub fn mark(&self, event: &StreamEvent) -> Result<(), CudaError> {
+        event
+            .0
+            .record(&self.inner.stream)
+            .map_err(CudaError::driver("cuEventRecord"))
+    }
+
     /// Enqueues a device-to-device copy between slices of the same length.
     pub fn copy<T: DeviceElem>(
         &self,
@@ -585,6 +635,18 @@ impl CudaDevice {
         start
             .elapsed_ms(&end)
             .map_err(CudaError::driver("cuEventElapsedTime"))
+    }
+}
+
+/// A point in the device's stream that the host can wait for ([`CudaDevice::mark`]).
+pub struct StreamEvent(CudaEvent);
+
+impl StreamEvent {
+    /// Waits until the work before the point last recorded has finished (at once if none was).
+    pub fn wait(&self) -> Result<(), CudaError> {
+        self.0
+            .synchronize()
+            .map_err(CudaError::driver("cuEventSynchronize"))
     }
 }
 

@@ -49,7 +49,7 @@ pub use attention::{
     attention_decode_rope_fits, attention_decode_scratch_len, attention_decode_scratch_reset,
     attention_prefill, kv_store,
 };
-pub use device::{CudaDevice, DeviceInfo};
+pub use device::{CudaDevice, DeviceInfo, StreamEvent};
 pub use elementwise::{add, convert, silu_mul, silu_mul_in_place};
 pub use embedding::embedding;
 pub use error::CudaError;
