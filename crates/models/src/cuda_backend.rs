@@ -246,6 +246,21 @@ struct PicksAhead {
 }
 
 impl CudaBackend {
+    /// Enqueues the greedy pick of the last pass's first row of logits into `greedy`; with
+    /// `feed`, also as the token of the next pass (`cuda::argmax`'s feed).
+    fn pick_greedy(&mut self, vocab: usize, feed: bool) -> Result<()> {
+        let logits = self.logits.as_slice::<f32>().slice(0..vocab);
+        let mut step = self.step.as_mut_slice::<i32>();
+        cuda::argmax(
+            &self.device,
+            logits,
+            vocab,
+            &mut self.greedy.as_mut_slice::<u32>(),
+            feed.then_some(&mut step),
+        )?;
+        Ok(())
+    }
+
     /// Drops the picks still unread after waiting for the device, so that the staging slots
     /// are free: a pass of host tokens, or a pick the host waits for, starts a fresh run.
     fn forget_picks_ahead(&mut self) -> Result<()> {
@@ -1225,14 +1240,7 @@ impl Backend for CudaBackend {
 
     fn greedy_token(&mut self, vocab: usize) -> Result<u32> {
         self.forget_picks_ahead()?;
-        let logits = self.logits.as_slice::<f32>().slice(0..vocab);
-        cuda::argmax(
-            &self.device,
-            logits,
-            vocab,
-            &mut self.greedy.as_mut_slice::<u32>(),
-            None,
-        )?;
+        self.pick_greedy(vocab, false)?;
         // Staging buffers are whole pages: the token is the first 4 bytes of this one.
         let host = &mut self.greedy_host.as_mut_slice::<u32>()[..1];
         self.device.download(self.greedy.as_slice::<u32>(), host)?;
@@ -1248,14 +1256,7 @@ impl Backend for CudaBackend {
             });
         }
         let slot = ahead.enqueued % PICKS_AHEAD;
-        let logits = self.logits.as_slice::<f32>().slice(0..vocab);
-        cuda::argmax(
-            &self.device,
-            logits,
-            vocab,
-            &mut self.greedy.as_mut_slice::<u32>(),
-            Some(&mut self.step.as_mut_slice::<i32>()),
-        )?;
+        self.pick_greedy(vocab, true)?;
         let host = &mut self.greedy_host.as_mut_slice::<u32>()[slot..slot + 1];
         // SAFETY: the slot is read (`read_pick`) only after its event, and not written again
         // before that read (at most PICKS_AHEAD wait); every path that drops or reuses the

@@ -496,20 +496,8 @@ impl CudaDevice {
         src: DevSlice<'_, T>,
         dst: &mut [T],
     ) -> Result<(), CudaError> {
-        ensure!(
-            dst.len() == src.len(),
-            "download",
-            "{} elements into {}",
-            src.len(),
-            dst.len()
-        );
-        if dst.is_empty() {
-            return Ok(());
-        }
-        self.bind()?;
-        // SAFETY: as in `upload`, the other way.
-        unsafe { drv::memcpy_dtoh_async(dst, src.device_ptr(), self.inner.stream.cu_stream()) }
-            .map_err(CudaError::driver("cuMemcpyDtoHAsync"))?;
+        // SAFETY: the wait below keeps `dst` borrowed until the copy has landed.
+        unsafe { self.download_async(src, dst) }?;
         self.synchronize()
     }
 
