@@ -3,7 +3,7 @@
 //! The principal type is [`Engine`]: weights mapped in place, tokenizer, chat template, KV
 //! cache and activations, all made through one [`BufferOwner`](ember_tensor::BufferOwner).
 //! Around it: [`tokenizer`], [`chat_template`], streaming [`detokenizer`], [`sampler`], the
-//! [`bench`] measurements and [`synthetic`] random-weight checkpoints.
+//! [`mod@bench`] measurements and [`synthetic`] random-weight checkpoints.
 
 pub mod bench;
 pub mod chat_template;

@@ -564,7 +564,7 @@ pub fn top_logprobs(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
         .collect()
 }
 
-/// log_softmax(logits)[id]; `-inf` for an id outside the logits.
+/// `log_softmax(logits)[id]`; `-inf` for an id outside the logits.
 pub fn logprob_of(logits: &[f32], id: u32) -> f32 {
     match logits.get(id as usize) {
         Some(&logit) => LogNorm::new(logits).logprob(logit),

@@ -299,8 +299,8 @@ impl<B: Backend> Transformer<B> {
         b.greedy_token(self.config.vocab_size)
     }
 
-    /// [`Self::forward_greedy`] running ahead of the host ([`Backend::runs_ahead`]): a pass of
-    /// `input` whose pick is enqueued, not waited for; [`Backend::read_pick`] reads it. A pass
+    /// [`Self::forward_greedy`] running ahead of the host: a pass of `input` whose pick is
+    /// enqueued, not waited for ([`Backend::pick_ahead`]); [`Backend::read_pick`] reads it. A pass
     /// of [`PassInput::Fed`] takes the token of the pick enqueued before it, which the host
     /// has not seen, so the device goes from one step to the next without waiting for it.
     pub fn forward_ahead(&self, b: &mut B, kv: &mut B::Kv, input: PassInput<'_>) -> Result<()> {
@@ -319,13 +319,10 @@ impl<B: Backend> Transformer<B> {
         logits: Logits,
     ) -> Result<usize> {
         let c = &self.config;
-        let tokens = match input {
-            PassInput::Tokens(tokens) => tokens,
-            PassInput::Fed => &[],
-        };
-        let n = match input {
-            PassInput::Tokens(tokens) => tokens.len(),
-            PassInput::Fed => 1,
+        // A fed pass's one token is on the device: nothing of it to check here.
+        let (tokens, n) = match input {
+            PassInput::Tokens(tokens) => (tokens, tokens.len()),
+            PassInput::Fed => (&[][..], 1),
         };
         if n > b.max_batch() {
             return Err(Error::BatchTooLarge {
