@@ -345,15 +345,9 @@ fn launch_product(
     args.describe(shape, epilogue)?;
     let per_chunk = 16 / shape.dtype.size_in_bytes();
     let vectorised = cols.is_multiple_of(per_chunk) && shape.aligned;
-    // Warps sharing a group of rows: enough that each lane takes about 4 steps of a row (more
-    // would leave lanes idle on short rows, fewer too few loads in flight on long ones).
     let steps = if vectorised { cols / per_chunk } else { cols };
-    let warps_per_rows = match steps / 128 {
-        0..=1 => 1,
-        2..=3 => 2,
-        4..=7 => 4,
-        _ => 8,
-    };
+    let warps_per_rows =
+        warps_per_row_group(steps, shape.total_rows, device.info().multiprocessors);
     // Rows per group, as the MATVEC_ALL_BATCHES table in matvec.cu sets them.
     let rows_per_group = if batch <= 2 { 2 } else { 4 };
     let rows_per_block = (THREADS as usize / 32 / warps_per_rows) * rows_per_group;
@@ -372,6 +366,36 @@ fn launch_product(
     };
     let args = *args;
     launch!(device, kernel, config((blocks, grid_y), THREADS, 0); args)
+}
+
+/// Blocks per multiprocessor the grid over a matrix's rows must keep for its groups to take
+/// longer rows ([`warps_per_row_group`]).
+const MIN_BLOCKS_PER_SM: usize = 3;
+
+/// Warps sharing a group of rows of `steps` steps (16-byte chunks, or elements unvectorised):
+/// enough that each lane takes 8 to 15 steps of a row where the matrix has the rows to still
+/// give every multiprocessor [`MIN_BLOCKS_PER_SM`] blocks, else 4 to 7 (more warps would
+/// leave lanes idle on short rows, fewer too few loads in flight on long ones). Longer-lived
+/// blocks spend less of their time starting and reducing: on the H200 qwen3-8b's products
+/// (4096-12288 columns, 4096 rows and more) took 8 steps a lane for +0.9% decode (217.3 ->
+/// 219.4 tok/s), and 16 lost 1.4%; qwen3-0.6b's 1024-row matrices lost 9% with 8, their grid
+/// down to 64 blocks. Decided by the matrix alone, never the batch, so a row's sums are the
+/// same bits in a batch as alone.
+fn warps_per_row_group(steps: usize, rows: usize, multiprocessors: usize) -> usize {
+    let for_steps_per_lane = |per_lane: usize| match steps / (32 * per_lane) {
+        0..=1 => 1,
+        2..=3 => 2,
+        4..=7 => 4,
+        _ => 8,
+    };
+    let longer = for_steps_per_lane(8);
+    // The grid at batch 1 (2 rows a group; MATVEC_ALL_BATCHES in matvec.cu).
+    let rows_per_block = THREADS as usize / 32 / longer * 2;
+    if rows.div_ceil(rows_per_block) >= MIN_BLOCKS_PER_SM * multiprocessors {
+        longer
+    } else {
+        for_steps_per_lane(4)
+    }
 }
 
 /// Whether a product's first blocks prefetch their weights into L2 while the kernel before
@@ -397,6 +421,37 @@ mod tests {
     #[test]
     fn constants_match_the_kernel() {
         assert_eq!(Module::Matvec.define("MATVEC_THREADS"), THREADS as usize);
+    }
+
+    /// On the H200 (132 multiprocessors): qwen3-8b's products take 8 to 15 steps a lane,
+    /// qwen3-0.6b's keep 4 to 7, their grids too small for longer rows.
+    #[test]
+    fn only_matrices_with_rows_to_spare_take_longer_rows_a_group() {
+        let sms = 132;
+        let bf16_steps = |cols: usize| cols / 8;
+        // qwen3-8b: q/k/v (6144 × 4096), o (4096 × 4096), gate/up (2 × 12288 × 4096), down
+        // (4096 × 12288), output head (151936 × 4096): 8 steps a lane.
+        for (rows, cols, wpr) in [
+            (6144, 4096, 2),
+            (4096, 4096, 2),
+            (24576, 4096, 2),
+            (4096, 12288, 4),
+            (151936, 4096, 2),
+        ] {
+            assert_eq!(
+                warps_per_row_group(bf16_steps(cols), rows, sms),
+                wpr,
+                "{rows}×{cols}"
+            );
+            let per_lane = bf16_steps(cols) / (32 * wpr);
+            assert!((8..16).contains(&per_lane), "{rows}×{cols}: {per_lane} steps a lane");
+        }
+        // qwen3-0.6b: o (1024 × 2048) and down (1024 × 3072) stay at 4 steps a lane; the
+        // 1024-column ones have a warp a group either way.
+        assert_eq!(warps_per_row_group(bf16_steps(2048), 1024, sms), 2);
+        assert_eq!(warps_per_row_group(bf16_steps(3072), 1024, sms), 2);
+        assert_eq!(warps_per_row_group(bf16_steps(1024), 4096, sms), 1);
+        assert_eq!(warps_per_row_group(bf16_steps(1024), 151936, sms), 1);
     }
 
     /// On the H200's 50 MB of L2: every matrix of qwen3-0.6b prefetches, none of qwen3-8b's.
