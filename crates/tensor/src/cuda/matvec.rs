@@ -444,7 +444,10 @@ mod tests {
                 "{rows}×{cols}"
             );
             let per_lane = bf16_steps(cols) / (32 * wpr);
-            assert!((8..16).contains(&per_lane), "{rows}×{cols}: {per_lane} steps a lane");
+            assert!(
+                (8..16).contains(&per_lane),
+                "{rows}×{cols}: {per_lane} steps a lane"
+            );
         }
         // qwen3-0.6b: o (1024 × 2048) and down (1024 × 3072) stay at 4 steps a lane; the
         // 1024-column ones have a warp a group either way.
