@@ -27,9 +27,11 @@ pub(crate) trait Runner: Send {
     /// Positions of the current sequence.
     fn position(&self) -> usize;
     fn capacity(&self) -> usize;
-    fn reset(&mut self);
     /// Forgets the positions from `len` on.
     fn truncate(&mut self, len: usize);
+    fn reset(&mut self) {
+        self.truncate(0);
+    }
     fn weight_bytes_per_token(&self) -> usize;
     /// Compute threads (CPU), or 1 for a device that runs on its own.
     fn threads(&self) -> usize;
@@ -90,10 +92,6 @@ macro_rules! shared_runner_methods {
 
         fn capacity(&self) -> usize {
             self.kv.capacity()
-        }
-
-        fn reset(&mut self) {
-            self.kv.truncate(0);
         }
 
         fn truncate(&mut self, len: usize) {
