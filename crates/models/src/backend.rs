@@ -384,9 +384,16 @@ pub trait Backend {
     fn prepare_experts(&self, experts: &[Mlp<Self>]) -> Result<Self::Experts>
     where
         Self: Sized;
-    /// A mixture-of-experts block: routes each token of `Normed[..rows.len()]` to its top-k
-    /// experts and adds their weighted sum to `Residual[rows]`.
-    fn moe(&mut self, moe: &Moe<Self>, rows: Range<usize>) -> Result<()>
+    /// A mixture-of-experts block added into the residual stream: routes each token's
+    /// `h = rms_norm(Residual[rows])` to its top-k experts and adds their weighted sum to
+    /// `Residual[rows]` (`Normed` and the MLP slots are scratch).
+    fn norm_moe(
+        &mut self,
+        moe: &Moe<Self>,
+        rows: Range<usize>,
+        norm: &Self::Vector,
+        eps: f32,
+    ) -> Result<()>
     where
         Self: Sized;
     /// Logits of the first `rows` rows of `Normed`, `head.rows()` each.

@@ -306,8 +306,15 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn moe(&mut self, moe: &Moe<Self>, rows: Range<usize>) -> Result<()> {
+    fn norm_moe(
+        &mut self,
+        moe: &Moe<Self>,
+        rows: Range<usize>,
+        norm: &Vector,
+        eps: f32,
+    ) -> Result<()> {
         let hidden = moe.router.cols;
+        self.rms_norm(Slot::Residual, rows.clone(), norm, eps, Slot::Normed)?;
         self.moe_into_block_out(moe, rows.len());
         self.add(
             Slot::Residual,

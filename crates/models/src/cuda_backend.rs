@@ -226,6 +226,8 @@ pub struct CudaBackend {
     /// that may wait unread.
     greedy: DeviceBuffer,
     greedy_host: Buffer,
+    /// The argmax's chunk bests and ticket (`cuda::argmax_scratch_len`).
+    argmax_scratch: DeviceBuffer,
     ahead: PicksAhead,
     moe: Option<MoeWorkspace>,
     /// Recorded one-token passes; `None` turns recording off.
@@ -257,6 +259,7 @@ impl CudaBackend {
             vocab,
             &mut self.greedy.as_mut_slice::<u32>(),
             feed.then_some(&mut step),
+            &mut self.argmax_scratch.as_mut_slice::<u32>(),
         )?;
         Ok(())
     }
@@ -359,6 +362,8 @@ impl CudaBackend {
             &mut attention_scratch.as_mut_slice::<f32>(),
         )?;
         let logits = f32s("logits", logit_rows * config.vocab_size)?;
+        let mut argmax_scratch = f32s("argmax chunks", cuda::argmax_scratch_len(1))?;
+        device.fill_bytes(&mut argmax_scratch.as_mut_slice::<u32>(), 0)?;
         let gemm = Gemm::new(&device, owner)?;
         let moe = MoeWorkspace::new(&device, owner, config, b)?;
         Ok(CudaBackend {
@@ -387,6 +392,7 @@ impl CudaBackend {
                 "greedy token (host)",
                 PICKS_AHEAD * 4,
             )?,
+            argmax_scratch,
             ahead: PicksAhead {
                 landed: [device.new_event()?, device.new_event()?],
                 enqueued: 0,
@@ -1143,12 +1149,18 @@ impl Backend for CudaBackend {
         })
     }
 
-    /// Routed on the device: router logits in f32 from the f32 normed rows, top-k and grouping
-    /// by expert in one block, each routed pair's SwiGLU and down products in one launch each
-    /// (tensor cores for the prompts of bf16 experts), and the weighted sum added to the
-    /// residual.
-    fn moe(&mut self, moe: &Moe<Self>, rows: Range<usize>) -> Result<()> {
-        let (offset, rows) = (rows.start, rows.len());
+    /// Routed on the device: router logits in f32 from the f32 normed rows (normalised inside
+    /// the router's and gate/up's products off the tensor cores), top-k and grouping by expert
+    /// in one block, each routed pair's SwiGLU and down products in one launch each (tensor
+    /// cores for the prompts of bf16 experts), and the weighted sum added to the residual.
+    fn norm_moe(
+        &mut self,
+        moe: &Moe<Self>,
+        rows: Range<usize>,
+        norm: &CudaVector,
+        eps: f32,
+    ) -> Result<()> {
+        let (offset, n) = (rows.start, rows.len());
         let experts = &moe.prepared;
         let routing = Routing {
             experts: moe.experts.len(),
@@ -1156,7 +1168,30 @@ impl Backend for CudaBackend {
             normalize: moe.norm_topk_prob,
         };
         let (hidden, width) = (experts.down.rows(), experts.gate_up.rows());
-        let pairs = rows * routing.top_k;
+        let pairs = n * routing.top_k;
+        // Prompts of bf16 experts on the tensor cores (their input rounded to bf16, as the
+        // prompt GEMMs round theirs); decode and other dtypes in f32 activations.
+        let road = if n == 1 {
+            ExpertRoad::Decode
+        } else if n > cuda::MAX_BATCH
+            && experts.gate_up.takes_tensor_cores()
+            && experts.down.takes_tensor_cores()
+        {
+            ExpertRoad::TensorCores
+        } else {
+            ExpertRoad::Matvec
+        };
+        // The matrix-vector roads normalise inside the router's and gate/up's products, which
+        // read the residual stream itself (a launch fewer per decoded layer); the tensor cores
+        // take the normalised rows from `Normed`.
+        let norm_inside = road != ExpertRoad::TensorCores;
+        if !norm_inside {
+            self.rms_norm(Slot::Residual, rows.clone(), norm, eps, Slot::Normed)?;
+        }
+        let norm = norm_inside.then(|| MatvecNorm {
+            weight: norm.slice(),
+            eps,
+        });
         let ws = self
             .moe
             .as_mut()
@@ -1166,22 +1201,21 @@ impl Backend for CudaBackend {
             .slots
             .get_disjoint_mut([Slot::Normed.index(), Slot::Residual.index()])
             .expect("distinct slots");
-        let x = normed.as_slice::<f32>().slice(0..rows * hidden);
-        let mut logits = ws.router.as_mut_slice::<f32>();
-        let mut logits = logits.slice_mut(0..rows * routing.experts);
-        cuda::matvec(dev, &moe.router.as_mat()?, x, rows, &mut logits, false)?;
-        // Prompts of bf16 experts on the tensor cores (their input rounded to bf16, as the
-        // prompt GEMMs round theirs); decode and other dtypes in f32 activations.
-        let road = if rows == 1 {
-            ExpertRoad::Decode
-        } else if rows > cuda::MAX_BATCH
-            && experts.gate_up.takes_tensor_cores()
-            && experts.down.takes_tensor_cores()
-        {
-            ExpertRoad::TensorCores
+        let x = if norm_inside {
+            residual
+                .as_slice::<f32>()
+                .slice(offset * hidden..(offset + n) * hidden)
         } else {
-            ExpertRoad::Matvec
+            normed.as_slice::<f32>().slice(0..n * hidden)
         };
+        let mut logits = ws.router.as_mut_slice::<f32>();
+        let mut logits = logits.slice_mut(0..n * routing.experts);
+        let router = MatvecOutput {
+            w: &moe.router.as_mat()?,
+            bias: None,
+            y: logits.reborrow(),
+        };
+        cuda::matvec_fused(dev, &mut [router], x, n, norm, Epilogue::Store)?;
         let mut routes = Routes {
             ids: ws.ids.as_mut_slice(),
             weights: ws.weights.as_mut_slice(),
@@ -1189,8 +1223,8 @@ impl Backend for CudaBackend {
             tiles: ws.tiles.as_mut_slice(),
             road,
         };
-        cuda::moe_route(dev, logits.as_slice(), rows, &routing, &mut routes)?;
-        let tiles = routes.tiles(&routing, rows);
+        cuda::moe_route(dev, logits.as_slice(), n, &routing, &mut routes)?;
+        let tiles = routes.tiles(&routing, n);
         let mut act = ws.act.as_mut_slice::<f32>();
         let mut act = act.slice_mut(0..pairs * width);
         let mut expert_out = ws.expert_out.as_mut_slice::<f32>();
@@ -1207,19 +1241,20 @@ impl Backend for CudaBackend {
                 &mut expert_out,
             )?;
         } else {
-            cuda::matvec_experts(dev, &experts.gate_up, tiles, x, top_k, &mut act)?;
+            cuda::matvec_experts(dev, &experts.gate_up, tiles, x, top_k, norm, &mut act)?;
             cuda::matvec_experts(
                 dev,
                 &experts.down,
                 tiles,
                 act.as_slice(),
                 1,
+                None,
                 &mut expert_out,
             )?;
         }
         let weights = routes.weights.as_slice().slice(0..pairs);
         let mut out = residual.as_mut_slice::<f32>();
-        let mut out = out.slice_mut(offset * hidden..(offset + rows) * hidden);
+        let mut out = out.slice_mut(offset * hidden..(offset + n) * hidden);
         cuda::moe_combine(
             dev,
             expert_out.as_slice(),

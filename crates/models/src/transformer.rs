@@ -389,10 +389,7 @@ impl<B: Backend> Transformer<B> {
             let norm = &layer.post_attention_norm;
             match &layer.feed_forward {
                 FeedForward::Dense(mlp) => mlp.apply_to_residual(b, first..n, norm, eps)?,
-                FeedForward::Sparse(moe) => {
-                    b.rms_norm(Slot::Residual, first..n, norm, eps, Slot::Normed)?;
-                    b.moe(moe, first..n)?;
-                }
+                FeedForward::Sparse(moe) => b.norm_moe(moe, first..n, norm, eps)?,
             }
         }
         let rows = match logits {

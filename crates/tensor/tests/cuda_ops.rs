@@ -1026,19 +1026,52 @@ fn argmax_takes_the_lowest_index_on_ties_and_never_nan() {
     logits[4 * vocab] = f32::NAN;
     let lbuf = ctx.upload(&logits);
     let mut out = ctx.poisoned::<u32>(rows);
-    cuda::argmax(
-        &ctx.device,
-        lbuf.as_slice(),
-        vocab,
-        &mut out.as_mut_slice(),
-        None,
-    )
-    .unwrap();
-    let got = ctx.download::<u32>(&out);
+    let mut scratch = ctx.upload(&vec![0u32; cuda::argmax_scratch_len(rows)]);
     // The host's rule, row by row, is what greedy sampling means everywhere.
     let want: Vec<u32> = logits.chunks(vocab).map(cpu::argmax).collect();
     assert_eq!(want[1..], [1234, 0, vocab as u32 - 1, 1]);
-    assert_eq!(got, want);
+    // Twice: the first launch leaves the tickets as it found them.
+    for _ in 0..2 {
+        cuda::argmax(
+            &ctx.device,
+            lbuf.as_slice(),
+            vocab,
+            &mut out.as_mut_slice(),
+            None,
+            &mut scratch.as_mut_slice(),
+        )
+        .unwrap();
+        assert_eq!(ctx.download::<u32>(&out), want);
+    }
+    let row_words = cuda::argmax_scratch_len(1);
+    let tickets_left = ctx.download::<u32>(&scratch);
+    assert!(
+        tickets_left
+            .chunks(row_words)
+            .all(|row| row[row_words - 1] == 0)
+    );
+
+    // Rows of one chunk and of a few: ties between chunks and within one, -inf only.
+    for n in [1, 5, 2048, 2049, 6000] {
+        let mut small = rng.vec(3 * n);
+        small[n - 1] = 7.0;
+        small[n..2 * n].fill(f32::NEG_INFINITY);
+        small[2 * n..].fill(1.0);
+        let buf = ctx.upload(&small);
+        let mut picks = ctx.poisoned::<u32>(3);
+        let want: Vec<u32> = small.chunks(n).map(cpu::argmax).collect();
+        let (logits, picks_out) = (buf.as_slice(), &mut picks.as_mut_slice());
+        cuda::argmax(
+            &ctx.device,
+            logits,
+            n,
+            picks_out,
+            None,
+            &mut scratch.as_mut_slice(),
+        )
+        .unwrap();
+        assert_eq!(ctx.download::<u32>(&picks), want, "rows of {n}");
+    }
 
     // Fed to the next step: a pass of 3 tokens at 40.. becomes a one-token pass at 43 of
     // row 3's pick, read back through an event as the engine reads picks it ran ahead of.
@@ -1051,6 +1084,7 @@ fn argmax_takes_the_lowest_index_on_ties_and_never_nan() {
         vocab,
         &mut pick.as_mut_slice(),
         Some(&mut feed.as_mut_slice()),
+        &mut scratch.as_mut_slice(),
     )
     .unwrap();
     let mut host = [0u32];
@@ -1068,9 +1102,23 @@ fn argmax_takes_the_lowest_index_on_ties_and_never_nan() {
         vocab,
         &mut out.as_mut_slice(),
         Some(&mut feed.as_mut_slice()),
+        &mut scratch.as_mut_slice(),
     )
     .unwrap_err();
     assert!(err.to_string().contains("one row"), "{err}");
+    // Scratch for fewer rows than asked for is refused, not overrun.
+    let err = cuda::argmax(
+        &ctx.device,
+        lbuf.as_slice(),
+        vocab,
+        &mut out.as_mut_slice(),
+        None,
+        &mut scratch
+            .as_mut_slice()
+            .slice_mut(0..cuda::argmax_scratch_len(1)),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("scratch"), "{err}");
 }
 
 /// Causal attention in f64 over the cache as stored: query `i` (at position `pos0 + i`)
@@ -1597,10 +1645,14 @@ fn bad_arguments_are_errors_that_name_the_op() {
     assert!(err.to_string().contains("head_dim 512"), "{err}");
 }
 
+/// The epsilon of the RMS norm inside the MoE tests' gate/up products.
+const MOE_NORM_EPS: f32 = 1e-6;
+
 /// A mixture-of-experts layer in f64: softmax over the router logits, the top-k (ties to the
 /// lower index), weights renormalised with `normalize`, and the weighted sum of each chosen
-/// expert's SwiGLU MLP added to `x` (standing for the residual). Returns the experts chosen
-/// per token and the residual after the layer.
+/// expert's SwiGLU MLP added to `x` (standing for the residual), the experts reading
+/// `rms_norm(x) · norm` where a norm weight is given, else `x`. Returns the experts chosen per
+/// token and the residual after the layer.
 #[allow(clippy::too_many_arguments)]
 fn moe_reference(
     logits: &[f32],
@@ -1610,6 +1662,7 @@ fn moe_reference(
     routing: cuda::Routing,
     hidden: usize,
     width: usize,
+    norm: Option<&[f32]>,
 ) -> (Vec<i32>, Vec<f64>) {
     let (experts, k) = (routing.experts, routing.top_k);
     let tokens = logits.len() / experts;
@@ -1632,7 +1685,14 @@ fn moe_reference(
             let dot = |w: &[f32], v: &[f64]| -> f64 {
                 w.iter().zip(v).map(|(&a, &b)| a as f64 * b).sum::<f64>()
             };
-            let xd: Vec<f64> = xt.iter().map(|&v| v as f64).collect();
+            let mut xd: Vec<f64> = xt.iter().map(|&v| v as f64).collect();
+            if let Some(g) = norm {
+                let mean_square = xd.iter().map(|v| v * v).sum::<f64>() / hidden as f64;
+                let scale = 1.0 / (mean_square + MOE_NORM_EPS as f64).sqrt();
+                for (v, &g) in xd.iter_mut().zip(g) {
+                    *v *= scale * g as f64;
+                }
+            }
             let act: Vec<f64> = (0..width)
                 .map(|i| {
                     let g = dot(&gate_up[(e * 2 * width + i) * hidden..][..hidden], &xd);
@@ -1652,9 +1712,9 @@ fn moe_reference(
     (ids, out)
 }
 
-/// Runs a MoE layer on the device: route, gate and up with SwiGLU, down, combine into a
-/// residual that starts as `x`. Returns the experts chosen per pair, the tile list and order,
-/// and the residual.
+/// Runs a MoE layer on the device: route, gate and up with SwiGLU (the RMS norm by `norm`'s
+/// weight inside, where given), down, combine into a residual that starts as `x`. Returns the
+/// experts chosen per pair, the tile list and order, and the residual.
 struct MoeRun {
     ids: Vec<i32>,
     tiles: Vec<i32>,
@@ -1671,6 +1731,7 @@ fn run_moe(
     routing: cuda::Routing,
     (hidden, width): (usize, usize),
     road: cuda::ExpertRoad,
+    norm: Option<&DeviceBuffer>,
 ) -> MoeRun {
     let (experts, k) = (routing.experts, routing.top_k);
     let tokens = logits.len() / experts;
@@ -1716,28 +1777,22 @@ fn run_moe(
     let dev = &ctx.device;
     cuda::moe_route(dev, logits_buf.as_slice(), tokens, &routing, &mut routes).unwrap();
     let t = routes.tiles(&routing, tokens);
-    let products = match road {
-        cuda::ExpertRoad::TensorCores => cuda::experts_mma,
-        _ => cuda::matvec_experts,
-    };
-    products(
-        dev,
-        &gate_up_table,
-        t,
-        x_buf.as_slice(),
-        k,
-        &mut act.as_mut_slice(),
-    )
-    .unwrap();
-    products(
-        dev,
-        &down_table,
-        t,
-        act.as_slice(),
-        1,
-        &mut expert_out.as_mut_slice(),
-    )
-    .unwrap();
+    let norm = norm.map(|g| MatvecNorm {
+        weight: g.as_slice(),
+        eps: MOE_NORM_EPS,
+    });
+    if road == cuda::ExpertRoad::TensorCores {
+        assert!(norm.is_none(), "experts_mma has no norm form");
+        let (act_out, x) = (&mut act.as_mut_slice(), x_buf.as_slice());
+        cuda::experts_mma(dev, &gate_up_table, t, x, k, act_out).unwrap();
+        let out = &mut expert_out.as_mut_slice();
+        cuda::experts_mma(dev, &down_table, t, act.as_slice(), 1, out).unwrap();
+    } else {
+        let (act_out, x) = (&mut act.as_mut_slice(), x_buf.as_slice());
+        cuda::matvec_experts(dev, &gate_up_table, t, x, k, norm, act_out).unwrap();
+        let out = &mut expert_out.as_mut_slice();
+        cuda::matvec_experts(dev, &down_table, t, act.as_slice(), 1, None, out).unwrap();
+    }
     let w = routes.weights.as_slice();
     cuda::moe_combine(
         dev,
@@ -1753,6 +1808,62 @@ fn run_moe(
         tiles: ctx.download(&tiles),
         order: ctx.download(&order),
         out: ctx.download(&out),
+    }
+}
+
+/// Routing alone, for every size of expert set the kernel keeps in registers (up to 128, 256,
+/// 512 and 1024 experts a token): the experts chosen and their weights, for one token (decode's
+/// one-warp routing) and for a few.
+#[test]
+fn moe_routing_takes_every_size_of_expert_set() {
+    let Some(ctx) = Ctx::new() else { return };
+    let mut rng = Rng(5);
+    for experts in [60, 200, 512, 1024] {
+        let routing = cuda::Routing {
+            experts,
+            top_k: 8,
+            normalize: true,
+        };
+        for tokens in [1, 5] {
+            let logits: Vec<f32> = rng.vec(tokens * experts).iter().map(|v| v * 4.0).collect();
+            let (mut want_ids, mut want_weights) = (Vec::new(), Vec::new());
+            for row in logits.chunks(experts) {
+                let max = row.iter().fold(f64::MIN, |m, &v| m.max(v as f64));
+                let exp: Vec<f64> = row.iter().map(|&v| (v as f64 - max).exp()).collect();
+                let mut order: Vec<usize> = (0..experts).collect();
+                order.sort_by(|&a, &b| exp[b].total_cmp(&exp[a]).then(a.cmp(&b)));
+                let total: f64 = order[..8].iter().map(|&e| exp[e]).sum();
+                for &e in &order[..8] {
+                    want_ids.push(e as i32);
+                    want_weights.push(exp[e] / total);
+                }
+            }
+            let pairs = tokens * 8;
+            let road = if tokens == 1 {
+                ExpertRoad::Decode
+            } else {
+                ExpertRoad::Matvec
+            };
+            let logits_buf = ctx.upload(&logits);
+            let mut ids = ctx.poisoned::<i32>(pairs);
+            let mut weights = ctx.poisoned::<f32>(pairs);
+            let mut order = ctx.poisoned::<i32>(pairs);
+            let mut tiles = ctx.poisoned::<i32>(routing.tiles_len(tokens, road));
+            let mut routes = cuda::Routes {
+                ids: ids.as_mut_slice(),
+                weights: weights.as_mut_slice(),
+                order: order.as_mut_slice(),
+                tiles: tiles.as_mut_slice(),
+                road,
+            };
+            let logits = logits_buf.as_slice();
+            cuda::moe_route(&ctx.device, logits, tokens, &routing, &mut routes).unwrap();
+            let what = format!("{experts} experts, {tokens} tokens");
+            assert_eq!(ctx.download::<i32>(&ids), want_ids, "{what}");
+            let got = ctx.download::<f32>(&weights);
+            let err = rel_err(&got, &want_weights);
+            assert!(err < 1e-5, "{what}: weights off by {err:e}");
+        }
     }
 }
 
@@ -1775,26 +1886,56 @@ fn moe_routes_on_the_device_and_matches_the_reference() {
         let down: Vec<bf16> = round(&rng.vec(experts * hidden * width));
         let (gate_up_f, down_f) = (widen(&gate_up), widen(&down));
         let (gate_up_buf, down_buf) = (ctx.upload(&gate_up), ctx.upload(&down));
+        let norm: Vec<f32> = rng.vec(hidden).iter().map(|v| 0.5 + v.abs()).collect();
+        let norm_buf = ctx.upload(&norm);
         let roads = |tokens: usize| match tokens {
             1 => vec![ExpertRoad::Decode],
             2..=8 => vec![ExpertRoad::Matvec],
             _ => vec![ExpertRoad::Matvec, ExpertRoad::TensorCores],
         };
         // 300 tokens of top 2 of 8: each expert's pairs fill more than one tile of 64.
-        for tokens in [1, 3, 37, 300] {
+        // One token twice: with ties, and with its experts picked out of index order (which
+        // decode's one-warp routing must sort as the batch routing does).
+        for (case, tokens) in [1, 1, 3, 37, 300].into_iter().enumerate() {
             let mut logits: Vec<f32> = rng.vec(tokens * experts).iter().map(|v| v * 4.0).collect();
             // The last token's logits all equal: the lowest indices win the ties.
-            logits[(tokens - 1) * experts..].fill(0.5);
+            let ties = case != 1;
+            if ties {
+                logits[(tokens - 1) * experts..].fill(0.5);
+            } else {
+                // A permutation of the experts' order (3 is prime to their count).
+                for (e, l) in logits.iter_mut().enumerate() {
+                    *l = ((e * 3) % experts) as f32 * 0.05;
+                }
+            }
             let x = rng.vec(tokens * hidden);
-            let (ids, want) =
-                moe_reference(&logits, &x, &gate_up_f, &down_f, routing, hidden, width);
-            let tail: Vec<i32> = (0..top_k as i32).collect();
-            assert_eq!(&ids[(tokens - 1) * top_k..], &tail[..], "reference ties");
-            for road in roads(tokens) {
+            // Gate/up read x as it is, or (the matrix-vector roads) normalise it themselves.
+            let cases = roads(tokens).into_iter().flat_map(|road| {
+                let normed = (road != ExpertRoad::TensorCores).then_some((road, true));
+                [(road, false)].into_iter().chain(normed)
+            });
+            for (road, normed) in cases {
+                let (norm, norm_buf) = if normed {
+                    (Some(&norm[..]), Some(&norm_buf))
+                } else {
+                    (None, None)
+                };
+                let (ids, want) = moe_reference(
+                    &logits, &x, &gate_up_f, &down_f, routing, hidden, width, norm,
+                );
+                let tail: Vec<i32> = (0..top_k as i32).collect();
+                let last = &ids[(tokens - 1) * top_k..];
+                if ties {
+                    assert_eq!(last, &tail[..], "reference ties");
+                } else {
+                    assert!(!last.is_sorted(), "{last:?}: experts picked in index order");
+                }
                 let weights = (&gate_up_buf, &down_buf);
                 let shape = (hidden, width);
-                let run = run_moe(&ctx, &logits, &x, weights, routing, shape, road);
-                let what = format!("{experts} experts top {top_k}, {tokens} tokens, {road:?}");
+                let run = run_moe(&ctx, &logits, &x, weights, routing, shape, road, norm_buf);
+                let what = format!(
+                    "{experts} experts top {top_k}, {tokens} tokens, {road:?}, norm {normed}"
+                );
                 assert_eq!(run.ids, ids, "{what}: experts chosen");
                 // The tensor cores take x and the activations rounded to bf16.
                 let tolerance = if road == ExpertRoad::TensorCores {
@@ -1839,6 +1980,7 @@ fn moe_routes_on_the_device_and_matches_the_reference() {
                             routing,
                             shape,
                             alone_road,
+                            norm_buf,
                         );
                         assert_eq!(
                             bits(&alone.out),

@@ -238,10 +238,12 @@ pub enum Kernel {
         batch: u8,
         norm: bool,
     },
-    /// Routed experts' products, tiles of `batch` (1 or 8) pairs.
+    /// Routed experts' products, tiles of `batch` (1 or 8) pairs; `norm`: the form with the
+    /// RMS norm inside.
     MatvecExperts {
         weights: Float,
         batch: u8,
+        norm: bool,
     },
     RmsNorm {
         out: Float,
@@ -359,7 +361,13 @@ impl Kernel {
                 }
             }
             for batch in [1, 8] {
-                kernels.push(Kernel::MatvecExperts { weights: f, batch });
+                for norm in [false, true] {
+                    kernels.push(Kernel::MatvecExperts {
+                        weights: f,
+                        batch,
+                        norm,
+                    });
+                }
             }
             for head_dim in [64, 128] {
                 kernels.push(Kernel::AttentionPrefillMma { kv: f, head_dim });
@@ -419,9 +427,14 @@ impl Kernel {
                 "matvec_{weights}_b{batch}{}",
                 if norm { "_norm" } else { "" }
             ),
-            Kernel::MatvecExperts { weights, batch } => {
-                format!("matvec_{weights}_b{batch}_experts")
-            }
+            Kernel::MatvecExperts {
+                weights,
+                batch,
+                norm,
+            } => format!(
+                "matvec_{weights}_b{batch}_experts{}",
+                if norm { "_norm" } else { "" }
+            ),
             Kernel::RmsNorm { out } => format!("rms_norm_{out}"),
             Kernel::Rope => "rope".into(),
             Kernel::SiluMul { input, out } => format!("silu_mul_{input}_{out}"),
@@ -533,8 +546,9 @@ mod tests {
                         && source.contains(&format!("matvec_##T##_b{batch},"))
                         && source.contains(&format!("MATVEC_ALL_BATCHES({weights},"))
                 }
-                Kernel::MatvecExperts { weights, batch } => {
+                Kernel::MatvecExperts { weights, batch, .. } => {
                     source.contains("NAME##_experts(")
+                        && source.contains("NAME##_experts_norm(")
                         && source.contains(&format!("MATVEC_EXPERTS(matvec_##T##_b{batch},"))
                         && source.contains(&format!("MATVEC_ALL_BATCHES({weights},"))
                 }

@@ -246,13 +246,15 @@ pub fn matvec_fused(
 /// `y[p] = W_e · x[p / x_div]` for each routed pair `p` and its expert `e` (with two matrices,
 /// gate and up, `y[p] = silu(W_gate · x) · (W_up · x)`): the products of a mixture-of-experts
 /// layer, every routed pair of a batch in one launch. `x` is `[pairs / x_div, cols]`, `y` is
-/// `[pairs, rows]`.
+/// `[pairs, rows]`. With `norm`, `x` is the un-normalised input (the residual stream) and the
+/// norm is computed inside the product, as in [`matvec_fused`].
 pub fn matvec_experts(
     device: &CudaDevice,
     table: &ExpertTable,
     tiles: ExpertTiles<'_>,
     x: DevSlice<'_, f32>,
     x_div: usize,
+    norm: Option<MatvecNorm<'_>>,
     y: &mut DevSliceMut<'_, f32>,
 ) -> Result<(), CudaError> {
     const OP: &str = "matvec_experts";
@@ -263,6 +265,14 @@ pub fn matvec_experts(
         OP,
         "tiles for the tensor cores"
     );
+    if let Some(n) = norm {
+        ensure!(
+            n.weight.len() == cols,
+            OP,
+            "norm weight of {} for rows of {cols}",
+            n.weight.len()
+        );
+    }
     if pairs == 0 {
         return Ok(());
     }
@@ -277,6 +287,8 @@ pub fn matvec_experts(
         order: tiles.order.device_ptr(),
         experts: table.addresses.device_ptr(),
         x_div: int(OP, "x_div", x_div)?,
+        norm: norm.map_or(0, |n| n.weight.device_ptr()),
+        eps: norm.map_or(0.0, |n| n.eps),
         ..KernelArgs::default()
     };
     for out in &mut args.out[..table.matrices] {
@@ -293,11 +305,14 @@ pub fn matvec_experts(
         cols,
         outputs: table.matrices,
         total_rows: rows * table.matrices,
-        aligned: table.aligned && aligned(x.device_ptr()),
+        aligned: table.aligned
+            && aligned(x.device_ptr())
+            && norm.is_none_or(|n| aligned(n.weight.device_ptr())),
     };
     let kernel = Kernel::MatvecExperts {
         weights: table.dtype,
         batch: tiles.road.tile_rows() as u8,
+        norm: norm.is_some(),
     };
     let max_tiles = max_tiles(pairs, table.experts, tiles.road.tile_rows());
     let grid_y = int(OP, "tiles", max_tiles)? as u32;

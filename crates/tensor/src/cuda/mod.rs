@@ -43,7 +43,7 @@ mod residency;
 mod rms_norm;
 mod rope;
 
-pub use argmax::argmax;
+pub use argmax::{argmax, argmax_scratch_len};
 pub use attention::{
     AttentionPrecision, DecodeRope, MAX_HEAD_DIM, attention_decode, attention_decode_rope,
     attention_decode_rope_fits, attention_decode_scratch_len, attention_decode_scratch_reset,

@@ -268,11 +268,16 @@ pub fn moe_route(
     );
     let (n, e, k) = (int(OP, "tokens", tokens)?, experts as i32, top_k as i32);
     let (norm, tile_rows) = (i32::from(normalize), out.road.tile_rows() as i32);
-    // A warp per token to pick experts, a thread per expert to group pairs.
-    let threads = (tokens * 32)
-        .max(experts)
-        .next_multiple_of(32)
-        .min(ROUTE_THREADS) as u32;
+    // A warp per token to pick experts, a thread per expert to group pairs; one warp for
+    // a single token with a tile per pair, which it lays out itself (moe.cu).
+    let threads = if tokens == 1 && tile_rows == 1 {
+        32
+    } else {
+        (tokens * 32)
+            .max(experts)
+            .next_multiple_of(32)
+            .min(ROUTE_THREADS) as u32
+    };
     launch!(device, Kernel::MoeRoute, config((1, 1), threads, 0);
         lp, n, e, k, norm, tile_rows, ip, wp, op, tp)
 }

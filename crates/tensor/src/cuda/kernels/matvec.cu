@@ -321,24 +321,29 @@ __device__ __forceinline__ void matvec_prefetch(const MatvecArgs& a) {
         matvec<W, B, ROWS, NORM_UNROLL, true, false>(a, [] { grid_dependency_wait(); });       \
     }
 // Routed experts: one pair per tile for a decoded token (its experts differ), eight for
-// prompts, where each expert takes many tokens and reads its weights once per eight.
-#define MATVEC_EXPERTS(NAME, W, B, ROWS, UNROLL)                                                  \
+// prompts, where each expert takes many tokens and reads its weights once per eight. The
+// `_norm` form is gate/up's, reading the residual stream itself (the layer's RMS norm inside).
+#define MATVEC_EXPERTS(NAME, W, B, ROWS, UNROLL, NORM_UNROLL)                                     \
     extern "C" __global__ void __launch_bounds__(MATVEC_THREADS) NAME##_experts(const MatvecArgs a) { \
         matvec<W, B, ROWS, UNROLL, false, true>(a, [] { grid_dependency_wait(); });               \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(MATVEC_THREADS)                                  \
+        NAME##_experts_norm(const MatvecArgs a) {                                                 \
+        matvec<W, B, ROWS, NORM_UNROLL, true, true>(a, [] { grid_dependency_wait(); });           \
     }
 // (8 rows per group at batch 1, each x load feeding 8 rows, measured slower on the H200:
 // qwen3-8b decode 148 tok/s against 167.)
-#define MATVEC_ALL_BATCHES(T, W)                \
-    MATVEC(matvec_##T##_b1, W, 1, 2, 4, 2)      \
-    MATVEC(matvec_##T##_b2, W, 2, 2, 4, 4)      \
-    MATVEC(matvec_##T##_b3, W, 3, 4, 2, 2)      \
-    MATVEC(matvec_##T##_b4, W, 4, 4, 2, 2)      \
-    MATVEC(matvec_##T##_b5, W, 5, 4, 1, 1)      \
-    MATVEC(matvec_##T##_b6, W, 6, 4, 1, 1)      \
-    MATVEC(matvec_##T##_b7, W, 7, 4, 1, 1)      \
-    MATVEC(matvec_##T##_b8, W, 8, 4, 1, 1)      \
-    MATVEC_EXPERTS(matvec_##T##_b1, W, 1, 2, 4) \
-    MATVEC_EXPERTS(matvec_##T##_b8, W, 8, 4, 1)
+#define MATVEC_ALL_BATCHES(T, W)                   \
+    MATVEC(matvec_##T##_b1, W, 1, 2, 4, 2)         \
+    MATVEC(matvec_##T##_b2, W, 2, 2, 4, 4)         \
+    MATVEC(matvec_##T##_b3, W, 3, 4, 2, 2)         \
+    MATVEC(matvec_##T##_b4, W, 4, 4, 2, 2)         \
+    MATVEC(matvec_##T##_b5, W, 5, 4, 1, 1)         \
+    MATVEC(matvec_##T##_b6, W, 6, 4, 1, 1)         \
+    MATVEC(matvec_##T##_b7, W, 7, 4, 1, 1)         \
+    MATVEC(matvec_##T##_b8, W, 8, 4, 1, 1)         \
+    MATVEC_EXPERTS(matvec_##T##_b1, W, 1, 2, 4, 2) \
+    MATVEC_EXPERTS(matvec_##T##_b8, W, 8, 4, 1, 1)
 
 MATVEC_ALL_BATCHES(f32, float)
 MATVEC_ALL_BATCHES(bf16, bf16_t)
