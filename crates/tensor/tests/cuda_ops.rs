@@ -1645,6 +1645,53 @@ fn bad_arguments_are_errors_that_name_the_op() {
     assert!(err.to_string().contains("head_dim 512"), "{err}");
 }
 
+/// One token's routing in f64: softmax over its router logits, the top-k (ties to the lower
+/// index), and their weights, renormalised with `normalize`.
+fn reference_routes(row: &[f32], routing: cuda::Routing) -> Vec<(usize, f64)> {
+    let max = row.iter().fold(f64::MIN, |m, &v| m.max(v as f64));
+    let exp: Vec<f64> = row.iter().map(|&v| (v as f64 - max).exp()).collect();
+    let sum: f64 = exp.iter().sum();
+    let mut order: Vec<usize> = (0..row.len()).collect();
+    order.sort_by(|&a, &b| exp[b].total_cmp(&exp[a]).then(a.cmp(&b)));
+    let chosen = &order[..routing.top_k];
+    let total: f64 = chosen.iter().map(|&e| exp[e] / sum).sum();
+    let weight = |e: usize| {
+        let p = exp[e] / sum;
+        if routing.normalize { p / total } else { p }
+    };
+    chosen.iter().map(|&e| (e, weight(e))).collect()
+}
+
+/// Where [`cuda::moe_route`] writes, poisoned until it does.
+struct RouteBuffers {
+    ids: DeviceBuffer,
+    weights: DeviceBuffer,
+    order: DeviceBuffer,
+    tiles: DeviceBuffer,
+}
+
+impl RouteBuffers {
+    fn new(ctx: &Ctx, routing: &cuda::Routing, tokens: usize, road: ExpertRoad) -> Self {
+        let pairs = tokens * routing.top_k;
+        RouteBuffers {
+            ids: ctx.poisoned::<i32>(pairs),
+            weights: ctx.poisoned::<f32>(pairs),
+            order: ctx.poisoned::<i32>(pairs),
+            tiles: ctx.poisoned::<i32>(routing.tiles_len(tokens, road)),
+        }
+    }
+
+    fn routes(&mut self, road: ExpertRoad) -> cuda::Routes<'_> {
+        cuda::Routes {
+            ids: self.ids.as_mut_slice(),
+            weights: self.weights.as_mut_slice(),
+            order: self.order.as_mut_slice(),
+            tiles: self.tiles.as_mut_slice(),
+            road,
+        }
+    }
+}
+
 /// The epsilon of the RMS norm inside the MoE tests' gate/up products.
 const MOE_NORM_EPS: f32 = 1e-6;
 
@@ -1664,24 +1711,14 @@ fn moe_reference(
     width: usize,
     norm: Option<&[f32]>,
 ) -> (Vec<i32>, Vec<f64>) {
-    let (experts, k) = (routing.experts, routing.top_k);
+    let experts = routing.experts;
     let tokens = logits.len() / experts;
     // The output is added to the residual, which is `x` here.
     let (mut ids, mut out) = (Vec::new(), x.iter().map(|&v| v as f64).collect::<Vec<_>>());
     for t in 0..tokens {
-        let row = &logits[t * experts..(t + 1) * experts];
-        let max = row.iter().fold(f64::MIN, |m, &v| m.max(v as f64));
-        let exp: Vec<f64> = row.iter().map(|&v| (v as f64 - max).exp()).collect();
-        let sum: f64 = exp.iter().sum();
-        let mut order: Vec<usize> = (0..experts).collect();
-        order.sort_by(|&a, &b| exp[b].total_cmp(&exp[a]).then(a.cmp(&b)));
-        let chosen = &order[..k];
-        let total: f64 = chosen.iter().map(|&e| exp[e] / sum).sum();
         let xt = &x[t * hidden..(t + 1) * hidden];
-        for &e in chosen {
+        for (e, weight) in reference_routes(&logits[t * experts..(t + 1) * experts], routing) {
             ids.push(e as i32);
-            let p = exp[e] / sum;
-            let weight = if routing.normalize { p / total } else { p };
             let dot = |w: &[f32], v: &[f64]| -> f64 {
                 w.iter().zip(v).map(|(&a, &b)| a as f64 * b).sum::<f64>()
             };
@@ -1760,20 +1797,11 @@ fn run_moe(
     };
     let logits_buf = ctx.upload(logits);
     let x_buf = ctx.upload(x);
-    let mut ids = ctx.poisoned::<i32>(pairs);
-    let mut weights = ctx.poisoned::<f32>(pairs);
-    let mut order = ctx.poisoned::<i32>(pairs);
-    let mut tiles = ctx.poisoned::<i32>(routing.tiles_len(tokens, road));
+    let mut buffers = RouteBuffers::new(ctx, &routing, tokens, road);
     let mut act = ctx.poisoned::<f32>(pairs * width);
     let mut expert_out = ctx.poisoned::<f32>(pairs * hidden);
     let mut out = ctx.upload(x);
-    let mut routes = cuda::Routes {
-        ids: ids.as_mut_slice(),
-        weights: weights.as_mut_slice(),
-        order: order.as_mut_slice(),
-        tiles: tiles.as_mut_slice(),
-        road,
-    };
+    let mut routes = buffers.routes(road);
     let dev = &ctx.device;
     cuda::moe_route(dev, logits_buf.as_slice(), tokens, &routing, &mut routes).unwrap();
     let t = routes.tiles(&routing, tokens);
@@ -1804,9 +1832,9 @@ fn run_moe(
     )
     .unwrap();
     MoeRun {
-        ids: ctx.download(&ids),
-        tiles: ctx.download(&tiles),
-        order: ctx.download(&order),
+        ids: ctx.download(&buffers.ids),
+        tiles: ctx.download(&buffers.tiles),
+        order: ctx.download(&buffers.order),
         out: ctx.download(&out),
     }
 }
@@ -1826,41 +1854,24 @@ fn moe_routing_takes_every_size_of_expert_set() {
         };
         for tokens in [1, 5] {
             let logits: Vec<f32> = rng.vec(tokens * experts).iter().map(|v| v * 4.0).collect();
-            let (mut want_ids, mut want_weights) = (Vec::new(), Vec::new());
-            for row in logits.chunks(experts) {
-                let max = row.iter().fold(f64::MIN, |m, &v| m.max(v as f64));
-                let exp: Vec<f64> = row.iter().map(|&v| (v as f64 - max).exp()).collect();
-                let mut order: Vec<usize> = (0..experts).collect();
-                order.sort_by(|&a, &b| exp[b].total_cmp(&exp[a]).then(a.cmp(&b)));
-                let total: f64 = order[..8].iter().map(|&e| exp[e]).sum();
-                for &e in &order[..8] {
-                    want_ids.push(e as i32);
-                    want_weights.push(exp[e] / total);
-                }
-            }
-            let pairs = tokens * 8;
+            let (want_ids, want_weights): (Vec<i32>, Vec<f64>) = logits
+                .chunks(experts)
+                .flat_map(|row| reference_routes(row, routing))
+                .map(|(e, weight)| (e as i32, weight))
+                .unzip();
             let road = if tokens == 1 {
                 ExpertRoad::Decode
             } else {
                 ExpertRoad::Matvec
             };
             let logits_buf = ctx.upload(&logits);
-            let mut ids = ctx.poisoned::<i32>(pairs);
-            let mut weights = ctx.poisoned::<f32>(pairs);
-            let mut order = ctx.poisoned::<i32>(pairs);
-            let mut tiles = ctx.poisoned::<i32>(routing.tiles_len(tokens, road));
-            let mut routes = cuda::Routes {
-                ids: ids.as_mut_slice(),
-                weights: weights.as_mut_slice(),
-                order: order.as_mut_slice(),
-                tiles: tiles.as_mut_slice(),
-                road,
-            };
+            let mut buffers = RouteBuffers::new(&ctx, &routing, tokens, road);
             let logits = logits_buf.as_slice();
+            let mut routes = buffers.routes(road);
             cuda::moe_route(&ctx.device, logits, tokens, &routing, &mut routes).unwrap();
             let what = format!("{experts} experts, {tokens} tokens");
-            assert_eq!(ctx.download::<i32>(&ids), want_ids, "{what}");
-            let got = ctx.download::<f32>(&weights);
+            assert_eq!(ctx.download::<i32>(&buffers.ids), want_ids, "{what}");
+            let got = ctx.download::<f32>(&buffers.weights);
             let err = rel_err(&got, &want_weights);
             assert!(err < 1e-5, "{what}: weights off by {err:e}");
         }

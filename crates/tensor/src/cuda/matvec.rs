@@ -154,14 +154,7 @@ pub fn matvec_fused(
         "x has {} values for batch {batch} of {cols}",
         x.len()
     );
-    if let Some(n) = norm {
-        ensure!(
-            n.weight.len() == cols,
-            OP,
-            "norm weight of {} for rows of {cols}",
-            n.weight.len()
-        );
-    }
+    check_norm(OP, norm, cols)?;
     for o in outputs.iter() {
         let w = o.w;
         ensure!(
@@ -265,14 +258,7 @@ pub fn matvec_experts(
         OP,
         "tiles for the tensor cores"
     );
-    if let Some(n) = norm {
-        ensure!(
-            n.weight.len() == cols,
-            OP,
-            "norm weight of {} for rows of {cols}",
-            n.weight.len()
-        );
-    }
+    check_norm(OP, norm, cols)?;
     if pairs == 0 {
         return Ok(());
     }
@@ -325,6 +311,23 @@ pub fn matvec_experts(
         tiles.road.tile_rows(),
         grid_y,
     )
+}
+
+/// A norm inside a product takes one weight per column.
+fn check_norm(
+    op: &'static str,
+    norm: Option<MatvecNorm<'_>>,
+    cols: usize,
+) -> Result<(), CudaError> {
+    if let Some(n) = norm {
+        ensure!(
+            n.weight.len() == cols,
+            op,
+            "norm weight of {} for rows of {cols}",
+            n.weight.len()
+        );
+    }
+    Ok(())
 }
 
 /// What [`launch_product`] needs to know of the matrices.
