@@ -145,6 +145,17 @@ pub struct ServeArgs {
     /// page (the warm pass that keeps the first token after a pause as fast as back to back).
     #[arg(long, env = "EMBER_NO_KEEPALIVE_WARM", value_parser = clap::builder::FalseyValueParser::new())]
     pub no_keepalive_warm: bool,
+    /// GiB of the KV pool kept for the prompt cache: finished requests' prompts and replies
+    /// stay, and a request that starts with a cached prefix prefills only the rest (0: off)
+    /// [default: auto, 2 GiB of RAM on the CPU and 8 GiB of device memory on a GPU, at most
+    /// half of what the residency bound leaves].
+    #[arg(long, default_value = "auto", env = "EMBER_PROMPT_CACHE_GIB")]
+    pub prompt_cache_gib: ember_engine::prompt_cache::CacheBudget,
+    /// On a GPU, GiB of pinned host memory for cached blocks evicted from device memory;
+    /// they come back by copy when their prefix returns (0: off) [default: auto, 16 GiB on a
+    /// GPU, at most half of what the residency bound leaves; none on the CPU].
+    #[arg(long, default_value = "auto", env = "EMBER_PROMPT_CACHE_HOST_GIB")]
+    pub prompt_cache_host_gib: ember_engine::prompt_cache::CacheBudget,
 }
 
 #[derive(Subcommand, Debug)]

@@ -13,7 +13,7 @@
 use std::path::{Path, PathBuf};
 
 use ember_tensor::ThreadPool;
-use ember_tensor::cpu::{self, AttentionShape, KvSlice, MatRef};
+use ember_tensor::cpu::{self, AttentionShape, KvSlice, MatRef, PagedKv};
 
 fn read(dir: &Path, name: &str) -> Vec<f32> {
     let path = dir.join(format!("{name}.f32"));
@@ -254,8 +254,7 @@ fn main() {
             cpu::causal_attention(
                 &pool,
                 &qr_ref,
-                KvSlice::F16(&keys[i]),
-                KvSlice::F16(&values[i]),
+                PagedKv::contiguous(KvSlice::F16(&keys[i]), KvSlice::F16(&values[i]), nkv * hd),
                 pos0,
                 n,
                 AttentionShape {

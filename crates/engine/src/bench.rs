@@ -4,7 +4,7 @@
 use std::ops::ControlFlow;
 use std::time::Instant;
 
-use ember_models::KvCache;
+use ember_models::KvLayout;
 use ember_tensor::cpu;
 
 use crate::engine::Engine;
@@ -140,7 +140,7 @@ pub fn bench_decode(
     }
     let mean_position = options.prompt_tokens as f64 + options.decode_tokens as f64 / 2.0;
     let bytes_per_token = engine.weight_bytes_per_token() as f64
-        + mean_position * KvCache::bytes_per_position(engine.config(), engine.kv_dtype()) as f64;
+        + mean_position * KvLayout::bytes_per_position(engine.config(), engine.kv_dtype()) as f64;
     Ok(DecodeBenchReport {
         model: engine.dir().display().to_string(),
         threads: engine.threads(),

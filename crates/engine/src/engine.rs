@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use ember_checkpoint::{GgufFile, SafetensorsSet, TensorSource, read_json};
 use ember_models::{
-    Arithmetic, CpuBackend, CudaBackend, CudaKv, KvCache, KvDtype, Logits, ModelConfig, PassInput,
-    Transformer,
+    Arithmetic, BlockTable, CpuBackend, CudaBackend, CudaKvPool, KV_BLOCK_SIZE, KvDtype, KvLayout,
+    KvPool, Logits, ModelConfig, PassInput, Transformer,
 };
 use ember_residency::{
     Bound, CODE_ID_BASE, MlockBackend, Region, ResidencySet, executable_regions,
@@ -20,6 +20,11 @@ use serde_json::Value;
 use crate::chat_template::{ChatMessage, ChatTemplate};
 use crate::error::{Error, Result};
 use crate::gguf_tokenizer::tokenizer_from_gguf;
+use crate::kv::{BlockManager, Transfer};
+use crate::prompt_cache::{
+    CacheBudget, DEFAULT_CACHE_GIB_CPU, DEFAULT_CACHE_GIB_GPU, DEFAULT_HOST_TIER_GIB_GPU,
+    PromptCacheStats, budget_blocks,
+};
 use crate::runner::{ModelRunner, Runner};
 use crate::sampler::{Sampler, SamplingParams};
 use crate::tokenizer::Tokenizer;
@@ -61,6 +66,13 @@ pub struct EngineOptions {
     pub device: Device,
     /// On CUDA, record decode steps as graphs and replay them (off: op by op, same results).
     pub cuda_graphs: bool,
+    /// The prompt cache's share of the KV pool (`--prompt-cache-gib`): finished requests'
+    /// blocks stay, and a request whose prompt starts with a cached prefix prefills only the
+    /// rest.
+    pub prompt_cache: CacheBudget,
+    /// Host memory for blocks evicted from the pool (`--prompt-cache-host-gib`): on a GPU,
+    /// pinned memory they come back from by copy. The CPU takes it only when asked.
+    pub prompt_cache_host: CacheBudget,
 }
 
 /// Where the model runs (`--device`).
@@ -115,6 +127,8 @@ impl Default for EngineOptions {
             load_limit_gib: None,
             device: Device::Cpu,
             cuda_graphs: true,
+            prompt_cache: CacheBudget::Off,
+            prompt_cache_host: CacheBudget::Off,
         }
     }
 }
@@ -129,6 +143,9 @@ pub struct GenerateParams {
     /// Hand each step's logits to the caller ([`Step::logits`]; for log-probabilities). Off,
     /// a greedy generation on a GPU picks each token on the device and brings back only it.
     pub step_logits: bool,
+    /// Take the longest cached prefix of the prompt and keep this request's blocks when it
+    /// ends (llama.cpp's `cache_prompt`); off, the request neither reads nor feeds the cache.
+    pub cache_prompt: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -147,6 +164,9 @@ pub struct Step<'a> {
     pub logits: Option<&'a [f32]>,
     /// Whether it ends the sequence (it is still reported; callers usually do not print it).
     pub is_eos: bool,
+    /// Prompt tokens of this request that came from the prompt cache (the same every step):
+    /// a server reports them before the first token is out.
+    pub cached_tokens: usize,
 }
 
 #[derive(Clone, Debug)]
@@ -154,6 +174,8 @@ pub struct Generation {
     pub tokens: Vec<u32>,
     pub finish_reason: FinishReason,
     pub prompt_tokens: usize,
+    /// Prompt tokens whose keys and values came from the prompt cache, not a prefill.
+    pub cached_tokens: usize,
     /// Prompt processing up to the first token.
     pub prefill_time: Duration,
     /// From the first token to the last.
@@ -214,8 +236,18 @@ impl PromptEncoder {
 pub struct Engine {
     dir: PathBuf,
     owner: BufferOwner,
-    /// The model on its backend, with its KV cache.
+    /// The model on its backend, with its KV pool.
     runner: Box<dyn Runner>,
+    /// Which of the pool's blocks the sequence and the prompt cache hold.
+    blocks: BlockManager,
+    /// The sequence the low-level calls ([`Self::prefill`], [`Self::step`]) extend.
+    seq: BlockTable,
+    /// Whether the prompt cache has any room (`--prompt-cache-gib` above 0).
+    cache_enabled: bool,
+    cache_stats: Arc<PromptCacheStats>,
+    /// Copies between the pool and its host tier, made by the block manager, run before the
+    /// next pass (kept, so that no request allocates for them).
+    transfers: Vec<Transfer>,
     kv_dtype: KvDtype,
     encoder: PromptEncoder,
     eos_ids: Vec<u32>,
@@ -306,65 +338,94 @@ impl Engine {
             .prefill_chunk
             .unwrap_or(default_chunk)
             .clamp(1, context);
-        let (runner, keepalive_scratch, weights): (Box<dyn Runner>, _, _) = match cuda {
-            None => {
-                let pool = ThreadPool::new(threads);
-                // An f16 cache is the GGUF path, checked against llama.cpp: imitate its
-                // arithmetic there; elsewhere transformers' (the golden fixtures, and its bf16
-                // cache for bf16 checkpoints).
-                let arithmetic = match kv_dtype {
-                    KvDtype::F16 => Arithmetic::LlamaCpp,
-                    KvDtype::F32 | KvDtype::Bf16 => Arithmetic::Transformers,
-                };
-                let backend =
-                    CpuBackend::new(&config, pool, &owner, max_batch, context, 1, arithmetic)?;
-                let model = Transformer::load(&backend, config, source, context)?;
-                let kv = KvCache::new(&model.config, context, kv_dtype, &owner)?;
-                let scratch = owner.alloc(
-                    BufferKind::Scratch,
-                    "keepalive scratch",
-                    KEEPALIVE_SCRATCH_BYTES,
-                )?;
-                let runner = ModelRunner { backend, model, kv };
-                let scratch = KeepaliveScratch::Host(Arc::new(Mutex::new(scratch)));
-                (Box::new(runner), scratch, Some(weights))
-            }
-            Some(device) => {
-                // Every kernel compiled (or read from the disk cache) now, not inside the
-                // first request: a fresh machine's NVRTC pass takes tens of seconds.
-                let started = std::time::Instant::now();
-                device.load_all().map_err(Error::Cuda)?;
-                tracing::info!(
-                    "cuda kernels ready in {:.2} s",
-                    started.elapsed().as_secs_f64()
-                );
-                let backend = CudaBackend::new(
-                    device.clone(),
-                    &config,
-                    &owner,
-                    max_batch,
-                    1,
-                    options.cuda_graphs,
-                )?;
-                let model = Transformer::load(&backend, config, source, context)?;
-                let kv = CudaKv::new(&device, &owner, &model.config, context, kv_dtype)?;
-                let scratch = owner
-                    .alloc_device(
+        let (runner, keepalive_scratch, weights, plan): (Box<dyn Runner>, _, _, PoolPlan) =
+            match cuda {
+                None => {
+                    let pool = ThreadPool::new(threads);
+                    // An f16 cache is the GGUF path, checked against llama.cpp: imitate its
+                    // arithmetic there; elsewhere transformers' (the golden fixtures, and its bf16
+                    // cache for bf16 checkpoints).
+                    let arithmetic = match kv_dtype {
+                        KvDtype::F16 => Arithmetic::LlamaCpp,
+                        KvDtype::F32 | KvDtype::Bf16 => Arithmetic::Transformers,
+                    };
+                    let backend =
+                        CpuBackend::new(&config, pool, &owner, max_batch, context, 1, arithmetic)?;
+                    let model = Transformer::load(&backend, config, source, context)?;
+                    let plan =
+                        PoolPlan::new(options, &model.config, kv_dtype, context, &owner, None);
+                    let kv = KvPool::new(plan.layout, plan.blocks, plan.host_blocks, &owner)?;
+                    let scratch = owner.alloc(
                         BufferKind::Scratch,
                         "keepalive scratch",
-                        &device,
                         KEEPALIVE_SCRATCH_BYTES,
-                    )
-                    .map_err(Error::Cuda)?;
-                let mut runner = ModelRunner { backend, model, kv };
-                warm_up(&mut runner)?;
-                let scratch = KeepaliveScratch::Device(device, Arc::new(Mutex::new(scratch)));
-                // The weights live on the device now: unmap the files.
-                drop(weights);
-                (Box::new(runner), scratch, None)
-            }
-        };
-        let residency = establish_residency(&owner, options, residency_device)?;
+                    )?;
+                    let runner = ModelRunner {
+                        backend,
+                        model,
+                        kv,
+                        context,
+                    };
+                    let scratch = KeepaliveScratch::Host(Arc::new(Mutex::new(scratch)));
+                    (Box::new(runner), scratch, Some(weights), plan)
+                }
+                Some(device) => {
+                    // Every kernel compiled (or read from the disk cache) now, not inside the
+                    // first request: a fresh machine's NVRTC pass takes tens of seconds.
+                    let started = std::time::Instant::now();
+                    device.load_all().map_err(Error::Cuda)?;
+                    tracing::info!(
+                        "cuda kernels ready in {:.2} s",
+                        started.elapsed().as_secs_f64()
+                    );
+                    let backend = CudaBackend::new(
+                        device.clone(),
+                        &config,
+                        &owner,
+                        max_batch,
+                        context.div_ceil(KV_BLOCK_SIZE),
+                        1,
+                        options.cuda_graphs,
+                    )?;
+                    let model = Transformer::load(&backend, config, source, context)?;
+                    let plan = PoolPlan::new(
+                        options,
+                        &model.config,
+                        kv_dtype,
+                        context,
+                        &owner,
+                        Some(&device),
+                    );
+                    let kv = CudaKvPool::new(
+                        &device,
+                        &owner,
+                        plan.layout,
+                        plan.blocks,
+                        plan.host_blocks,
+                    )?;
+                    let scratch = owner
+                        .alloc_device(
+                            BufferKind::Scratch,
+                            "keepalive scratch",
+                            &device,
+                            KEEPALIVE_SCRATCH_BYTES,
+                        )
+                        .map_err(Error::Cuda)?;
+                    let mut runner = ModelRunner {
+                        backend,
+                        model,
+                        kv,
+                        context,
+                    };
+                    warm_up(&mut runner)?;
+                    let scratch = KeepaliveScratch::Device(device, Arc::new(Mutex::new(scratch)));
+                    // The weights live on the device now: unmap the files.
+                    drop(weights);
+                    (Box::new(runner), scratch, None, plan)
+                }
+            };
+        plan.log();
+        let residency = establish_residency(&owner, options, residency_device, plan.caching())?;
         let encoder = PromptEncoder {
             dir: dir.to_path_buf(),
             tokenizer,
@@ -374,6 +435,15 @@ impl Engine {
             dir: dir.to_path_buf(),
             owner,
             runner,
+            blocks: BlockManager::new(plan.blocks, plan.host_blocks, KV_BLOCK_SIZE),
+            seq: BlockTable::new(),
+            cache_enabled: plan.cache_blocks > 0,
+            cache_stats: Arc::new(PromptCacheStats::new(
+                plan.layout.block_bytes(),
+                plan.cache_blocks,
+                plan.host_blocks,
+            )),
+            transfers: Vec::new(),
             kv_dtype,
             encoder,
             eos_ids,
@@ -429,8 +499,26 @@ impl Engine {
         self.owner.list()
     }
 
+    /// Positions a sequence may hold: the longest prompt plus reply.
     pub fn context(&self) -> usize {
-        self.runner.capacity()
+        self.runner.context()
+    }
+
+    /// The prompt cache's figures, shared: `/metrics` and `/health` read them while requests
+    /// run.
+    pub fn prompt_cache_stats(&self) -> Arc<PromptCacheStats> {
+        Arc::clone(&self.cache_stats)
+    }
+
+    /// Whether requests may take cached prefixes (`--prompt-cache-gib` above 0).
+    pub fn prompt_cache_enabled(&self) -> bool {
+        self.cache_enabled
+    }
+
+    /// Drops every cached prefix not in use.
+    pub fn clear_prompt_cache(&mut self) {
+        self.blocks.clear_cache();
+        self.publish_cache_stats();
     }
 
     /// The residency set over the engine's buffers.
@@ -514,52 +602,110 @@ impl Engine {
         self.runner.max_batch()
     }
 
-    /// Forgets the sequence: the next prefill starts at position 0.
+    /// Forgets the sequence: the next prefill starts at position 0. Its blocks go back to the
+    /// pool, not to the prompt cache.
     pub fn reset(&mut self) {
-        self.runner.reset();
+        let mut seq = std::mem::take(&mut self.seq);
+        self.blocks.finish(&mut seq, &[], false);
+        self.seq = seq;
     }
 
     /// Positions of the current sequence.
     pub fn position(&self) -> usize {
-        self.runner.position()
+        self.seq.len()
+    }
+
+    /// Gives the sequence blocks for `n` more positions (evicting cached prefixes if it must)
+    /// and runs the copies that makes between the pool and its host tier.
+    fn reserve(&mut self, n: usize) -> Result<()> {
+        let positions = self.seq.len() + n;
+        if positions > self.context() {
+            return Err(Error::Model(ember_models::Error::ContextFull {
+                used: self.seq.len(),
+                requested: n,
+                capacity: self.context(),
+            }));
+        }
+        self.blocks
+            .reserve(&mut self.seq, positions, &mut self.transfers)?;
+        self.run_transfers()
+    }
+
+    /// Enqueues the block manager's copies, in order, ahead of the next pass.
+    fn run_transfers(&mut self) -> Result<()> {
+        let kv = self.runner.kv();
+        for transfer in self.transfers.drain(..) {
+            match transfer {
+                Transfer::ToHost { block, slot } => kv.save_to_host(block, slot)?,
+                Transfer::FromHost { slot, block } => kv.load_from_host(slot, block)?,
+            }
+        }
+        Ok(())
+    }
+
+    fn forward(&mut self, tokens: &[u32], logits: Logits) -> Result<&[f32]> {
+        self.reserve(tokens.len())?;
+        self.runner.forward(&mut self.seq, tokens, logits)
+    }
+
+    fn forward_greedy(&mut self, tokens: &[u32]) -> Result<u32> {
+        self.reserve(tokens.len())?;
+        self.runner.forward_greedy(&mut self.seq, tokens)
+    }
+
+    fn forward_ahead(&mut self, input: PassInput<'_>) -> Result<()> {
+        let n = match input {
+            PassInput::Tokens(tokens) => tokens.len(),
+            PassInput::Fed => 1,
+        };
+        self.reserve(n)?;
+        self.runner.forward_ahead(&mut self.seq, input)
     }
 
     /// Appends `tokens` to the sequence, in chunks of the batch size, and returns the logits
     /// after the last one.
     pub fn prefill(&mut self, tokens: &[u32]) -> Result<&[f32]> {
-        let last = self.prefill_all_but_the_last_chunk(tokens)?;
-        self.runner.forward(last, Logits::Last)
+        let last = self.prefill_all_but_the_last_chunk(tokens, &|| false)?;
+        self.forward(last, Logits::Last)
     }
 
     /// [`Self::prefill`], returning the greedy choice after the last token (the index of the
     /// largest logit, by `ember_tensor::cpu::argmax`'s rule) instead of the logits, which a
     /// GPU keeps.
     pub fn prefill_greedy(&mut self, tokens: &[u32]) -> Result<u32> {
-        let last = self.prefill_all_but_the_last_chunk(tokens)?;
-        self.runner.forward_greedy(last)
+        let last = self.prefill_all_but_the_last_chunk(tokens, &|| false)?;
+        self.forward_greedy(last)
     }
 
-    /// Runs every chunk of a non-empty prompt but the last, and returns the last.
-    fn prefill_all_but_the_last_chunk<'t>(&mut self, tokens: &'t [u32]) -> Result<&'t [u32]> {
+    /// Runs every chunk of a non-empty prompt but the last, and returns the last; `None` when
+    /// `stop` asked to stop between two chunks.
+    fn prefill_all_but_the_last_chunk<'t>(
+        &mut self,
+        tokens: &'t [u32],
+        stop: &dyn Fn() -> bool,
+    ) -> Result<&'t [u32]> {
         if tokens.is_empty() {
             return Err(Error::EmptyPrompt);
         }
         let chunk = self.runner.max_batch();
         let last = (tokens.len() - 1) / chunk * chunk;
         for part in tokens[..last].chunks(chunk) {
-            self.runner.forward(part, Logits::Last)?;
+            if stop() {
+                return Err(Error::Cancelled);
+            }
+            self.forward(part, Logits::Last)?;
         }
         Ok(&tokens[last..])
     }
 
     /// Appends one token and returns the logits after it.
     pub fn step(&mut self, token: u32) -> Result<&[f32]> {
-        self.runner.forward(&[token], Logits::Last)
+        self.forward(&[token], Logits::Last)
     }
 
     /// Appends one token and returns the greedy choice after it ([`Self::prefill_greedy`]).
     pub fn step_greedy(&mut self, token: u32) -> Result<u32> {
-        self.runner.forward_greedy(&[token])
+        self.forward_greedy(&[token])
     }
 
     /// Prefills `prompt` and decodes greedily (the picks of [`Self::prefill_greedy`]) up to
@@ -573,19 +719,31 @@ impl Engine {
         &mut self,
         prompt: &[u32],
         limit: usize,
+        on_token: impl FnMut(u32) -> ControlFlow<()>,
+    ) -> Result<()> {
+        self.decode_greedy_until(prompt, limit, &|| false, on_token)
+    }
+
+    /// [`Self::decode_greedy`] that also stops, with [`Error::Cancelled`], when `stop` says so
+    /// between two prompt chunks.
+    fn decode_greedy_until(
+        &mut self,
+        prompt: &[u32],
+        limit: usize,
+        stop: &dyn Fn() -> bool,
         mut on_token: impl FnMut(u32) -> ControlFlow<()>,
     ) -> Result<()> {
         if limit == 0 {
             return Ok(());
         }
-        let last = self.prefill_all_but_the_last_chunk(prompt)?;
-        self.runner.forward_ahead(PassInput::Tokens(last))?;
+        let last = self.prefill_all_but_the_last_chunk(prompt, stop)?;
+        self.forward_ahead(PassInput::Tokens(last))?;
         let mut made = 0;
         loop {
             // One pick is in flight; the step that takes it goes first if it may be needed.
             let ahead = made + 1 < limit;
             if ahead {
-                self.runner.forward_ahead(PassInput::Fed)?;
+                self.forward_ahead(PassInput::Fed)?;
             }
             let token = self.runner.read_pick()?;
             made += 1;
@@ -593,8 +751,8 @@ impl Engine {
                 if ahead {
                     // That step's token ended the decode: its pick and position go.
                     self.runner.read_pick()?;
-                    let len = self.runner.position() - 1;
-                    self.runner.truncate(len);
+                    let len = self.seq.len() - 1;
+                    self.seq.truncate(len);
                 }
                 return Ok(());
             }
@@ -607,24 +765,81 @@ impl Engine {
         &mut self,
         prompt: &[u32],
         params: &GenerateParams,
-        mut on_step: impl FnMut(Step<'_>) -> ControlFlow<()>,
+        on_step: impl FnMut(Step<'_>) -> ControlFlow<()>,
+    ) -> Result<Generation> {
+        self.generate_until(prompt, params, &|| false, on_step)
+    }
+
+    /// [`Self::generate`] that also gives up, with [`Error::Cancelled`], when `stop` says so
+    /// between two prompt chunks (a client gone mid-prefill); `on_step` stops it once tokens
+    /// come.
+    ///
+    /// With [`GenerateParams::cache_prompt`] (and a prompt cache), the prompt's longest cached
+    /// prefix is taken instead of prefilled (at least its last token is always computed, for
+    /// its logits), and when the request ends, however it ends, the full blocks of its prompt
+    /// and reply are left to the cache.
+    pub fn generate_until(
+        &mut self,
+        prompt: &[u32],
+        params: &GenerateParams,
+        stop: &dyn Fn() -> bool,
+        on_step: impl FnMut(Step<'_>) -> ControlFlow<()>,
     ) -> Result<Generation> {
         params.sampling.validate()?;
+        if prompt.is_empty() {
+            return Err(Error::EmptyPrompt);
+        }
         if prompt.len() >= self.context() {
             return Err(Error::PromptTooLong {
                 prompt_tokens: prompt.len(),
                 context: self.context(),
             });
         }
+        self.reset();
+        let cache = params.cache_prompt && self.cache_enabled;
+        let mut seq = self.blocks.start(prompt, cache, &mut self.transfers)?;
+        std::mem::swap(&mut self.seq, &mut seq);
+        let started = self.run_transfers();
+        let cached = self.seq.len();
+        if cache {
+            self.cache_stats.record_lookup(cached);
+        }
+        let mut tokens = Vec::with_capacity(prompt.len() + params.max_tokens);
+        tokens.extend_from_slice(prompt);
+        let result =
+            started.and_then(|()| self.run_generation(&mut tokens, cached, params, stop, on_step));
+        // The positions filled hold `tokens`' keys and values: the prompt's, then the reply's
+        // but its last token's (never run). A failed pass may have left garbage past them,
+        // and a device error anything anywhere: then nothing new is cached.
+        let filled = self.seq.len().min(tokens.len());
+        let keep = cache && !matches!(&result, Err(e) if !e.is_cancellation());
+        let mut seq = std::mem::take(&mut self.seq);
+        self.blocks.finish(&mut seq, &tokens[..filled], keep);
+        self.seq = seq;
+        self.publish_cache_stats();
+        let mut generation = result?;
+        generation.cached_tokens = cached;
+        Ok(generation)
+    }
+
+    /// The prefill of `prompt[cached..]` (`tokens` holds the prompt) and the decode, each
+    /// token appended to `tokens`.
+    fn run_generation(
+        &mut self,
+        tokens: &mut Vec<u32>,
+        cached: usize,
+        params: &GenerateParams,
+        stop: &dyn Fn() -> bool,
+        mut on_step: impl FnMut(Step<'_>) -> ControlFlow<()>,
+    ) -> Result<Generation> {
+        let prompt_len = tokens.len();
         let mut sampler = Sampler::new(params.sampling);
         let (eos_ids, context) = (self.eos_ids.clone(), self.context());
-        self.reset();
         let start = Instant::now();
-        let mut tokens = Vec::with_capacity(params.max_tokens);
         let mut finish_reason = FinishReason::Length;
         let mut first_token_at = None;
         // Each token as it comes: whether generation goes on after it.
-        let mut accept = |token: u32, logits: Option<&[f32]>| {
+        let mut accept = |tokens: &mut Vec<u32>, token: u32, logits: Option<&[f32]>| {
             first_token_at.get_or_insert_with(Instant::now);
             let is_eos = eos_ids.contains(&token);
             tokens.push(token);
@@ -632,6 +847,7 @@ impl Engine {
                 token,
                 logits,
                 is_eos,
+                cached_tokens: cached,
             });
             if flow.is_break() || (is_eos && !params.ignore_eos) {
                 finish_reason = FinishReason::Stop;
@@ -640,28 +856,42 @@ impl Engine {
             ControlFlow::Continue(())
         };
         // At most this many, and the last one's position inside the context.
-        let limit = params.max_tokens.min(context - prompt.len());
+        let limit = params.max_tokens.min(context - prompt_len);
+        let rest = tokens[cached..].to_vec();
         if params.sampling.is_greedy() && !params.step_logits {
             // Greedy without logits for the caller: the choice is made where the logits are.
-            self.decode_greedy(prompt, limit, |token| accept(token, None))?;
+            self.decode_greedy_until(&rest, limit, stop, |token| accept(tokens, token, None))?;
         } else if limit > 0 {
-            let mut logits = self.prefill(prompt)?;
+            let last = self.prefill_all_but_the_last_chunk(&rest, stop)?;
+            let mut logits = self.forward(last, Logits::Last)?;
             for made in 1.. {
                 let token = sampler.sample(logits);
-                if accept(token, Some(logits)).is_break() || made >= limit {
+                if accept(tokens, token, Some(logits)).is_break() || made >= limit {
                     break;
                 }
-                logits = self.step(token)?;
+                logits = self.forward(&[token], Logits::Last)?;
             }
         }
         let first = first_token_at.unwrap_or_else(Instant::now);
         Ok(Generation {
-            tokens,
+            tokens: tokens[prompt_len..].to_vec(),
             finish_reason,
-            prompt_tokens: prompt.len(),
+            prompt_tokens: prompt_len,
+            cached_tokens: cached,
             prefill_time: first - start,
             decode_time: first.elapsed(),
         })
+    }
+
+    /// The cache's contents and counters, for `/metrics` and `/health`.
+    fn publish_cache_stats(&self) {
+        let b = self.blocks.stats();
+        self.cache_stats.record_contents(
+            b.cached_blocks,
+            b.host_cached,
+            b.evictions,
+            b.host_evictions,
+        );
     }
 }
 
@@ -672,6 +902,7 @@ fn establish_residency(
     owner: &BufferOwner,
     options: &EngineOptions,
     cuda: Option<CudaDevice>,
+    caching: bool,
 ) -> Result<Arc<ResidencySet>> {
     let (set, report) = match options.residency {
         ResidencyMode::Off => ResidencySet::disabled(),
@@ -688,7 +919,13 @@ fn establish_residency(
                     .enumerate()
                     .map(|(i, r)| (CODE_ID_BASE + i as u64, r)),
             );
-            let bound = Bound::from_system(options.load_limit_gib);
+            let mut bound = Bound::from_system(options.load_limit_gib);
+            if caching {
+                // The prompt cache is the part an operator sizes most freely.
+                bound = bound
+                    .with_advice("lower --prompt-cache-gib or --context, or set --load-limit-gib")
+                    .with_device_advice("lower --prompt-cache-gib or --context");
+            }
             match cuda {
                 // Device buffers are resident by nature; the bound keeps later joins (KV
                 // growth, caches) inside the GPU's memory. Staging buffers are page-locked
@@ -712,6 +949,122 @@ fn establish_residency(
     Ok(set)
 }
 
+/// The KV pool made at load: one sequence's context of blocks plus the prompt cache's budget,
+/// and the host tier's slots, with the figures for the load line.
+struct PoolPlan {
+    layout: KvLayout,
+    /// Blocks in the pool, and how many of them are the cache's beyond the sequence's.
+    blocks: usize,
+    cache_blocks: usize,
+    host_blocks: usize,
+    on_gpu: bool,
+}
+
+impl PoolPlan {
+    /// Sizes the budgets against the room the residency bound leaves once what `owner` lists
+    /// (the weights and activations) and the sequence's blocks are counted: `auto` takes the
+    /// device's default share, clamped to half that room; a size asked for is taken as is
+    /// (the residency load line says when it does not fit).
+    fn new(
+        options: &EngineOptions,
+        config: &ModelConfig,
+        kv_dtype: KvDtype,
+        context: usize,
+        owner: &BufferOwner,
+        device: Option<&CudaDevice>,
+    ) -> PoolPlan {
+        let layout = KvLayout::new(config, kv_dtype);
+        let seq_blocks = layout.blocks_for(context);
+        let seq_bytes = (seq_blocks * layout.block_bytes()) as u64;
+        let bound = Bound::from_system(options.load_limit_gib);
+        let (mut host_listed, mut device_listed) = (0u64, 0u64);
+        for b in owner.list() {
+            match b.location {
+                ember_tensor::Location::Host => host_listed += b.bytes as u64,
+                _ => device_listed += b.bytes as u64,
+            }
+        }
+        let host_room = bound.host_bytes().saturating_sub(host_listed);
+        let (cache_room, cache_default, host_default) = match device {
+            Some(d) => (
+                (d.info().memory_bytes as u64).saturating_sub(device_listed + seq_bytes),
+                DEFAULT_CACHE_GIB_GPU,
+                DEFAULT_HOST_TIER_GIB_GPU,
+            ),
+            None => (
+                host_room.saturating_sub(seq_bytes),
+                DEFAULT_CACHE_GIB_CPU,
+                0.0,
+            ),
+        };
+        let block_bytes = layout.block_bytes();
+        let cache_blocks =
+            budget_blocks(options.prompt_cache, cache_default, cache_room, block_bytes);
+        let cache_bytes = (cache_blocks * block_bytes) as u64;
+        // On the CPU the host tier shares the RAM the cache already took.
+        let host_room = match device {
+            Some(_) => host_room,
+            None => host_room.saturating_sub(seq_bytes + cache_bytes),
+        };
+        // Without a cache there is nothing to keep on the host either.
+        let host_blocks = if cache_blocks == 0 {
+            0
+        } else {
+            budget_blocks(
+                options.prompt_cache_host,
+                host_default,
+                host_room,
+                block_bytes,
+            )
+        };
+        PoolPlan {
+            layout,
+            blocks: seq_blocks + cache_blocks,
+            cache_blocks,
+            host_blocks,
+            on_gpu: device.is_some(),
+        }
+    }
+
+    fn caching(&self) -> bool {
+        self.cache_blocks > 0
+    }
+
+    /// One line: the pool, the cache's share and the host tier, or that the cache is off.
+    fn log(&self) {
+        let gib = |blocks: usize| (blocks * self.layout.block_bytes()) as f64 / (1u64 << 30) as f64;
+        let memory = if self.on_gpu { "device memory" } else { "RAM" };
+        if !self.caching() {
+            tracing::info!(
+                "kv pool: {} blocks of {} positions ({:.2} GiB of {memory}); prompt cache off",
+                self.blocks,
+                self.layout.block_size,
+                gib(self.blocks)
+            );
+            return;
+        }
+        let host = if self.host_blocks > 0 {
+            format!(
+                ", host tier {:.2} GiB ({} blocks)",
+                gib(self.host_blocks),
+                self.host_blocks
+            )
+        } else {
+            String::new()
+        };
+        tracing::info!(
+            "kv pool: {} blocks of {} positions ({:.2} GiB of {memory}); prompt cache {:.2} GiB \
+             ({} blocks, {} KiB each){host}",
+            self.blocks,
+            self.layout.block_size,
+            gib(self.blocks),
+            gib(self.cache_blocks),
+            self.cache_blocks,
+            self.layout.block_bytes() / 1024
+        );
+    }
+}
+
 /// Where the keepalive tick copies its 16 bytes: host memory, or device memory on a GPU.
 enum KeepaliveScratch {
     Host(Arc<Mutex<Buffer>>),
@@ -726,17 +1079,21 @@ enum KeepaliveScratch {
 /// 2048 alone still paid 14 ms more on qwen3-0.6b. Paid at load, not by the first request.
 fn warm_up(runner: &mut dyn Runner) -> Result<()> {
     let started = std::time::Instant::now();
-    let capacity = runner.capacity();
+    let capacity = runner.context();
+    // At load no block is anyone's: the first ones serve, and are forgotten with the table.
+    let layout = runner.kv_layout();
+    let blocks = layout.blocks_for(capacity).min(runner.kv().blocks());
+    let table = || BlockTable::with_blocks((0..blocks as u32).collect(), 0);
     let mut sizes = Vec::new();
     let mut size = runner.max_batch().min(capacity.saturating_sub(1)).max(1);
     loop {
         sizes.push(size);
-        runner.forward(&vec![0; size], Logits::Last)?;
+        let mut seq = table();
+        runner.forward(&mut seq, &vec![0; size], Logits::Last)?;
         if size < capacity {
             // Greedy, as most steps are served.
-            runner.forward_greedy(&[0])?;
+            runner.forward_greedy(&mut seq, &[0])?;
         }
-        runner.reset();
         // Prompts this short take the matrix-vector kernels, no GEMM.
         if size <= cuda::MAX_BATCH {
             break;

@@ -38,6 +38,18 @@ pub enum Error {
     },
     #[error("{0}")]
     Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Kv(#[from] crate::kv::KvError),
+    /// The caller asked to stop before the prompt was in (a client gone mid-prefill).
+    #[error("the request was cancelled")]
+    Cancelled,
+}
+
+impl Error {
+    /// Whether the caller stopped the work, rather than it failing.
+    pub fn is_cancellation(&self) -> bool {
+        matches!(self, Error::Cancelled)
+    }
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

@@ -11,6 +11,8 @@ pub mod detokenizer;
 mod engine;
 mod error;
 mod gguf_tokenizer;
+pub(crate) mod kv;
+pub mod prompt_cache;
 mod runner;
 pub mod sampler;
 pub mod synthetic;

@@ -1,10 +1,13 @@
-//! The model, its backend and its KV cache behind one object, so the engine's code is the same
-//! on every device: one dynamic call per forward pass, nothing per kernel.
+//! The model, its backend and its KV pool behind one object, so the engine's code is the same
+//! on every device: one dynamic call per forward pass, nothing per kernel. Which blocks of the
+//! pool a sequence holds is the engine's business ([`crate::kv`]): every pass is given its
+//! sequence's [`BlockTable`].
 
 use std::time::Instant;
 
 use ember_models::{
-    Backend, CpuBackend, CudaBackend, KvStore, Logits, ModelConfig, PassInput, Transformer,
+    Backend, BlockTable, CpuBackend, CudaBackend, KvLayout, KvStore, Logits, ModelConfig,
+    PassInput, Transformer,
 };
 use ember_tensor::cuda::CudaDevice;
 use ember_tensor::{BufferKind, BufferOwner, cpu};
@@ -13,25 +16,25 @@ use crate::bench::median;
 use crate::error::Result;
 
 pub(crate) trait Runner: Send {
-    fn forward(&mut self, tokens: &[u32], logits: Logits) -> Result<&[f32]>;
+    /// Runs `tokens` after `seq`'s positions (its blocks must cover them) and returns the
+    /// requested logits.
+    fn forward(&mut self, seq: &mut BlockTable, tokens: &[u32], logits: Logits) -> Result<&[f32]>;
     /// A forward pass of a non-empty `tokens` that returns the greedy choice after the last,
     /// leaving its logits where they are (on the device, for a GPU).
-    fn forward_greedy(&mut self, tokens: &[u32]) -> Result<u32>;
+    fn forward_greedy(&mut self, seq: &mut BlockTable, tokens: &[u32]) -> Result<u32>;
     /// A pass whose greedy pick is enqueued, not waited for ([`Transformer::forward_ahead`]).
-    fn forward_ahead(&mut self, input: PassInput<'_>) -> Result<()>;
+    fn forward_ahead(&mut self, seq: &mut BlockTable, input: PassInput<'_>) -> Result<()>;
     /// The oldest pick of [`Runner::forward_ahead`] not yet read.
     fn read_pick(&mut self) -> Result<u32>;
     fn config(&self) -> &ModelConfig;
     /// Tokens one forward pass takes at most.
     fn max_batch(&self) -> usize;
-    /// Positions of the current sequence.
-    fn position(&self) -> usize;
-    fn capacity(&self) -> usize;
-    /// Forgets the positions from `len` on.
-    fn truncate(&mut self, len: usize);
-    fn reset(&mut self) {
-        self.truncate(0);
-    }
+    /// The pool's block geometry.
+    fn kv_layout(&self) -> KvLayout;
+    /// The KV pool's storage: its blocks and host tier, and the copies between them.
+    fn kv(&mut self) -> &mut dyn KvStore;
+    /// Positions the rotary tables (and so any sequence) may reach.
+    fn context(&self) -> usize;
     fn weight_bytes_per_token(&self) -> usize;
     /// Compute threads (CPU), or 1 for a device that runs on its own.
     fn threads(&self) -> usize;
@@ -46,32 +49,44 @@ pub(crate) struct ModelRunner<B: Backend> {
     pub backend: B,
     pub model: Transformer<B>,
     pub kv: B::Kv,
+    /// Positions a sequence may reach: the context the rotary tables were made for.
+    pub context: usize,
 }
 
 impl<B: Backend> ModelRunner<B> {
-    fn forward_pass(&mut self, tokens: &[u32], logits: Logits) -> Result<&[f32]> {
+    fn forward_pass(
+        &mut self,
+        seq: &mut BlockTable,
+        tokens: &[u32],
+        logits: Logits,
+    ) -> Result<&[f32]> {
         Ok(self
             .model
-            .forward(&mut self.backend, &mut self.kv, tokens, logits)?)
+            .forward(&mut self.backend, &mut self.kv, seq, tokens, logits)?)
     }
 }
 
 macro_rules! shared_runner_methods {
     () => {
-        fn forward(&mut self, tokens: &[u32], logits: Logits) -> Result<&[f32]> {
-            self.forward_pass(tokens, logits)
+        fn forward(
+            &mut self,
+            seq: &mut BlockTable,
+            tokens: &[u32],
+            logits: Logits,
+        ) -> Result<&[f32]> {
+            self.forward_pass(seq, tokens, logits)
         }
 
-        fn forward_greedy(&mut self, tokens: &[u32]) -> Result<u32> {
+        fn forward_greedy(&mut self, seq: &mut BlockTable, tokens: &[u32]) -> Result<u32> {
             Ok(self
                 .model
-                .forward_greedy(&mut self.backend, &mut self.kv, tokens)?)
+                .forward_greedy(&mut self.backend, &mut self.kv, seq, tokens)?)
         }
 
-        fn forward_ahead(&mut self, input: PassInput<'_>) -> Result<()> {
+        fn forward_ahead(&mut self, seq: &mut BlockTable, input: PassInput<'_>) -> Result<()> {
             Ok(self
                 .model
-                .forward_ahead(&mut self.backend, &mut self.kv, input)?)
+                .forward_ahead(&mut self.backend, &mut self.kv, seq, input)?)
         }
 
         fn read_pick(&mut self) -> Result<u32> {
@@ -86,16 +101,16 @@ macro_rules! shared_runner_methods {
             self.backend.max_batch()
         }
 
-        fn position(&self) -> usize {
-            self.kv.len()
+        fn kv_layout(&self) -> KvLayout {
+            *self.kv.layout()
         }
 
-        fn capacity(&self) -> usize {
-            self.kv.capacity()
+        fn kv(&mut self) -> &mut dyn KvStore {
+            &mut self.kv
         }
 
-        fn truncate(&mut self, len: usize) {
-            self.kv.truncate(len);
+        fn context(&self) -> usize {
+            self.context
         }
 
         fn weight_bytes_per_token(&self) -> usize {

@@ -218,6 +218,7 @@ fn check_fixture(name: &str) {
             sampling: SamplingParams::default(),
             ignore_eos: true,
             step_logits: true,
+            cache_prompt: true,
         };
         for (case_index, case) in expected["completions"]
             .as_array()
@@ -286,6 +287,7 @@ fn check_fixture(name: &str) {
                     &prompt,
                     &GenerateParams {
                         step_logits: false,
+                        cache_prompt: true,
                         ..params
                     },
                     |s| {

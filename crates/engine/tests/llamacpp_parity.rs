@@ -114,6 +114,7 @@ fn check(fixture: &str, required: bool) {
             sampling: SamplingParams::default(),
             ignore_eos: true,
             step_logits: true,
+            cache_prompt: true,
         };
         let mut margins = Vec::new();
         let generation = engine

@@ -54,6 +54,7 @@ fn listed_buffers_account_for_resident_memory_growth() {
         sampling: SamplingParams::default(),
         ignore_eos: true,
         step_logits: false,
+        cache_prompt: true,
     };
     engine
         .generate(&prompt, &params, |_| ControlFlow::Continue(()))

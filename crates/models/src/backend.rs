@@ -13,6 +13,7 @@ use ember_tensor::cpu;
 
 use crate::config::ModelConfig;
 use crate::error::Result;
+use crate::kv_cache::{BlockTable, KvLayout};
 use crate::transformer::{Mlp, Moe};
 
 /// The activation buffers of one forward pass, each `max_batch` rows wide.
@@ -135,45 +136,19 @@ pub trait WeightMatrix {
     fn slice_rows(&self, start: usize, end: usize) -> Self;
 }
 
-/// How many positions of a KV cache are filled, out of how many.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct KvFill {
-    len: usize,
-    capacity: usize,
-}
-
-impl KvFill {
-    pub fn empty(capacity: usize) -> Self {
-        KvFill { len: 0, capacity }
-    }
-}
-
-/// A sequence's cached keys and values; the storage is the backend's, the bookkeeping shared.
+/// A backend's pool of KV blocks ([`crate::kv_cache`]), and its host tier: slots in host
+/// memory that hold copies of blocks evicted from the pool (on a GPU, pinned memory the
+/// blocks come back from by copy instead of by recomputing them).
 pub trait KvStore {
-    fn fill(&self) -> &KvFill;
-    fn fill_mut(&mut self) -> &mut KvFill;
-
-    /// Positions filled.
-    fn len(&self) -> usize {
-        self.fill().len
-    }
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-    fn capacity(&self) -> usize {
-        self.fill().capacity
-    }
-    /// Forgets positions from `len` on (a new prompt reuses the cache from the start).
-    fn truncate(&mut self, len: usize) {
-        let fill = self.fill_mut();
-        fill.len = fill.len.min(len);
-    }
-    /// Marks `n` more positions filled (after a forward pass wrote them).
-    fn advance(&mut self, n: usize) {
-        let fill = self.fill_mut();
-        debug_assert!(fill.len + n <= fill.capacity);
-        fill.len += n;
-    }
+    fn layout(&self) -> &KvLayout;
+    /// Blocks in the pool.
+    fn blocks(&self) -> usize;
+    /// Slots in the host tier.
+    fn host_blocks(&self) -> usize;
+    /// Copies pool block `block` into host slot `slot`, after the work enqueued before it.
+    fn save_to_host(&mut self, block: u32, slot: u32) -> Result<()>;
+    /// Copies host slot `slot` into pool block `block`, before the work enqueued after it.
+    fn load_from_host(&mut self, slot: u32, block: u32) -> Result<()>;
 }
 
 /// Every operation enqueues its work and may fail (a device error, a launch refused); the CPU's
@@ -219,8 +194,9 @@ pub trait Backend {
     ) -> Result<Self::Vector>;
     fn rope_tables(&self, config: &ModelConfig, positions: usize) -> Result<Self::Rope>;
 
-    /// Takes the inputs of the next pass: its token ids, the first at position `pos0`.
-    fn begin_pass(&mut self, tokens: &[u32], pos0: usize) -> Result<()>;
+    /// Takes the inputs of the next pass: its token ids, at the positions after the
+    /// `table.len()` that `table`'s sequence holds, whose blocks cover them all.
+    fn begin_pass(&mut self, tokens: &[u32], table: &BlockTable) -> Result<()>;
     /// Runs `pass`, the device work of one forward pass from [`Backend::embed`] to
     /// [`Backend::project_logits`]. A backend may instead replay a recording of an earlier
     /// pass with the same shape over the same cache (CUDA graphs): the same work, on the
@@ -356,8 +332,8 @@ pub trait Backend {
             k_norm,
         )
     }
-    /// Stores `Keys`/`Values` of `rows` tokens in the cache at `pos0..`, then causal attention
-    /// of `Queries` over the cache into `AttentionOut`.
+    /// Stores `Keys`/`Values` of `rows` tokens in the pass's sequence's blocks at `pos0..`,
+    /// then causal attention of `Queries` over them into `AttentionOut`.
     fn attention(&mut self, kv: &mut Self::Kv, params: AttentionParams, rows: usize) -> Result<()>;
     /// [`Backend::rope_qk`] then [`Backend::attention`]: a backend may do both in fewer passes
     /// (the CUDA decode step rotates and stores inside its attention kernel). `Queries` and
@@ -418,9 +394,9 @@ pub trait Backend {
     /// The oldest pick of [`Backend::pick_ahead`] not yet read, once it is made.
     fn read_pick(&mut self) -> Result<u32>;
 
-    /// [`Backend::begin_pass`] of one token at `pos0`: the last pick of
+    /// [`Backend::begin_pass`] of one token at `table.len()`: the last pick of
     /// [`Backend::pick_ahead`], which the host may not have seen.
-    fn begin_fed_pass(&mut self, pos0: usize) -> Result<()>;
+    fn begin_fed_pass(&mut self, table: &BlockTable) -> Result<()>;
 }
 
 /// Picks of [`Backend::pick_ahead`] that may wait unread: the one the host is about to read,

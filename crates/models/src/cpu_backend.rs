@@ -11,7 +11,7 @@ use ember_tensor::{BufferOwner, ThreadPool};
 use crate::backend::{AttentionParams, Backend, PICKS_AHEAD, RopeStyle, Slot};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
-use crate::kv_cache::KvCache;
+use crate::kv_cache::{BlockTable, KvPool};
 use crate::rope::RopeTable;
 use crate::transformer::{Mlp, Moe};
 use crate::weights::{Matrix, Vector, WeightLoader};
@@ -33,6 +33,8 @@ pub struct CpuBackend {
     ws: Workspace,
     /// The token ids of the pass under way.
     tokens: Vec<u32>,
+    /// The blocks of the pass's sequence.
+    table: Vec<u32>,
     /// Greedy picks not yet read ([`Backend::pick_ahead`]), oldest first, and the last one.
     picks: VecDeque<u32>,
     last_pick: Option<u32>,
@@ -64,6 +66,7 @@ impl CpuBackend {
             owner: owner.clone(),
             ws,
             tokens: Vec::with_capacity(max_batch),
+            table: Vec::new(),
             picks: VecDeque::with_capacity(PICKS_AHEAD),
             last_pick: None,
         })
@@ -101,7 +104,7 @@ impl Backend for CpuBackend {
     type Matrix = Matrix;
     type Vector = Vector;
     type Rope = RopeTable;
-    type Kv = KvCache;
+    type Kv = KvPool;
     type Experts = ();
 
     fn max_batch(&self) -> usize {
@@ -141,19 +144,21 @@ impl Backend for CpuBackend {
         RopeTable::new(config, positions, &self.owner)
     }
 
-    fn begin_pass(&mut self, tokens: &[u32], _pos0: usize) -> Result<()> {
+    fn begin_pass(&mut self, tokens: &[u32], table: &BlockTable) -> Result<()> {
         // Picks not read by now never will be (as on a GPU, a pass of host tokens starts over).
         self.picks.clear();
         self.last_pick = None;
         self.tokens.clear();
         self.tokens.extend_from_slice(tokens);
+        self.take_table(table);
         Ok(())
     }
 
-    fn begin_fed_pass(&mut self, _pos0: usize) -> Result<()> {
+    fn begin_fed_pass(&mut self, table: &BlockTable) -> Result<()> {
         let token = self.last_pick.ok_or(Error::NoTokens)?;
         self.tokens.clear();
         self.tokens.push(token);
+        self.take_table(table);
         Ok(())
     }
 
@@ -237,7 +242,7 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn attention(&mut self, kv: &mut KvCache, p: AttentionParams, rows: usize) -> Result<()> {
+    fn attention(&mut self, kv: &mut KvPool, p: AttentionParams, rows: usize) -> Result<()> {
         let (q_len, kv_len) = (
             rows * p.n_heads * p.head_dim,
             rows * p.n_kv_heads * p.head_dim,
@@ -256,13 +261,14 @@ impl Backend for CpuBackend {
                 Slot::AttentionOut.index(),
             ])
             .expect("distinct slots");
+        let table = &self.table;
         kv.write(
             p.layer,
+            table,
             p.pos0,
             &k.as_slice()[..kv_len],
             &v.as_slice()[..kv_len],
         );
-        let (keys, values) = kv.layer(p.layer);
         let shape = AttentionShape {
             n_heads: p.n_heads,
             n_kv_heads: p.n_kv_heads,
@@ -271,8 +277,7 @@ impl Backend for CpuBackend {
         cpu::causal_attention(
             pool,
             &q.as_slice()[..q_len],
-            keys,
-            values,
+            kv.layer(p.layer, table),
             p.pos0,
             rows,
             shape,
@@ -368,6 +373,12 @@ impl Backend for CpuBackend {
 }
 
 impl CpuBackend {
+    /// Keeps the pass's block table (kept, not reallocated, from pass to pass).
+    fn take_table(&mut self, table: &BlockTable) {
+        self.table.clear();
+        self.table.extend_from_slice(table.blocks());
+    }
+
     fn loader<'a>(&'a self, source: &'a dyn TensorSource) -> WeightLoader<'a> {
         WeightLoader {
             set: source,

@@ -4,7 +4,7 @@
 //! - [`Transformer`] holds the weights in a [`Backend`]'s memory and runs one forward pass,
 //!   written once, through the backend's kernels over its KV cache and activation slots.
 //! - [`CpuBackend`]: weights read in place from the mapped checkpoint, the CPU kernels, a
-//!   [`KvCache`] and a [`Workspace`] of host buffers.
+//!   [`KvPool`] of blocks and a [`Workspace`] of host buffers.
 //!
 //! Architecture invariant: the model names no kernel instruction set and no file format
 //! beyond tensor names; it holds no per-sequence state (the KV cache is passed in).
@@ -23,9 +23,9 @@ mod workspace;
 pub use backend::{Backend, KvStore, PICKS_AHEAD, PassShape, Slot};
 pub use config::{Architecture, ModelConfig, MoeConfig};
 pub use cpu_backend::{Arithmetic, CpuBackend};
-pub use cuda_backend::{CudaBackend, CudaKv};
+pub use cuda_backend::{CudaBackend, CudaKvPool};
 pub use error::{Error, Result};
-pub use kv_cache::{KvCache, KvDtype};
+pub use kv_cache::{BlockTable, KV_BLOCK_SIZE, KvDtype, KvLayout, KvPool};
 pub use transformer::{
     Attention, FeedForward, Layer, Linear, Logits, Mlp, Moe, PassInput, Transformer,
 };

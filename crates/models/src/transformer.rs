@@ -15,6 +15,7 @@ use crate::backend::{
 };
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
+use crate::kv_cache::BlockTable;
 
 /// A projection with an optional bias.
 pub struct Linear<B: Backend> {
@@ -274,16 +275,18 @@ impl<B: Backend> Transformer<B> {
         bytes
     }
 
-    /// Runs `tokens` (at most the backend's batch) at the positions after what `kv` holds,
-    /// appends their keys and values, and returns the requested logits, `vocab_size` per row.
+    /// Runs `tokens` (at most the backend's batch) at the positions after what `seq` holds,
+    /// appends their keys and values to its blocks in `kv`, and returns the requested logits,
+    /// `vocab_size` per row.
     pub fn forward<'b>(
         &self,
         b: &'b mut B,
         kv: &mut B::Kv,
+        seq: &mut BlockTable,
         tokens: &[u32],
         logits: Logits,
     ) -> Result<&'b [f32]> {
-        let rows = self.run(b, kv, tokens.into(), logits)?;
+        let rows = self.run(b, kv, seq, tokens.into(), logits)?;
         if rows == 0 {
             return Ok(&[]);
         }
@@ -292,8 +295,14 @@ impl<B: Backend> Transformer<B> {
 
     /// [`Self::forward`] of a non-empty `tokens` with the last token's logits, returning the
     /// greedy choice among them ([`Backend::greedy_token`]) instead of the logits.
-    pub fn forward_greedy(&self, b: &mut B, kv: &mut B::Kv, tokens: &[u32]) -> Result<u32> {
-        if self.run(b, kv, tokens.into(), Logits::Last)? == 0 {
+    pub fn forward_greedy(
+        &self,
+        b: &mut B,
+        kv: &mut B::Kv,
+        seq: &mut BlockTable,
+        tokens: &[u32],
+    ) -> Result<u32> {
+        if self.run(b, kv, seq, tokens.into(), Logits::Last)? == 0 {
             return Err(Error::NoTokens);
         }
         b.greedy_token(self.config.vocab_size)
@@ -303,8 +312,14 @@ impl<B: Backend> Transformer<B> {
     /// enqueued, not waited for ([`Backend::pick_ahead`]); [`Backend::read_pick`] reads it. A pass
     /// of [`PassInput::Fed`] takes the token of the pick enqueued before it, which the host
     /// has not seen, so the device goes from one step to the next without waiting for it.
-    pub fn forward_ahead(&self, b: &mut B, kv: &mut B::Kv, input: PassInput<'_>) -> Result<()> {
-        if self.run(b, kv, input, Logits::Last)? == 0 {
+    pub fn forward_ahead(
+        &self,
+        b: &mut B,
+        kv: &mut B::Kv,
+        seq: &mut BlockTable,
+        input: PassInput<'_>,
+    ) -> Result<()> {
+        if self.run(b, kv, seq, input, Logits::Last)? == 0 {
             return Err(Error::NoTokens);
         }
         b.pick_ahead(self.config.vocab_size)
@@ -315,6 +330,7 @@ impl<B: Backend> Transformer<B> {
         &self,
         b: &mut B,
         kv: &mut B::Kv,
+        seq: &mut BlockTable,
         input: PassInput<'_>,
         logits: Logits,
     ) -> Result<usize> {
@@ -342,8 +358,19 @@ impl<B: Backend> Transformer<B> {
                 vocab_size: c.vocab_size,
             });
         }
-        let pos0 = kv.len();
-        let capacity = kv.capacity().min(self.positions);
+        let pos0 = seq.len();
+        let block_size = kv.layout().block_size;
+        let capacity = seq.capacity(block_size).min(self.positions);
+        // The blocks this pass writes: one outside the pool would be another's memory.
+        let written = pos0 / block_size..(pos0 + n).div_ceil(block_size);
+        let written =
+            &seq.blocks()[written.start.min(written.end)..written.end.min(seq.blocks().len())];
+        if let Some(&block) = written.iter().find(|&&b| b as usize >= kv.blocks()) {
+            return Err(Error::Unsupported {
+                what: format!("kv block {block} of a pool of {}", kv.blocks()),
+                backend: "any",
+            });
+        }
         if pos0 + n > capacity {
             return Err(Error::ContextFull {
                 used: pos0,
@@ -359,15 +386,15 @@ impl<B: Backend> Transformer<B> {
             Logits::All => n,
         };
         match input {
-            PassInput::Tokens(tokens) => b.begin_pass(tokens, pos0)?,
-            PassInput::Fed => b.begin_fed_pass(pos0)?,
+            PassInput::Tokens(tokens) => b.begin_pass(tokens, seq)?,
+            PassInput::Fed => b.begin_fed_pass(seq)?,
         }
         let shape = PassShape {
             tokens: n,
             logit_rows: m,
         };
         b.run_pass(kv, shape, &mut |b, kv| self.pass(b, kv, n, pos0, logits))?;
-        kv.advance(n);
+        seq.advance(n);
         Ok(m)
     }
 

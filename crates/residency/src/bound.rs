@@ -80,6 +80,7 @@ pub struct Bound {
     source: Source,
     device: Option<u64>,
     advice: Option<String>,
+    device_advice: Option<String>,
 }
 
 impl Bound {
@@ -138,6 +139,7 @@ impl Bound {
             source,
             device: None,
             advice: None,
+            device_advice: None,
         }
     }
 
@@ -149,6 +151,7 @@ impl Bound {
             source: Source::Fixed(describe.into()),
             device: None,
             advice: None,
+            device_advice: None,
         }
     }
 
@@ -164,6 +167,19 @@ impl Bound {
     pub fn with_advice(mut self, advice: impl Into<String>) -> Bound {
         self.advice = Some(advice.into());
         self
+    }
+
+    /// Replaces the advice that ends a refusal over the device bound (`lower --context`).
+    pub fn with_device_advice(mut self, advice: impl Into<String>) -> Bound {
+        self.device_advice = Some(advice.into());
+        self
+    }
+
+    /// What an operator can change when the device buffers do not fit.
+    pub fn device_advice(&self) -> String {
+        self.device_advice
+            .clone()
+            .unwrap_or_else(|| "lower --context".into())
     }
 
     /// Host bytes the set may hold: the gross figure less the margin.

@@ -128,9 +128,10 @@ impl LoadReport {
                 }
             }
             Some(NoSet::OverDeviceBound { limit }) => format!(
-                "residency: none: engine device buffers {} pass the {} device bound; lower --context",
+                "residency: none: engine device buffers {} pass the {} device bound; {}",
                 fmt_gib(self.device_bytes),
-                fmt_gib(*limit)
+                fmt_gib(*limit),
+                bound.map_or_else(|| "lower --context".into(), Bound::device_advice)
             ),
             Some(NoSet::Refused { backend, error }) => {
                 format!(

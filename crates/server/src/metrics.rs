@@ -5,6 +5,7 @@ use std::fmt::Write;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 
+use ember_engine::prompt_cache::PromptCacheSnapshot;
 use ember_residency::Stats;
 
 /// Latency buckets in seconds, from a fast token to a slow first token.
@@ -96,9 +97,9 @@ impl Metrics {
             .or_default() += 1;
     }
 
-    /// The text for `/metrics`; `residency` is `None` until the model is loaded (its series
-    /// read 0 then, so scrapers see every name from the start).
-    pub fn render(&self, residency: Option<Stats>) -> String {
+    /// The text for `/metrics`; `residency` and `cache` are `None` until the model is loaded
+    /// (their series read 0 then, so scrapers see every name from the start).
+    pub fn render(&self, residency: Option<Stats>, cache: Option<PromptCacheSnapshot>) -> String {
         let mut out = String::new();
         out.push_str("# HELP ember_requests_total Requests answered, by endpoint and HTTP status.\n# TYPE ember_requests_total counter\n");
         for ((endpoint, status), count) in self
@@ -159,7 +160,79 @@ impl Metrics {
             self.queued.load(Ordering::Relaxed),
         );
         render_residency(&mut out, residency);
+        render_prompt_cache(&mut out, cache.unwrap_or_default());
         out
+    }
+}
+
+fn render_prompt_cache(out: &mut String, c: PromptCacheSnapshot) {
+    let series: [(&str, &str, &str, u64); 10] = [
+        (
+            "ember_prompt_cache_bytes",
+            "gauge",
+            "Bytes of KV blocks the prompt cache holds (device memory on a GPU).",
+            c.bytes,
+        ),
+        (
+            "ember_prompt_cache_blocks",
+            "gauge",
+            "KV blocks the prompt cache holds.",
+            c.blocks,
+        ),
+        (
+            "ember_prompt_cache_budget_bytes",
+            "gauge",
+            "The prompt cache's budget in the KV pool (--prompt-cache-gib).",
+            c.budget_bytes,
+        ),
+        (
+            "ember_prompt_cache_hits_total",
+            "counter",
+            "Requests that reused a cached prefix.",
+            c.hits_total,
+        ),
+        (
+            "ember_prompt_cache_misses_total",
+            "counter",
+            "Requests that found no cached prefix.",
+            c.misses_total,
+        ),
+        (
+            "ember_prompt_cache_hit_tokens_total",
+            "counter",
+            "Prompt tokens served from the cache instead of prefilled.",
+            c.hit_tokens_total,
+        ),
+        (
+            "ember_prompt_cache_evictions_total",
+            "counter",
+            "Cached blocks that left the pool (to the host tier, or dropped).",
+            c.evictions_total,
+        ),
+        (
+            "ember_prompt_cache_host_bytes",
+            "gauge",
+            "Bytes of cached blocks in the host tier (--prompt-cache-host-gib).",
+            c.host_bytes,
+        ),
+        (
+            "ember_prompt_cache_host_blocks",
+            "gauge",
+            "Cached blocks in the host tier.",
+            c.host_blocks,
+        ),
+        (
+            "ember_prompt_cache_host_evictions_total",
+            "counter",
+            "Blocks dropped from the host tier.",
+            c.host_evictions_total,
+        ),
+    ];
+    for (name, kind, help, value) in series {
+        let _ = writeln!(
+            out,
+            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
+        );
     }
 }
 
@@ -226,7 +299,7 @@ mod tests {
         m.count_request("/v1/completions", 200);
         m.count_request("/v1/completions", 200);
         m.time_to_first_token.observe(0.02);
-        let text = m.render(None);
+        let text = m.render(None, None);
         assert!(
             text.contains("ember_requests_total{endpoint=\"/v1/completions\",status=\"200\"} 2")
         );
@@ -236,5 +309,15 @@ mod tests {
         assert!(text.contains("# TYPE ember_requests_queued gauge"));
         assert!(text.contains("ember_residency_bytes 0\n"));
         assert!(text.contains("# TYPE ember_keepalive_ticks_total counter"));
+        assert!(text.contains("ember_prompt_cache_bytes 0\n"));
+        assert!(text.contains("# TYPE ember_prompt_cache_hit_tokens_total counter"));
+        let cache = PromptCacheSnapshot {
+            hits_total: 3,
+            hit_tokens_total: 96,
+            ..Default::default()
+        };
+        let text = m.render(None, Some(cache));
+        assert!(text.contains("ember_prompt_cache_hits_total 3\n"));
+        assert!(text.contains("ember_prompt_cache_hit_tokens_total 96\n"));
     }
 }

@@ -139,6 +139,7 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
             "model": state.model_name,
             "context": ready.context,
             "residency": residency_json(ready),
+            "prompt_cache": ready.prompt_cache.snapshot(),
         }))
         .into_response(),
         None => (
@@ -173,10 +174,12 @@ fn residency_json(ready: &Ready) -> Value {
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
-    let residency = state.ready.get().map(|r| r.residency.stats());
+    let ready = state.ready.get();
+    let residency = ready.map(|r| r.residency.stats());
+    let cache = ready.map(|r| r.prompt_cache.snapshot());
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        state.metrics.render(residency),
+        state.metrics.render(residency, cache),
     )
         .into_response()
 }
@@ -249,6 +252,7 @@ fn plan(ready: &Ready, prompt_tokens: usize, common: &CommonParams) -> AppResult
         sampling: common.sampling,
         ignore_eos: common.ignore_eos,
         step_logits: false,
+        cache_prompt: common.cache_prompt,
     })
 }
 
@@ -322,6 +326,8 @@ struct Output {
     last_token: Option<Instant>,
     finished: Option<(&'static str, usize)>,
     completion_tokens: usize,
+    /// Prompt tokens the prompt cache supplied (`usage.prompt_tokens_details.cached_tokens`).
+    cached_tokens: usize,
 }
 
 impl Output {
@@ -339,6 +345,7 @@ impl Output {
             last_token: None,
             finished: None,
             completion_tokens: 0,
+            cached_tokens: 0,
         }
     }
 
@@ -347,7 +354,11 @@ impl Output {
         if self.finished.is_some() {
             return Ok(None);
         }
-        let event = self.submitted.events.recv().await;
+        let mut event = self.submitted.events.recv().await;
+        while let Some(Event::Prompt { cached_tokens }) = event {
+            self.cached_tokens = cached_tokens;
+            event = self.submitted.events.recv().await;
+        }
         let (text, token) = match event {
             Some(Event::Token(t)) => {
                 let now = Instant::now();
@@ -382,7 +393,7 @@ impl Output {
                 return Ok(Some(piece));
             }
             Some(Event::Failed(message)) => return Err(ApiError::internal(message)),
-            Some(Event::Started) | None => {
+            Some(Event::Started | Event::Prompt { .. }) | None => {
                 return Err(ApiError::internal("the engine stopped mid-request"));
             }
         };
@@ -545,6 +556,7 @@ async fn chat_completions(
         let usage = Usage {
             prompt_tokens,
             completion_tokens: output.completion_tokens,
+            cached_tokens: output.cached_tokens,
         };
         let reasoning_out = output
             .reasoning
@@ -630,6 +642,7 @@ async fn chat_completions(
                 let usage = Usage {
                     prompt_tokens,
                     completion_tokens: output.completion_tokens,
+                    cached_tokens: output.cached_tokens,
                 };
                 let _ = tx
                     .send(data(&openai::usage_chunk(
@@ -675,10 +688,7 @@ async fn completions(
 
     if !request.common.stream {
         let mut choices = Vec::new();
-        let mut usage = Usage {
-            prompt_tokens: 0,
-            completion_tokens: 0,
-        };
+        let mut usage = Usage::default();
         for (ids, params) in prompts {
             usage.prompt_tokens += ids.len();
             let submitted = submit(&state, ready, ids, params, logprobs, arrived).await?;
@@ -692,6 +702,7 @@ async fn completions(
                 text.push_str(&piece.content);
             }
             usage.completion_tokens += output.completion_tokens;
+            usage.cached_tokens += output.cached_tokens;
             choices.push(CompletionChoice {
                 text,
                 logprobs: logprobs.map(|_| lp),
@@ -715,10 +726,7 @@ async fn completions(
             let Some(ready) = state.ready.get() else {
                 return;
             };
-            let mut usage = Usage {
-                prompt_tokens: 0,
-                completion_tokens: 0,
-            };
+            let mut usage = Usage::default();
             for (index, (ids, params)) in prompts.into_iter().enumerate() {
                 usage.prompt_tokens += ids.len();
                 let submitted = match first.take() {
@@ -768,6 +776,7 @@ async fn completions(
                     }
                 }
                 usage.completion_tokens += output.completion_tokens;
+                usage.cached_tokens += output.cached_tokens;
                 if tx
                     .send(data(&openai::completion_chunk(
                         &meta,

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use ember_engine::prompt_cache::PromptCacheStats;
 use ember_engine::{Engine, EngineOptions, PromptEncoder};
 use ember_residency::{Keepalive, ResidencySet, ResidencyState};
 use tokio::net::TcpListener;
@@ -64,6 +65,8 @@ pub(crate) struct Ready {
     /// `None` when residency is turned off: there is nothing to keep warm.
     pub keepalive: Option<Arc<Keepalive>>,
     pub keep_warm: Duration,
+    /// The prompt cache's budget, contents and counters, updated by the engine thread.
+    pub prompt_cache: Arc<PromptCacheStats>,
 }
 
 pub(crate) struct AppState {
@@ -156,6 +159,7 @@ pub async fn serve(
                     residency,
                     keepalive: keepalive.clone(),
                     keep_warm: options.keep_warm,
+                    prompt_cache: engine.prompt_cache_stats(),
                 };
                 let device = engine.device_label();
                 let context = ready.context;

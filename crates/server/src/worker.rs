@@ -40,6 +40,10 @@ pub enum Event {
     Token(TokenEvent),
     /// Text the detokenizer held back until the end.
     Tail(String),
+    /// Before the first token: how many prompt tokens came from the prompt cache.
+    Prompt {
+        cached_tokens: usize,
+    },
     Finished {
         finish_reason: FinishReason,
         completion_tokens: usize,
@@ -99,9 +103,17 @@ pub fn run(
         let ignore_eos = job.params.ignore_eos;
         let started = Instant::now();
         let mut first_sent = None;
-        let result = engine.generate(&job.prompt, &job.params, |step| {
-            if job.cancel.load(Ordering::Relaxed) || abort.load(Ordering::Relaxed) {
+        let stop = || job.cancel.load(Ordering::Relaxed) || abort.load(Ordering::Relaxed);
+        let result = engine.generate_until(&job.prompt, &job.params, &stop, |step| {
+            if stop() {
                 return ControlFlow::Break(());
+            }
+            if first_sent.is_none() {
+                let cached_tokens = step.cached_tokens;
+                if job.events.send(Event::Prompt { cached_tokens }).is_err() {
+                    job.cancel.store(true, Ordering::Relaxed);
+                    return ControlFlow::Break(());
+                }
             }
             let text = if step.is_eos && !ignore_eos {
                 String::new()
@@ -155,6 +167,7 @@ pub fn run(
                 // sampling) to the first token; handing it to the HTTP side.
                 tracing::debug!(
                     prompt_tokens = generation.prompt_tokens,
+                    cached_tokens = generation.cached_tokens,
                     completion_tokens = generation.tokens.len(),
                     seconds = started.elapsed().as_secs_f64(),
                     first_token_ms = ms(job.arrived, first_sent),
@@ -164,6 +177,15 @@ pub fn run(
                     prefill_ms = generation.prefill_time.as_secs_f64() * 1e3,
                     "request done"
                 );
+            }
+            // Stopped mid-prefill: the client left (nobody reads) or the server is stopping.
+            Err(e) if e.is_cancellation() => {
+                let message = if abort.load(Ordering::Relaxed) {
+                    "the server shut down before the request finished"
+                } else {
+                    "the request was cancelled"
+                };
+                let _ = job.events.send(Event::Failed(message.into()));
             }
             Err(e) => {
                 tracing::warn!("generation failed: {e}");

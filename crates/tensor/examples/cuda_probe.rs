@@ -281,6 +281,29 @@ impl Probe {
         Ok(2.0 * (m * n * k) as f64 / ms / 1e9)
     }
 
+    /// A KV pool of `layers` layers' caches of `positions`, laid out as the model's (blocks of
+    /// [`POOL_BLOCK`] positions, every layer's keys and values of a block together, random
+    /// values), and a table listing its blocks in order.
+    fn pool<T: DeviceElem>(
+        &mut self,
+        layers: usize,
+        positions: usize,
+        kv_row: usize,
+        from_f32: fn(f32) -> T,
+    ) -> Result<ProbePool, CudaError> {
+        let blocks = positions.div_ceil(POOL_BLOCK);
+        let pool = self.random(blocks * layers * 2 * POOL_BLOCK * kv_row, from_f32)?;
+        let mut table = self.alloc(blocks * 4)?;
+        let ids: Vec<i32> = (0..blocks as i32).collect();
+        table.upload(&ids)?;
+        Ok(ProbePool {
+            pool,
+            table,
+            layers,
+            kv_row,
+        })
+    }
+
     /// GB/s of one decode step's attention over a bf16 cache of `context` positions, and µs:
     /// launched back to back over as many layers' caches as make 256 MiB (each its own, as in
     /// a model, so that short contexts are not read from L2), at least 8 launches. `precision`
@@ -291,23 +314,21 @@ impl Probe {
         context: usize,
         precision: cuda::AttentionPrecision,
     ) -> Result<(f64, f64), CudaError> {
-        let kv = context * shape.n_kv_heads * shape.head_dim;
+        let kv_row = shape.n_kv_heads * shape.head_dim;
+        let kv = context * kv_row;
         let layers = ((256 << 20) / (2 * kv * 2)).clamp(1, 64);
         let launches = layers.max(8);
-        let keys = self.random(layers * kv, bf16::from_f32)?;
-        let values = self.random(layers * kv, bf16::from_f32)?;
+        let pool = self.pool(layers, context, kv_row, bf16::from_f32)?;
         let q = self.random(shape.n_heads * shape.head_dim, |x| x)?;
         let mut scratch = self.alloc(cuda::attention_decode_scratch_len(shape) * 4)?;
         cuda::attention_decode_scratch_reset(&self.device, shape, &mut scratch.as_mut_slice())?;
         let mut out = self.alloc(shape.n_heads * shape.head_dim * 4)?;
         let ms = time(&self.device, || {
             for i in 0..launches {
-                let layer = (i % layers) * kv..(i % layers + 1) * kv;
                 cuda::attention_decode(
                     &self.device,
                     q.as_slice(),
-                    keys.as_slice::<bf16>().slice(layer.clone()),
-                    values.as_slice::<bf16>().slice(layer),
+                    pool.cache::<bf16>(i % layers),
                     cuda::Position::Host(context),
                     shape,
                     0.088,
@@ -332,17 +353,15 @@ impl Probe {
         from_f32: fn(f32) -> T,
         precision: cuda::AttentionPrecision,
     ) -> Result<(f64, f64), CudaError> {
-        let kv = (pos0 + n) * shape.n_kv_heads * shape.head_dim;
-        let keys = self.random(kv, from_f32)?;
-        let values = self.random(kv, from_f32)?;
+        let kv_row = shape.n_kv_heads * shape.head_dim;
+        let pool = self.pool(1, pos0 + n, kv_row, from_f32)?;
         let q = self.random(n * shape.n_heads * shape.head_dim, |x| x)?;
         let mut out = self.alloc(n * shape.n_heads * shape.head_dim * 4)?;
         let ms = time(&self.device, || {
             cuda::attention_prefill(
                 &self.device,
                 q.as_slice(),
-                keys.as_slice::<T>(),
-                values.as_slice::<T>(),
+                pool.cache::<T>(0),
                 pos0,
                 n,
                 shape,
@@ -354,6 +373,32 @@ impl Probe {
         let seen = (n * pos0 + n * (n + 1) / 2) as f64;
         let flops = 4.0 * seen * (shape.n_heads * shape.head_dim) as f64;
         Ok((flops / ms / 1e9, ms * 1e3))
+    }
+}
+
+/// Positions a probe pool's block holds, as the model's.
+const POOL_BLOCK: usize = 16;
+
+/// See [`Probe::pool`].
+struct ProbePool {
+    pool: DeviceBuffer,
+    table: DeviceBuffer,
+    layers: usize,
+    kv_row: usize,
+}
+
+impl ProbePool {
+    /// Layer `layer`'s cache.
+    fn cache<T: cuda::FloatElem>(&self, layer: usize) -> cuda::PagedCache<'_, T> {
+        let rows = POOL_BLOCK * self.kv_row;
+        cuda::PagedCache {
+            pool: self.pool.as_slice(),
+            keys_offset: layer * 2 * rows,
+            values_offset: layer * 2 * rows + rows,
+            table: self.table.as_slice(),
+            block_size: POOL_BLOCK,
+            block_stride: self.layers * 2 * rows,
+        }
     }
 }
 

@@ -14,8 +14,8 @@ use ember_residency::{Bound, Membership, RegionKind, ResidencySet, TestBackend};
 use ember_tensor::cpu::{self, AttentionShape, RopeLayout, RopeTables};
 use ember_tensor::cuda::{
     self, AttentionPrecision, CudaDevice, CudaError, DevMat, DeviceBuffer, DeviceElem, Epilogue,
-    ExpertRoad, FloatElem, Gemm, MatvecNorm, MatvecOutput, Module, Position, RopeHeads, RopeNorm,
-    compile,
+    ExpertRoad, FloatElem, Gemm, MatvecNorm, MatvecOutput, Module, PagedCache, PagedCacheMut,
+    Position, RopeHeads, RopeNorm, compile,
 };
 use ember_tensor::{BufferKind, BufferOwner, Location, ThreadPool};
 use half::{bf16, f16};
@@ -1166,6 +1166,76 @@ fn attention_reference(
     out
 }
 
+/// Positions a test pool's block holds.
+const BLOCK: usize = 16;
+
+/// A sequence's keys and values as a KV pool holds them: blocks of [`BLOCK`] positions laid out
+/// `[keys, values][BLOCK][kv_row]` (one layer), the sequence's blocks in reverse pool order
+/// behind a foreign block 0, and NaN wherever the sequence has no row.
+struct Paged {
+    pool: DeviceBuffer,
+    table: DeviceBuffer,
+    kv_row: usize,
+    blocks: usize,
+}
+
+impl Paged {
+    /// `k` and `v` (`[rows, kv_row]`) at positions `0..rows`, in a table covering `capacity`.
+    fn new<T: Elem>(ctx: &Ctx, k: &[T], v: &[T], kv_row: usize, capacity: usize) -> Paged {
+        let blocks = capacity.div_ceil(BLOCK);
+        let stride = 2 * BLOCK * kv_row;
+        let mut pool = vec![T::from_f32(f32::NAN); (blocks + 1) * stride];
+        let table: Vec<i32> = (0..blocks).map(|i| (blocks - i) as i32).collect();
+        for t in 0..k.len() / kv_row {
+            let at = table[t / BLOCK] as usize * stride + (t % BLOCK) * kv_row;
+            pool[at..at + kv_row].copy_from_slice(&k[t * kv_row..(t + 1) * kv_row]);
+            let at = at + BLOCK * kv_row;
+            pool[at..at + kv_row].copy_from_slice(&v[t * kv_row..(t + 1) * kv_row]);
+        }
+        Paged {
+            pool: ctx.upload(&pool),
+            table: ctx.upload(&table),
+            kv_row,
+            blocks,
+        }
+    }
+
+    fn cache<T: Elem>(&self) -> PagedCache<'_, T> {
+        PagedCache {
+            pool: self.pool.as_slice(),
+            keys_offset: 0,
+            values_offset: BLOCK * self.kv_row,
+            table: self.table.as_slice(),
+            block_size: BLOCK,
+            block_stride: 2 * BLOCK * self.kv_row,
+        }
+    }
+
+    fn cache_mut<T: Elem>(&mut self) -> PagedCacheMut<'_, T> {
+        PagedCacheMut {
+            pool: self.pool.as_mut_slice(),
+            keys_offset: 0,
+            values_offset: BLOCK * self.kv_row,
+            table: self.table.as_slice(),
+            block_size: BLOCK,
+            block_stride: 2 * BLOCK * self.kv_row,
+        }
+    }
+
+    /// The sequence's keys and values back in position order, every position the table covers.
+    fn rows<T: Elem + Default>(&self, ctx: &Ctx) -> (Vec<T>, Vec<T>) {
+        let pool = ctx.download::<T>(&self.pool);
+        let (kv_row, stride) = (self.kv_row, 2 * BLOCK * self.kv_row);
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        for t in 0..self.blocks * BLOCK {
+            let at = (self.blocks - t / BLOCK) * stride + (t % BLOCK) * kv_row;
+            k.extend_from_slice(&pool[at..at + kv_row]);
+            v.extend_from_slice(&pool[at + BLOCK * kv_row..at + BLOCK * kv_row + kv_row]);
+        }
+        (k, v)
+    }
+}
+
 fn check_attention<T: Elem>(
     ctx: &Ctx,
     rng: &mut Rng,
@@ -1186,7 +1256,8 @@ fn check_attention<T: Elem>(
     let q = rng.vec(n * n_heads * head_dim);
     let (kf, vf) = (widen(&k), widen(&v));
     let scale = 1.0 / (head_dim as f32).sqrt();
-    let (kbuf, vbuf, qbuf) = (ctx.upload(&k), ctx.upload(&v), ctx.upload(&q));
+    let kv_row = n_kv_heads * head_dim;
+    let (cache, qbuf) = (Paged::new(ctx, &k, &v, kv_row, positions), ctx.upload(&q));
     let what = format!("{} cache, {shape:?}, pos0 {pos0}, n {n}", T::FLOAT);
 
     let want = attention_reference(&q, &kf, &vf, pos0, n, shape, scale);
@@ -1197,8 +1268,7 @@ fn check_attention<T: Elem>(
         cuda::attention_prefill(
             &ctx.device,
             qbuf.as_slice(),
-            kbuf.as_slice::<T>(),
-            vbuf.as_slice::<T>(),
+            cache.cache::<T>(),
             pos0,
             n,
             shape,
@@ -1223,30 +1293,24 @@ fn check_attention<T: Elem>(
     let q_last = &q[(n - 1) * n_heads * head_dim..];
     let want = attention_reference(q_last, &kf, &vf, positions - 1, 1, shape, scale);
     let qbuf = ctx.upload(q_last);
-    // The context read on the device, over a cache with poisoned positions past it (as a
-    // graph's cache is, sized for the whole context): the same bits as the host's context.
-    let padded = |x: &[T]| {
-        let mut x = x.to_vec();
-        x.extend(round::<T>(&vec![f32::NAN; 40 * n_kv_heads * head_dim]));
-        ctx.upload(&x)
-    };
-    let (kpad, vpad) = (padded(&k), padded(&v));
+    // The context read on the device, over a table with poisoned positions past it (as a
+    // graph's table is, sized for the whole context): the same bits as the host's context.
+    let padded = Paged::new(ctx, &k, &v, kv_row, positions + 40);
     let context_buf = ctx.upload(&[positions as i32]);
     // One scratch for all: each launch must leave its tickets zero for the next.
     let mut scratch = ctx.poisoned::<f32>(cuda::attention_decode_scratch_len(shape));
     cuda::attention_decode_scratch_reset(&ctx.device, shape, &mut scratch.as_mut_slice()).unwrap();
     for precision in [AttentionPrecision::F32, AttentionPrecision::Bf16] {
         let mut results = Vec::new();
-        for (context, kb, vb) in [
-            (Position::Host(positions), &kbuf, &vbuf),
-            (Position::Device(context_buf.as_slice()), &kpad, &vpad),
+        for (context, paged) in [
+            (Position::Host(positions), &cache),
+            (Position::Device(context_buf.as_slice()), &padded),
         ] {
             let mut out = ctx.poisoned::<f32>(n_heads * head_dim);
             cuda::attention_decode(
                 &ctx.device,
                 qbuf.as_slice(),
-                kb.as_slice::<T>(),
-                vb.as_slice::<T>(),
+                paged.cache::<T>(),
                 context,
                 shape,
                 scale,
@@ -1325,7 +1389,7 @@ fn attention_decode_rope_matches_rope_then_store_then_attention() {
 
         // One after the other.
         let (mut qb, mut kb, vb) = (ctx.upload(&q), ctx.upload(&k), ctx.upload(&v));
-        let (mut kc, mut vc) = (ctx.upload(&cache), ctx.upload(&values));
+        let mut paged = Paged::new(ctx, &cache, &values, kv_dim, capacity);
         cuda::rope_qk(
             &ctx.device,
             RopeHeads {
@@ -1349,8 +1413,7 @@ fn attention_decode_rope_matches_rope_then_store_then_attention() {
             &ctx.device,
             kb.as_slice(),
             vb.as_slice(),
-            &mut kc.as_mut_slice::<T>(),
-            &mut vc.as_mut_slice::<T>(),
+            &mut paged.cache_mut::<T>(),
             kv_dim,
             Position::Host(pos),
         )
@@ -1362,8 +1425,7 @@ fn attention_decode_rope_matches_rope_then_store_then_attention() {
         cuda::attention_decode(
             &ctx.device,
             qb.as_slice(),
-            kc.as_slice::<T>(),
-            vc.as_slice::<T>(),
+            paged.cache::<T>(),
             Position::Host(pos + 1),
             shape,
             scale,
@@ -1373,7 +1435,7 @@ fn attention_decode_rope_matches_rope_then_store_then_attention() {
         )
         .unwrap();
         let want = ctx.download::<f32>(&want);
-        let (want_k, want_v) = (ctx.download::<T>(&kc), ctx.download::<T>(&vc));
+        let (want_k, want_v) = paged.rows::<T>(ctx);
 
         // Fused, the context known on the host and read on the device.
         let (qb, kb) = (ctx.upload(&q), ctx.upload(&k));
@@ -1383,7 +1445,7 @@ fn attention_decode_rope_matches_rope_then_store_then_attention() {
             Position::Host(pos + 1),
             Position::Device(context_buf.as_slice()),
         ] {
-            let (mut kc, mut vc) = (ctx.upload(&cache), ctx.upload(&values));
+            let mut paged = Paged::new(ctx, &cache, &values, kv_dim, capacity);
             let mut out = ctx.poisoned::<f32>(n_heads * head_dim);
             let rope = cuda::DecodeRope {
                 k_new: kb.as_slice(),
@@ -1398,8 +1460,7 @@ fn attention_decode_rope_matches_rope_then_store_then_attention() {
                 &ctx.device,
                 qb.as_slice(),
                 rope,
-                &mut kc.as_mut_slice::<T>(),
-                &mut vc.as_mut_slice::<T>(),
+                &mut paged.cache_mut::<T>(),
                 context,
                 shape,
                 scale,
@@ -1408,10 +1469,8 @@ fn attention_decode_rope_matches_rope_then_store_then_attention() {
                 &mut out.as_mut_slice(),
             )
             .unwrap();
-            let (got_k, got_v) = (
-                widen(&ctx.download::<T>(&kc)),
-                widen(&ctx.download::<T>(&vc)),
-            );
+            let (got_k, got_v) = paged.rows::<T>(ctx);
+            let (got_k, got_v) = (widen(&got_k), widen(&got_v));
             // Earlier positions untouched, later ones never written (still NaN).
             let row = pos * kv_dim..(pos + 1) * kv_dim;
             assert!(
@@ -1492,75 +1551,77 @@ fn attention_decode_rope_matches_rope_then_store_then_attention() {
     assert!(cuda::attention_decode_rope_fits(128, RopeLayout::Halves));
 }
 
-/// Keys and values land at their positions, converted, in one launch; the position read on
-/// the device writes the same; rows past the cache are dropped, never written out of it.
+/// Keys and values land at their positions of the sequence's blocks, converted, in one
+/// launch; the position read on the device writes the same; rows past the table are dropped,
+/// never written out of it.
 #[test]
 fn kv_store_writes_rows_at_their_positions() {
     let Some(ctx) = Ctx::new() else { return };
     let mut rng = Rng(9);
     fn check<T: Elem + Default>(ctx: &Ctx, rng: &mut Rng) {
-        let (kv_dim, capacity, rows, pos0) = (24, 10, 3, 6);
+        // Two blocks; the rows straddle them.
+        let (kv_dim, capacity, rows, pos0) = (24, 2 * BLOCK, 3, BLOCK - 1);
         let (k, v) = (rng.vec(rows * kv_dim), rng.vec(rows * kv_dim));
         let (kb, vb) = (ctx.upload(&k), ctx.upload(&v));
         let pos_buf = ctx.upload(&[pos0 as i32]);
-        let mut caches = Vec::new();
+        let empty: [T; 0] = [];
         for pos in [Position::Host(pos0), Position::Device(pos_buf.as_slice())] {
-            let mut kc = ctx.poisoned::<T>(capacity * kv_dim);
-            let mut vc = ctx.poisoned::<T>(capacity * kv_dim);
+            let mut paged = Paged::new(ctx, &empty, &empty, kv_dim, capacity);
             cuda::kv_store(
                 &ctx.device,
                 kb.as_slice(),
                 vb.as_slice(),
-                &mut kc.as_mut_slice::<T>(),
-                &mut vc.as_mut_slice::<T>(),
+                &mut paged.cache_mut::<T>(),
                 kv_dim,
                 pos,
             )
             .unwrap();
-            let (kc, vc) = (ctx.download::<T>(&kc), ctx.download::<T>(&vc));
+            let (kc, vc) = paged.rows::<T>(ctx);
             let at = pos0 * kv_dim..(pos0 + rows) * kv_dim;
-            assert_eq!(
-                widen(&kc[at.clone()]),
-                widen(&round::<T>(&k)),
-                "{}",
-                T::FLOAT
-            );
-            assert_eq!(
-                widen(&vc[at.clone()]),
-                widen(&round::<T>(&v)),
-                "{}",
-                T::FLOAT
-            );
+            let what = T::FLOAT;
+            assert_eq!(widen(&kc[at.clone()]), widen(&round::<T>(&k)), "{what}");
+            assert_eq!(widen(&vc[at.clone()]), widen(&round::<T>(&v)), "{what}");
             assert!(widen(&kc[..at.start]).iter().all(|x| x.is_nan()));
-            caches.push((widen(&kc), widen(&vc)));
+            assert!(widen(&vc[at.end..]).iter().all(|x| x.is_nan()));
+            // The foreign block is untouched.
+            let pool = widen(&ctx.download::<T>(&paged.pool));
+            assert!(pool[..2 * BLOCK * kv_dim].iter().all(|x| x.is_nan()));
         }
-        // Past the end: the host refuses, the device drops the rows that do not fit.
-        let mut kc = ctx.poisoned::<T>(capacity * kv_dim);
-        let mut vc = ctx.poisoned::<T>(capacity * kv_dim);
+        // Past the table: the host refuses, the device drops the rows that do not fit.
+        let mut paged = Paged::new(ctx, &empty, &empty, kv_dim, capacity);
+        let late = capacity - 2;
         let err = cuda::kv_store(
             &ctx.device,
             kb.as_slice(),
             vb.as_slice(),
-            &mut kc.as_mut_slice::<T>(),
-            &mut vc.as_mut_slice::<T>(),
+            &mut paged.cache_mut::<T>(),
             kv_dim,
-            Position::Host(8),
+            Position::Host(late),
         )
         .unwrap_err();
-        assert!(err.to_string().contains("beyond a cache of 10"), "{err}");
-        let late = ctx.upload(&[8i32]);
+        assert!(
+            err.to_string()
+                .contains("33 positions in a table of 2 blocks of 16"),
+            "{err}"
+        );
+        let late_buf = ctx.upload(&[late as i32]);
         cuda::kv_store(
             &ctx.device,
             kb.as_slice(),
             vb.as_slice(),
-            &mut kc.as_mut_slice::<T>(),
-            &mut vc.as_mut_slice::<T>(),
+            &mut paged.cache_mut::<T>(),
             kv_dim,
-            Position::Device(late.as_slice()),
+            Position::Device(late_buf.as_slice()),
         )
         .unwrap();
-        let kc = widen(&ctx.download::<T>(&kc));
-        assert_eq!(kc[8 * kv_dim..], widen(&round::<T>(&k[..2 * kv_dim]))[..]);
+        let (kc, _) = paged.rows::<T>(ctx);
+        let kc = widen(&kc);
+        assert_eq!(
+            kc[late * kv_dim..],
+            widen(&round::<T>(&k[..2 * kv_dim]))[..]
+        );
+        let pool = widen(&ctx.download::<T>(&paged.pool));
+        assert!(pool[..2 * BLOCK * kv_dim].iter().all(|x| x.is_nan()));
     }
     check::<f32>(&ctx, &mut rng);
     check::<bf16>(&ctx, &mut rng);
@@ -1629,11 +1690,12 @@ fn bad_arguments_are_errors_that_name_the_op() {
         head_dim: 512,
     };
     let mut scratch = ctx.poisoned::<f32>(8);
+    let empty: [f32; 0] = [];
+    let paged = Paged::new(&ctx, &empty, &empty, 4 * 512, 1);
     let err = cuda::attention_decode(
         &ctx.device,
         x.as_slice(),
-        x.as_slice::<f32>(),
-        x.as_slice::<f32>(),
+        paged.cache::<f32>(),
         Position::Host(1),
         shape,
         1.0,

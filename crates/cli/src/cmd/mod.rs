@@ -7,6 +7,7 @@ pub mod serve;
 use std::path::PathBuf;
 
 use anyhow::Context;
+use ember_engine::prompt_cache::CacheBudget;
 use ember_engine::{Engine, EngineOptions, KvDtype, ResidencyMode};
 
 use crate::args::ModelArgs;
@@ -53,6 +54,9 @@ pub fn engine_options(args: &ModelArgs) -> EngineOptions {
         device: args.device,
         cuda_graphs: !args.no_cuda_graphs,
         prefill_chunk: args.prefill_chunk.map(|n| n as usize),
+        // One-off commands gain nothing from keeping prompts; `serve` sets its own.
+        prompt_cache: CacheBudget::Off,
+        prompt_cache_host: CacheBudget::Off,
     }
 }
 

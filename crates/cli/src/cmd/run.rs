@@ -40,6 +40,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         sampling,
         ignore_eos: args.ignore_eos,
         step_logits: false,
+        cache_prompt: true,
     };
     let mut decoder = StreamDecoder::new(engine.tokenizer().clone());
     let stdout = std::io::stdout();

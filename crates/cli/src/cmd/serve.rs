@@ -17,7 +17,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         host: args.host,
         port: args.port,
         model: super::model_path(&args.model)?,
-        engine: super::engine_options(&args.model),
+        engine: ember_engine::EngineOptions {
+            prompt_cache: args.prompt_cache_gib,
+            prompt_cache_host: args.prompt_cache_host_gib,
+            ..super::engine_options(&args.model)
+        },
         api_keys_file: args.api_keys_file,
         served_model_name: args.served_model_name,
         shutdown_timeout: Duration::from_secs_f64(args.shutdown_timeout),

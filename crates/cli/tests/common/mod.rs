@@ -147,6 +147,10 @@ impl Server {
             .env_remove("EMBER_LOAD_LIMIT_GB")
             .env_remove("EMBER_KEEP_WARM")
             .env_remove("EMBER_KEEPALIVE_INTERVAL_MS")
+            // A small prompt cache by default (the server's own default takes gigabytes, and
+            // several test servers run at once); `--prompt-cache-gib` in `extra` wins.
+            .env("EMBER_PROMPT_CACHE_GIB", "0.0625")
+            .env_remove("EMBER_PROMPT_CACHE_HOST_GIB")
             .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())

@@ -37,6 +37,60 @@ impl KvSlice<'_> {
     }
 }
 
+/// One layer's keys and values of a sequence, in a pool of blocks of `block_size` positions:
+/// position `t` is row `t % block_size` of block `table[t / block_size]`, and block `b`'s
+/// rows start `b · block_stride` elements into `keys` and `values`. A paged cache lets
+/// sequences share their common prefix's blocks and lets blocks move between sequences and
+/// a prompt cache without copying.
+#[derive(Clone, Copy, Debug)]
+pub struct PagedKv<'a> {
+    pub keys: KvSlice<'a>,
+    pub values: KvSlice<'a>,
+    /// The sequence's blocks, in position order.
+    pub table: &'a [u32],
+    /// Positions a block holds: a power of two.
+    pub block_size: usize,
+    /// Elements from one block's first row to the next block's.
+    pub block_stride: usize,
+}
+
+impl<'a> PagedKv<'a> {
+    /// An unpaged cache, `[positions, kv_row]` in one run: a single block holding them all.
+    pub fn contiguous(keys: KvSlice<'a>, values: KvSlice<'a>, kv_row: usize) -> Self {
+        let positions = keys.len() / kv_row.max(1);
+        PagedKv {
+            keys,
+            values,
+            table: &[0],
+            block_size: positions.max(1).next_power_of_two(),
+            block_stride: 0,
+        }
+    }
+
+    /// Checks that every position below `context` lies inside both slices.
+    fn check(&self, context: usize, kv_row: usize) {
+        assert!(
+            self.block_size.is_power_of_two(),
+            "attention: block size {} is not a power of two",
+            self.block_size
+        );
+        let blocks = context.div_ceil(self.block_size);
+        assert!(
+            self.table.len() >= blocks,
+            "attention: {} blocks in the table for {context} positions",
+            self.table.len()
+        );
+        for (i, &block) in self.table[..blocks].iter().enumerate() {
+            let rows = self.block_size.min(context - i * self.block_size);
+            let end = block as usize * self.block_stride + rows * kv_row;
+            assert!(
+                end <= self.keys.len() && end <= self.values.len(),
+                "attention: block {block} lies past the cache"
+            );
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttentionShape {
     pub n_heads: usize,
@@ -54,15 +108,14 @@ pub fn attention_scratch_len(n_threads: usize, context: usize) -> usize {
 
 /// `out[i, h] = softmax(q[i, h] · K[..=pos0+i]ᵀ · scale) · V[..=pos0+i]`.
 ///
-/// `q` and `out` are `[n, n_heads·head_dim]`; `keys` and `values` are one layer's cache,
-/// `[positions, n_kv_heads·head_dim]`, holding at least `pos0 + n` positions. Query head `h`
-/// reads kv head `h / (n_heads / n_kv_heads)` (grouped-query attention).
+/// `q` and `out` are `[n, n_heads·head_dim]`; `kv` is one layer's cache, rows of
+/// `n_kv_heads·head_dim`, holding at least `pos0 + n` positions. Query head `h` reads kv head
+/// `h / (n_heads / n_kv_heads)` (grouped-query attention).
 #[allow(clippy::too_many_arguments)]
 pub fn causal_attention(
     pool: &ThreadPool,
     q: &[f32],
-    keys: KvSlice<'_>,
-    values: KvSlice<'_>,
+    kv: PagedKv<'_>,
     pos0: usize,
     n: usize,
     shape: AttentionShape,
@@ -85,10 +138,7 @@ pub fn causal_attention(
     );
     let kv_row = n_kv_heads * head_dim;
     let context = pos0 + n;
-    assert!(
-        keys.len() >= context * kv_row && values.len() >= context * kv_row,
-        "attention: cache too short"
-    );
+    kv.check(context, kv_row);
     assert!(q.len() >= n * n_heads * head_dim && out.len() >= n * n_heads * head_dim);
     let per_thread = scratch.len() / pool.n_threads();
     assert!(per_thread >= context, "attention: scratch too small");
@@ -96,8 +146,11 @@ pub fn causal_attention(
     let parts = pool.n_threads().min(items);
     let job = Job {
         q: SharedPtr(q.as_ptr() as *mut f32),
-        keys: SharedPtr(keys.ptr()),
-        values: SharedPtr(values.ptr()),
+        keys: SharedPtr(kv.keys.ptr()),
+        values: SharedPtr(kv.values.ptr()),
+        table: SharedPtr(kv.table.as_ptr() as *mut u32),
+        block_shift: kv.block_size.trailing_zeros(),
+        block_stride: kv.block_stride,
         out: SharedPtr(out.as_mut_ptr()),
         scratch: SharedPtr(scratch.as_mut_ptr()),
         per_thread,
@@ -111,7 +164,7 @@ pub fn causal_attention(
     let isa = Isa::detect();
     pool.broadcast(&|thread| {
         if thread < parts {
-            match keys {
+            match kv.keys {
                 KvSlice::F32(_) => attend_f32(isa, Job { thread, ..job }),
                 KvSlice::F16(_) => attend_f16(isa, Job { thread, ..job }),
                 KvSlice::Bf16(_) => attend_bf16(isa, Job { thread, ..job }),
@@ -125,6 +178,9 @@ struct Job {
     q: SharedPtr<f32>,
     keys: SharedPtr<u8>,
     values: SharedPtr<u8>,
+    table: SharedPtr<u32>,
+    block_shift: u32,
+    block_stride: usize,
     out: SharedPtr<f32>,
     scratch: SharedPtr<f32>,
     per_thread: usize,
@@ -134,6 +190,19 @@ struct Job {
     items: usize,
     parts: usize,
     thread: usize,
+}
+
+impl Job {
+    /// Elements from the start of the cache slices to position `t`'s row.
+    ///
+    /// # Safety
+    /// `t` is below the context [`PagedKv::check`] was given.
+    #[inline(always)]
+    unsafe fn row(&self, t: usize, kv_row: usize) -> usize {
+        let block = unsafe { *self.table.get().add(t >> self.block_shift) } as usize;
+        let within = t & ((1 << self.block_shift) - 1);
+        block * self.block_stride + within * kv_row
+    }
 }
 
 simd_dispatch!(fn attend_f32(job: Job) => attend_items_f32);
@@ -171,7 +240,7 @@ unsafe fn attend_items<S: Simd, E: WeightElem>(job: Job) {
         let kv_offset = (h / group) * d;
         unsafe {
             let q = job.q.get().add((i * n_heads + h) * d) as *const f32;
-            let key = |t: usize| (job.keys.get() as *const E).add(t * kv_row + kv_offset);
+            let key = |t: usize| (job.keys.get() as *const E).add(job.row(t, kv_row) + kv_offset);
             let mut t = 0;
             while t + 4 <= visible {
                 let s = dot4::<S, E>(q, [key(t), key(t + 1), key(t + 2), key(t + 3)], d);
@@ -185,7 +254,8 @@ unsafe fn attend_items<S: Simd, E: WeightElem>(job: Job) {
                 t += 1;
             }
             softmax::<S>(scores, visible);
-            let value = |t: usize| (job.values.get() as *const E).add(t * kv_row + kv_offset);
+            let value =
+                |t: usize| (job.values.get() as *const E).add(job.row(t, kv_row) + kv_offset);
             weighted_sum::<S, E>(
                 scores,
                 visible,
@@ -230,7 +300,7 @@ unsafe fn attend_items_f16<S: Simd>(job: Job) {
             for (e, r) in q16.iter_mut().enumerate().take(d) {
                 *r = F16::round_operand(*q.add(e));
             }
-            let key = |t: usize| (job.keys.get() as *const F16).add(t * kv_row + kv_offset);
+            let key = |t: usize| (job.keys.get() as *const F16).add(job.row(t, kv_row) + kv_offset);
             let mut t = 0;
             while t < visible {
                 let k = std::array::from_fn(|j| key((t + j).min(visible - 1)));
@@ -249,7 +319,8 @@ unsafe fn attend_items_f16<S: Simd>(job: Job) {
             for t in 0..visible {
                 *scores.add(t) = F16::round_operand(*scores.add(t));
             }
-            let value = |t: usize| (job.values.get() as *const F16).add(t * kv_row + kv_offset);
+            let value =
+                |t: usize| (job.values.get() as *const F16).add(job.row(t, kv_row) + kv_offset);
             weighted_sum_lanes::<S>(
                 scores,
                 visible,
@@ -532,8 +603,7 @@ mod tests {
         causal_attention(
             &pool,
             &q,
-            KvSlice::F32(&k),
-            KvSlice::F32(&v),
+            PagedKv::contiguous(KvSlice::F32(&k), KvSlice::F32(&v), kv_row),
             0,
             n,
             shape,
@@ -570,8 +640,7 @@ mod tests {
         causal_attention(
             &pool,
             &q[(n - 1) * q_row..],
-            KvSlice::F32(&k),
-            KvSlice::F32(&v),
+            PagedKv::contiguous(KvSlice::F32(&k), KvSlice::F32(&v), kv_row),
             n - 1,
             1,
             shape,
@@ -595,8 +664,7 @@ mod tests {
         causal_attention(
             &pool,
             &q,
-            KvSlice::F16(&k16),
-            KvSlice::F16(&v16),
+            PagedKv::contiguous(KvSlice::F16(&k16), KvSlice::F16(&v16), kv_row),
             0,
             n,
             shape,
@@ -611,8 +679,7 @@ mod tests {
         causal_attention(
             &pool,
             &q[(n - 1) * q_row..],
-            KvSlice::F16(&k16),
-            KvSlice::F16(&v16),
+            PagedKv::contiguous(KvSlice::F16(&k16), KvSlice::F16(&v16), kv_row),
             n - 1,
             1,
             shape,
@@ -653,8 +720,7 @@ mod tests {
             causal_attention(
                 &pool,
                 &q[pos0 * q_row..(pos0 + rows) * q_row],
-                keys,
-                values,
+                PagedKv::contiguous(keys, values, kv_row),
                 pos0,
                 rows,
                 shape,
@@ -725,8 +791,7 @@ mod tests {
             causal_attention(
                 &pool,
                 &q[pos0 * 2 * d..(pos0 + rows) * 2 * d],
-                KvSlice::F16(&k16),
-                KvSlice::F16(&v16),
+                PagedKv::contiguous(KvSlice::F16(&k16), KvSlice::F16(&v16), d),
                 pos0,
                 rows,
                 shape,
@@ -770,5 +835,81 @@ mod tests {
         // The two orders are different sums: alone and batched are close, not equal.
         let last = &batched[(n - 1) * 2 * d..];
         assert!(last.iter().zip(&alone).all(|(a, b)| (a - b).abs() < 1e-3));
+    }
+    #[test]
+    fn a_paged_cache_gives_the_bits_of_a_contiguous_one() {
+        // Blocks of 4 positions stored out of order, with a foreign block between them: every
+        // cache type, prefill and each position alone, the same bits as the unpaged cache.
+        let shape = AttentionShape {
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 32,
+        };
+        let (n, kv_row, q_row, block) = (11usize, 64usize, 128usize, 4usize);
+        let mut seed = 3u64;
+        let mut next = || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+            ((seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+        };
+        let q: Vec<f32> = (0..n * q_row).map(|_| next()).collect();
+        let k: Vec<f32> = (0..n * kv_row).map(|_| next()).collect();
+        let v: Vec<f32> = (0..n * kv_row).map(|_| next()).collect();
+        // Pool blocks 0..5; the sequence's blocks are 3, 0, 4; blocks 1 and 2 hold garbage.
+        let table = [3u32, 0, 4];
+        let mut pk = vec![9.0f32; 5 * block * kv_row];
+        let mut pv = vec![-9.0f32; 5 * block * kv_row];
+        for t in 0..n {
+            let at = table[t / block] as usize * block * kv_row + (t % block) * kv_row;
+            pk[at..at + kv_row].copy_from_slice(&k[t * kv_row..(t + 1) * kv_row]);
+            pv[at..at + kv_row].copy_from_slice(&v[t * kv_row..(t + 1) * kv_row]);
+        }
+        let pool = ThreadPool::new(2);
+        let mut scratch = vec![0f32; attention_scratch_len(2, n)];
+        let mut run = |kv: PagedKv<'_>, pos0: usize, rows: usize| {
+            let mut out = vec![0f32; rows * q_row];
+            let q = &q[pos0 * q_row..(pos0 + rows) * q_row];
+            causal_attention(&pool, q, kv, pos0, rows, shape, 0.2, &mut out, &mut scratch);
+            out
+        };
+        let f16 =
+            |x: &[f32]| -> Vec<u16> { x.iter().map(|&x| crate::dtype::f32_to_f16(x)).collect() };
+        let bf16 =
+            |x: &[f32]| -> Vec<u16> { x.iter().map(|&x| crate::dtype::f32_to_bf16(x)).collect() };
+        let (k16, v16, pk16, pv16) = (f16(&k), f16(&v), f16(&pk), f16(&pv));
+        let (kb, vb, pkb, pvb) = (bf16(&k), bf16(&v), bf16(&pk), bf16(&pv));
+        let cases: [(KvSlice<'_>, KvSlice<'_>, KvSlice<'_>, KvSlice<'_>); 3] = [
+            (
+                KvSlice::F32(&k),
+                KvSlice::F32(&v),
+                KvSlice::F32(&pk),
+                KvSlice::F32(&pv),
+            ),
+            (
+                KvSlice::F16(&k16),
+                KvSlice::F16(&v16),
+                KvSlice::F16(&pk16),
+                KvSlice::F16(&pv16),
+            ),
+            (
+                KvSlice::Bf16(&kb),
+                KvSlice::Bf16(&vb),
+                KvSlice::Bf16(&pkb),
+                KvSlice::Bf16(&pvb),
+            ),
+        ];
+        for (keys, values, pkeys, pvalues) in cases {
+            let paged = PagedKv {
+                keys: pkeys,
+                values: pvalues,
+                table: &table,
+                block_size: block,
+                block_stride: block * kv_row,
+            };
+            let flat = PagedKv::contiguous(keys, values, kv_row);
+            assert_eq!(run(paged, 0, n), run(flat, 0, n));
+            for pos in 0..n {
+                assert_eq!(run(paged, pos, 1), run(flat, pos, 1));
+            }
+        }
     }
 }

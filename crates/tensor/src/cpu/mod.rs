@@ -17,7 +17,7 @@ mod quant_dot;
 pub(crate) mod simd;
 
 pub use argmax::{argmax, max_ignoring_nan};
-pub use attention::{AttentionShape, KvSlice, attention_scratch_len, causal_attention};
+pub use attention::{AttentionShape, KvSlice, PagedKv, attention_scratch_len, causal_attention};
 pub use elementwise::{
     RopeLayout, RopeTables, add_assign, add_bias, rms_norm, rms_norm_in_place, rope_in_place,
     silu_mul, softmax_in_place,

@@ -1,6 +1,7 @@
-//! Attention over a KV cache: flash-decoding for one new token, tiled causal attention for a
-//! prompt chunk. Layouts as in [`crate::cpu::causal_attention`]: the cache of one layer is
-//! `[positions, n_kv_heads · head_dim]`, queries and outputs `[tokens, n_heads · head_dim]`.
+//! Attention over a paged KV cache: flash-decoding for one new token, tiled causal attention
+//! for a prompt chunk. Layouts as in [`crate::cpu::causal_attention`]: a layer's cache is rows
+//! of `n_kv_heads · head_dim`, a position's row found through the sequence's block table
+//! ([`PagedCache`]); queries and outputs are `[tokens, n_heads · head_dim]`.
 
 use super::device::launch;
 use super::kernels::{Float, Kernel, Module};
@@ -85,46 +86,138 @@ fn lane_width(head_dim: usize) -> u8 {
     }
 }
 
-/// Whether the tiles can load 16 bytes at a time: every head starts on 16 bytes (as 1 when
-/// it can, for the kernel's `vec`).
-fn vectorised<T: FloatElem>(
-    keys: DevSlice<'_, T>,
-    values: DevSlice<'_, T>,
-    head_dim: usize,
-) -> i32 {
-    let per_chunk = 16 / T::FLOAT.size_in_bytes();
-    i32::from(
-        head_dim.is_multiple_of(per_chunk)
-            && keys.device_ptr().is_multiple_of(16)
-            && values.device_ptr().is_multiple_of(16),
-    )
+/// One layer's keys and values of a sequence in a pool of KV blocks (as
+/// [`crate::cpu::PagedKv`]): position `t` is row `t % block_size` of block
+/// `table[t / block_size]`; a block's rows of this layer's keys start `keys_offset` elements
+/// into it, its values' `values_offset`, and block `b` starts `b · block_stride` elements into
+/// `pool`. The table's entries are the caller's to keep inside the pool (the kernels trust
+/// them; only the host can check them).
+#[derive(Clone, Copy)]
+pub struct PagedCache<'a, T> {
+    pub pool: DevSlice<'a, T>,
+    pub keys_offset: usize,
+    pub values_offset: usize,
+    /// The sequence's blocks, in position order.
+    pub table: DevSlice<'a, i32>,
+    /// Positions a block holds: a power of two.
+    pub block_size: usize,
+    pub block_stride: usize,
 }
 
-fn check_cache<T: FloatElem>(
-    op: &'static str,
-    keys: DevSlice<'_, T>,
-    values: DevSlice<'_, T>,
-    positions: usize,
-    shape: AttentionShape,
-) -> Result<(), CudaError> {
-    let need = positions * shape.n_kv_heads * shape.head_dim;
-    ensure!(
-        keys.len() >= need && values.len() >= need,
-        op,
-        "cache of {} keys and {} values is shorter than {positions} positions ({need})",
-        keys.len(),
-        values.len()
-    );
-    Ok(())
+/// [`PagedCache`] to be written: the kernels that store keys and values take it.
+pub struct PagedCacheMut<'a, T> {
+    pub pool: DevSliceMut<'a, T>,
+    pub keys_offset: usize,
+    pub values_offset: usize,
+    pub table: DevSlice<'a, i32>,
+    pub block_size: usize,
+    pub block_stride: usize,
+}
+
+impl<T: FloatElem> PagedCacheMut<'_, T> {
+    pub fn as_ref(&self) -> PagedCache<'_, T> {
+        PagedCache {
+            pool: self.pool.as_slice(),
+            keys_offset: self.keys_offset,
+            values_offset: self.values_offset,
+            table: self.table,
+            block_size: self.block_size,
+            block_stride: self.block_stride,
+        }
+    }
+}
+
+/// `KvPages` in common.cuh, field for field.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct KvPages {
+    table: u64,
+    block_stride: i64,
+    shift: i32,
+    capacity: i32,
+}
+const _: () = assert!(size_of::<KvPages>() == 24);
+
+impl<T: FloatElem> PagedCache<'_, T> {
+    fn keys_ptr(&self) -> u64 {
+        self.pool.device_ptr() + (self.keys_offset * size_of::<T>()) as u64
+    }
+
+    fn values_ptr(&self) -> u64 {
+        self.pool.device_ptr() + (self.values_offset * size_of::<T>()) as u64
+    }
+
+    /// Positions the table covers.
+    fn capacity(&self) -> usize {
+        self.table.len() * self.block_size
+    }
+
+    /// Checks the geometry, and that the table covers `positions` where the host knows them;
+    /// returns the kernels' view.
+    fn pages(
+        &self,
+        op: &'static str,
+        positions: Option<usize>,
+        kv_row: usize,
+    ) -> Result<KvPages, CudaError> {
+        let (size, stride) = (self.block_size, self.block_stride);
+        ensure!(
+            size.is_power_of_two(),
+            op,
+            "blocks of {size} positions, not a power of two"
+        );
+        ensure!(
+            self.keys_offset + size * kv_row <= stride
+                && self.values_offset + size * kv_row <= stride
+                && stride > 0
+                && self.pool.len() >= stride
+                && self.pool.len().is_multiple_of(stride),
+            op,
+            "a layer's rows of {kv_row} at {} and {} do not lie inside blocks of {stride} elements \
+             in a pool of {}",
+            self.keys_offset,
+            self.values_offset,
+            self.pool.len()
+        );
+        if let Some(positions) = positions {
+            ensure!(
+                positions <= self.capacity(),
+                op,
+                "{positions} positions in a table of {} blocks of {size}",
+                self.table.len()
+            );
+        }
+        Ok(KvPages {
+            table: self.table.device_ptr(),
+            block_stride: i64::try_from(stride)
+                .map_err(|_| CudaError::invalid(op, format!("blocks of {stride} elements")))?,
+            shift: size.trailing_zeros() as i32,
+            capacity: int(op, "positions", self.capacity())?,
+        })
+    }
+
+    /// Whether the tiles can load 16 bytes at a time: every row of a head starts on 16 bytes
+    /// (as 1 when it can, for the kernel's `vec`).
+    fn vectorised(&self, head_dim: usize, kv_row: usize) -> i32 {
+        let bytes = size_of::<T>();
+        let per_chunk = 16 / bytes;
+        i32::from(
+            head_dim.is_multiple_of(per_chunk)
+                && (kv_row * bytes).is_multiple_of(16)
+                && (self.block_stride * bytes).is_multiple_of(16)
+                && self.keys_ptr().is_multiple_of(16)
+                && self.values_ptr().is_multiple_of(16),
+        )
+    }
 }
 
 /// Attention of one new token's queries `q` (`[n_heads · head_dim]`) over the first `context`
-/// positions of the cache (the token's own included), into `out`.
+/// positions of the sequence's cache (the token's own included), into `out`.
 ///
 /// The context is split into up to 64 chunks, each taken by its own blocks, and the last
 /// block of each group of heads to finish merges them, in one launch. The kernel works the
 /// chunks out from the context alone, so a context read on the device ([`Position::Device`],
-/// at most `keys.len()` positions: checked on the host only for [`Position::Host`]) gives the
+/// at most the positions the table covers: checked on the host only for [`Position::Host`]) gives the
 /// same bits as the same context known on the host. `scratch` holds
 /// [`attention_decode_scratch_len`] values, its tickets zeroed once by
 /// [`attention_decode_scratch_reset`].
@@ -136,8 +229,7 @@ fn check_cache<T: FloatElem>(
 pub fn attention_decode<T: FloatElem>(
     device: &CudaDevice,
     q: DevSlice<'_, f32>,
-    keys: DevSlice<'_, T>,
-    values: DevSlice<'_, T>,
+    cache: PagedCache<'_, T>,
     context: Position<'_>,
     shape: AttentionShape,
     scale: f32,
@@ -148,8 +240,7 @@ pub fn attention_decode<T: FloatElem>(
     launch_decode(
         device,
         q,
-        keys,
-        values,
+        cache,
         context,
         shape,
         scale,
@@ -201,8 +292,7 @@ pub fn attention_decode_rope<T: FloatElem>(
     device: &CudaDevice,
     q: DevSlice<'_, f32>,
     rope: DecodeRope<'_>,
-    keys: &mut DevSliceMut<'_, T>,
-    values: &mut DevSliceMut<'_, T>,
+    cache: &mut PagedCacheMut<'_, T>,
     context: Position<'_>,
     shape: AttentionShape,
     scale: f32,
@@ -258,15 +348,12 @@ pub fn attention_decode_rope<T: FloatElem>(
         positions: int(OP, "positions", rope.cos.len() / half)?,
         pairs: i32::from(rope.layout == RopeLayout::Pairs),
         eps: norms.iter().flatten().next().map_or(0.0, |n| n.eps),
-        capacity: int(OP, "capacity", keys.len().min(values.len()) / kv_dim)?,
     };
-    // The kernel writes the step's row through these views: `keys` and `values` are borrowed
-    // mutably for it.
+    // The kernel writes the step's row through this view: the pool is borrowed mutably for it.
     launch_decode(
         device,
         q,
-        keys.as_slice(),
-        values.as_slice(),
+        cache.as_ref(),
         context,
         shape,
         scale,
@@ -290,7 +377,6 @@ struct RopeArgs {
     positions: i32,
     pairs: i32,
     eps: f32,
-    capacity: i32,
 }
 // The kernel's struct asserts the same size (a field added on one side only fails both).
 const _: () = assert!(size_of::<RopeArgs>() == 64);
@@ -299,8 +385,7 @@ const _: () = assert!(size_of::<RopeArgs>() == 64);
 fn launch_decode<T: FloatElem>(
     device: &CudaDevice,
     q: DevSlice<'_, f32>,
-    keys: DevSlice<'_, T>,
-    values: DevSlice<'_, T>,
+    cache: PagedCache<'_, T>,
     context: Position<'_>,
     shape: AttentionShape,
     scale: f32,
@@ -311,15 +396,16 @@ fn launch_decode<T: FloatElem>(
 ) -> Result<(), CudaError> {
     const OP: &str = "attention_decode";
     let width = check_shape(OP, shape)?;
-    if let Some(context) = context.host() {
-        check_cache(OP, keys, values, context, shape)?;
-        ensure!(context > 0, OP, "no keys to attend to");
-    }
     let AttentionShape {
         n_heads,
         n_kv_heads,
         head_dim,
     } = shape;
+    let kv_row = n_kv_heads * head_dim;
+    let pages = cache.pages(OP, context.host(), kv_row)?;
+    if let Some(context) = context.host() {
+        ensure!(context > 0, OP, "no keys to attend to");
+    }
     let q_len = n_heads * head_dim;
     ensure!(
         q.len() == q_len && out.len() == q_len,
@@ -343,7 +429,7 @@ fn launch_decode<T: FloatElem>(
     );
 
     // A lane's values of a row come whole in vector loads.
-    let vec = vectorised(keys, values, head_dim) & i32::from(head_dim.is_multiple_of(width.into()));
+    let vec = cache.vectorised(head_dim, kv_row) & i32::from(head_dim.is_multiple_of(width.into()));
     let tensor_cores = precision == AttentionPrecision::Bf16
         && T::FLOAT != Float::F32
         && MMA_HEAD_DIMS.contains(&head_dim)
@@ -372,7 +458,7 @@ fn launch_decode<T: FloatElem>(
         .slice_mut(tickets_at(shape)..scratch.len())
         .device_ptr();
     let (part_ml, part_acc) = scratch.reborrow().split_at_mut(MAX_SPLITS * n_heads * 2);
-    let (qp, kp, vp) = (q.device_ptr(), keys.device_ptr(), values.device_ptr());
+    let (qp, kp, vp) = (q.device_ptr(), cache.keys_ptr(), cache.values_ptr());
     let (mlp, accp, outp) = (
         part_ml.device_ptr(),
         part_acc.device_ptr(),
@@ -405,7 +491,7 @@ fn launch_decode<T: FloatElem>(
     );
     launch!(device, kernel, config(grid, THREADS, 0);
         qp, kp, vp, mlp, accp, tickets, outp, ctx, ctx_dev, heads, kv_heads, d, scale, target, vec,
-        rope)
+        pages, rope)
 }
 
 /// Keys per decode chunk: `decode_keys_per_split` in attention_decode.cu, for the grid.
@@ -417,16 +503,15 @@ fn keys_per_split(context: usize, target_splits: usize) -> usize {
         .next_multiple_of(KEY_ROUND)
 }
 
-/// Stores one step's keys and values (`[rows, kv_dim]` f32 each) into one layer's cache
-/// (`[positions, kv_dim]`) at positions `pos0..pos0 + rows`, converted to the cache's type,
-/// in one launch. With [`Position::Device`] rows past the cache are dropped on the device.
-#[allow(clippy::too_many_arguments)]
+/// Stores one step's keys and values (`[rows, kv_dim]` f32 each) into one layer's cache at
+/// positions `pos0..pos0 + rows` of the sequence's blocks, converted to the cache's type, in
+/// one launch. With [`Position::Device`] rows past the positions the table covers are dropped
+/// on the device.
 pub fn kv_store<T: FloatElem>(
     device: &CudaDevice,
     k: DevSlice<'_, f32>,
     v: DevSlice<'_, f32>,
-    keys: &mut DevSliceMut<'_, T>,
-    values: &mut DevSliceMut<'_, T>,
+    cache: &mut PagedCacheMut<'_, T>,
     kv_dim: usize,
     pos0: Position<'_>,
 ) -> Result<(), CudaError> {
@@ -438,40 +523,23 @@ pub fn kv_store<T: FloatElem>(
         k.len(),
         v.len()
     );
-    ensure!(
-        keys.len() == values.len() && keys.len().is_multiple_of(kv_dim),
-        OP,
-        "caches of {} keys and {} values in rows of {kv_dim}",
-        keys.len(),
-        values.len()
-    );
-    let (rows, capacity) = (k.len() / kv_dim, keys.len() / kv_dim);
-    if let Some(pos0) = pos0.host() {
-        ensure!(
-            pos0 + rows <= capacity,
-            OP,
-            "positions {pos0}..{} beyond a cache of {capacity}",
-            pos0 + rows
-        );
-    }
+    let rows = k.len() / kv_dim;
+    let cache = cache.as_ref();
+    let pages = cache.pages(OP, pos0.host().map(|p| p + rows), kv_dim)?;
     if rows == 0 {
         return Ok(());
     }
     let (kp, vp, kcp, vcp) = (
         k.device_ptr(),
         v.device_ptr(),
-        keys.device_ptr(),
-        values.device_ptr(),
+        cache.keys_ptr(),
+        cache.values_ptr(),
     );
     let (p0, p0_dev) = pos0.args(OP, "pos0")?;
-    let (n, dim, cap) = (
-        int(OP, "rows", rows)?,
-        int(OP, "kv_dim", kv_dim)?,
-        int(OP, "capacity", capacity)?,
-    );
+    let (n, dim) = (int(OP, "rows", rows)?, int(OP, "kv_dim", kv_dim)?);
     let blocks = stride_blocks(device, k.len());
     launch!(device, Kernel::KvStore { kv: T::FLOAT }, config((blocks, 1), super::THREADS, 0);
-        kp, vp, kcp, vcp, n, dim, p0, p0_dev, cap)
+        kp, vp, kcp, vcp, n, dim, p0, p0_dev, pages)
 }
 
 /// How [`attention_prefill`] and [`attention_decode`] may compute.
@@ -493,14 +561,13 @@ const MMA_ROWS: usize = 64;
 const MMA_THREADS: u32 = 128;
 
 /// Causal attention of `n` new tokens at positions `pos0..pos0 + n` (their keys and values
-/// already in the cache): query `i` sees positions `..=pos0 + i`. `q` and `out` are
+/// already in the sequence's cache): query `i` sees positions `..=pos0 + i`. `q` and `out` are
 /// `[n, n_heads · head_dim]`.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_prefill<T: FloatElem>(
     device: &CudaDevice,
     q: DevSlice<'_, f32>,
-    keys: DevSlice<'_, T>,
-    values: DevSlice<'_, T>,
+    cache: PagedCache<'_, T>,
     pos0: usize,
     n: usize,
     shape: AttentionShape,
@@ -510,12 +577,13 @@ pub fn attention_prefill<T: FloatElem>(
 ) -> Result<(), CudaError> {
     const OP: &str = "attention_prefill";
     let width = check_shape(OP, shape)?;
-    check_cache(OP, keys, values, pos0 + n, shape)?;
     let AttentionShape {
         n_heads,
         n_kv_heads,
         head_dim,
     } = shape;
+    let kv_row = n_kv_heads * head_dim;
+    let pages = cache.pages(OP, Some(pos0 + n), kv_row)?;
     let len = n * n_heads * head_dim;
     ensure!(
         q.len() == len && out.len() == len,
@@ -529,8 +597,8 @@ pub fn attention_prefill<T: FloatElem>(
     }
     let (qp, kp, vp, op) = (
         q.device_ptr(),
-        keys.device_ptr(),
-        values.device_ptr(),
+        cache.keys_ptr(),
+        cache.values_ptr(),
         out.device_ptr(),
     );
     let (tokens, p0, heads, kv_heads, d) = (
@@ -543,7 +611,7 @@ pub fn attention_prefill<T: FloatElem>(
     let tensor_cores = precision == AttentionPrecision::Bf16
         && MMA_HEAD_DIMS.contains(&head_dim)
         && device.info().compute_capability >= super::Module::AttentionMma.min_compute_capability()
-        && [kp, vp].iter().all(|p| p.is_multiple_of(16));
+        && cache.vectorised(head_dim, kv_row) == 1;
     if tensor_cores {
         let kernel = Kernel::AttentionPrefillMma {
             kv: T::FLOAT,
@@ -552,9 +620,9 @@ pub fn attention_prefill<T: FloatElem>(
         let smem = kernel.dynamic_smem_bytes().unwrap_or(0);
         let grid = (n.div_ceil(MMA_ROWS) as u32, n_heads as u32);
         return launch!(device, kernel, config(grid, MMA_THREADS, smem);
-            qp, kp, vp, op, tokens, p0, heads, kv_heads, scale);
+            qp, kp, vp, op, tokens, p0, heads, kv_heads, scale, pages);
     }
-    let vec = vectorised(keys, values, head_dim);
+    let vec = cache.vectorised(head_dim, kv_row);
     let kernel = Kernel::AttentionPrefill {
         kv: T::FLOAT,
         width,
@@ -562,7 +630,7 @@ pub fn attention_prefill<T: FloatElem>(
     let smem = kernel.dynamic_smem_bytes().unwrap_or(0);
     let grid = (n.div_ceil(ROWS) as u32, n_heads as u32);
     launch!(device, kernel, config(grid, THREADS, smem);
-        qp, kp, vp, op, tokens, p0, heads, kv_heads, d, scale, vec)
+        qp, kp, vp, op, tokens, p0, heads, kv_heads, d, scale, vec, pages)
 }
 
 #[cfg(test)]

@@ -490,6 +490,36 @@ impl CudaDevice {
         self.synchronize()
     }
 
+    /// Enqueues a copy of host data into device memory of the same length, before the work
+    /// enqueued after it, and returns without waiting. From page-locked memory the copy runs
+    /// while the host goes on; from pageable memory the driver stages it before returning.
+    ///
+    /// # Safety
+    ///
+    /// `src` must stay allocated and unwritten until the stream has passed the copy (an event
+    /// recorded after it has completed, or the stream has been synchronised).
+    pub unsafe fn upload_async<T: DeviceElem>(
+        &self,
+        dst: &mut DevSliceMut<'_, T>,
+        src: &[T],
+    ) -> Result<(), CudaError> {
+        ensure!(
+            dst.len() == src.len(),
+            "upload",
+            "{} elements into {}",
+            src.len(),
+            dst.len()
+        );
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: `dst` is a live device range of `src.len()` elements; the caller keeps `src`
+        // alive and unwritten until the copy is done.
+        unsafe { drv::memcpy_htod_async(dst.device_ptr(), src, self.inner.stream.cu_stream()) }
+            .map_err(CudaError::driver("cuMemcpyHtoDAsync"))
+    }
+
     /// Copies device memory into a host slice of the same length, after the work before it.
     pub fn download<T: DeviceElem>(
         &self,

@@ -1,8 +1,9 @@
 // Prompt attention of f32 queries over a KV cache of f32, bf16 or f16 (the tensor-core form is
 // attention_mma.cu, one new token's is attention_decode.cu), and the cache's stores.
 //
-// The cache of one layer is [positions, n_kv_heads, d]; queries and outputs are
-// [tokens, n_heads, d] f32; query head h reads kv head h / (n_heads / n_kv_heads).
+// The cache of one layer is rows of [n_kv_heads, d], a position's row found through the
+// sequence's block table (KvPages, common.cuh); queries and outputs are [tokens, n_heads, d]
+// f32; query head h reads kv head h / (n_heads / n_kv_heads).
 //
 // attention_prefill: causal attention of a prompt chunk of n tokens at positions pos0..pos0+n
 // over the cache (which already holds them); a block takes 16 queries of one head. It walks
@@ -52,7 +53,8 @@ template <int E> struct Smem {
 template <typename KV, int E>
 __device__ __forceinline__ void load_tile(const Smem<E>& s, const KV* __restrict__ kc,
                                           const KV* __restrict__ vc, int t0, int count,
-                                          int kv_stride, int offset, int d, int vec) {
+                                          int kv_stride, int offset, int d, int vec,
+                                          const KvPages& pages) {
     const int DP = E * 32;
     if (vec) {
         const int N = Chunk<KV>::N, PER_ROW = DP / N;
@@ -61,7 +63,7 @@ __device__ __forceinline__ void load_tile(const Smem<E>& s, const KV* __restrict
             const int t = idx / PER_ROW, e0 = (idx - t * PER_ROW) * N;
             float kf[N], vf[N];
             if (t < count && e0 < d) {
-                const size_t o = (size_t)(t0 + t) * kv_stride + offset + e0;
+                const size_t o = kv_row(pages, t0 + t, kv_stride) + offset + e0;
                 Chunk<KV>::unpack(*(const uint4*)(kc + o), kf);
                 Chunk<KV>::unpack(*(const uint4*)(vc + o), vf);
             } else {
@@ -80,7 +82,7 @@ __device__ __forceinline__ void load_tile(const Smem<E>& s, const KV* __restrict
         const int t = idx / DP, e = idx - t * DP;
         float kv = 0.0f, vv = 0.0f;
         if (t < count && e < d) {
-            const size_t o = (size_t)(t0 + t) * kv_stride + offset + e;
+            const size_t o = kv_row(pages, t0 + t, kv_stride) + offset + e;
             kv = to_f32(kc[o]);
             vv = to_f32(vc[o]);
         }
@@ -140,7 +142,7 @@ __device__ __forceinline__ void attention_prefill(const float* __restrict__ q,
                                                   const KV* __restrict__ vc,
                                                   float* __restrict__ out, int n, int pos0,
                                                   int n_heads, int n_kv_heads, int d,
-                                                  float scale, int vec) {
+                                                  float scale, int vec, const KvPages& pages) {
     extern __shared__ float smem[];
     const Smem<E> s(smem);
     const int h = blockIdx.y;
@@ -159,7 +161,7 @@ __device__ __forceinline__ void attention_prefill(const float* __restrict__ q,
     for (int t0 = 0; t0 < keys; t0 += ATT_TILE) {
         const int count = min(ATT_TILE, keys - t0);
         __syncthreads();
-        load_tile<KV, E>(s, kc, vc, t0, count, n_kv_heads * d, kvh * d, d, vec);
+        load_tile<KV, E>(s, kc, vc, t0, count, n_kv_heads * d, kvh * d, d, vec, pages);
         __syncthreads();
 #pragma unroll
         for (int j = 0; j < ATT_ROWS_PER_WARP; ++j) {
@@ -188,9 +190,10 @@ __device__ __forceinline__ void attention_prefill(const float* __restrict__ q,
 #define ATTENTION(T, KV, E)                                                                    \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_prefill_##T##_e##E(     \
         const float* q, const KV* kc, const KV* vc, float* out, int n, int pos0, int n_heads,  \
-        int n_kv_heads, int d, float scale, int vec) {                                         \
+        int n_kv_heads, int d, float scale, int vec, const KvPages pages) {                    \
         grid_dependency_wait();                                                                \
-        attention_prefill<KV, E>(q, kc, vc, out, n, pos0, n_heads, n_kv_heads, d, scale, vec); \
+        attention_prefill<KV, E>(q, kc, vc, out, n, pos0, n_heads, n_kv_heads, d, scale, vec,  \
+                                 pages);                                                       \
     }
 #define ATTENTION_ALL_WIDTHS(T, KV) ATTENTION(T, KV, 2) ATTENTION(T, KV, 4) ATTENTION(T, KV, 8)
 
@@ -199,20 +202,21 @@ ATTENTION_ALL_WIDTHS(bf16, bf16_t)
 ATTENTION_ALL_WIDTHS(f16, f16_t)
 
 // This step's keys and values (f32, [rows, kv_dim]) into one layer's cache at positions
-// pos0.. (pos0 read from `pos0_dev` when set), converted to the cache's type; rows past the
-// cache's `capacity` positions are dropped. One launch for both.
+// pos0.. (pos0 read from `pos0_dev` when set) of the sequence's blocks, converted to the
+// cache's type; rows past the positions the block table covers are dropped. One launch for
+// both.
 template <typename KV>
 __device__ __forceinline__ void kv_store(const float* __restrict__ k, const float* __restrict__ v,
                                          KV* __restrict__ kc, KV* __restrict__ vc, int rows,
                                          int kv_dim, int pos0, const int* __restrict__ pos0_dev,
-                                         int capacity) {
+                                         const KvPages& pages) {
     if (pos0_dev) pos0 = *pos0_dev;
     const long long n = (long long)rows * kv_dim;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
-        const long long row = i / kv_dim;
-        if (pos0 + row >= capacity) break;
-        const long long o = (long long)pos0 * kv_dim + i;
+        const int row = (int)(i / kv_dim);
+        if (pos0 + row >= pages.capacity) break;
+        const size_t o = kv_row(pages, pos0 + row, kv_dim) + (size_t)(i - (long long)row * kv_dim);
         kc[o] = from_f32<KV>(k[i]);
         vc[o] = from_f32<KV>(v[i]);
     }
@@ -221,9 +225,9 @@ __device__ __forceinline__ void kv_store(const float* __restrict__ k, const floa
 #define KV_STORE(T, KV)                                                                        \
     extern "C" __global__ void kv_store_##T(const float* k, const float* v, KV* kc, KV* vc,    \
                                             int rows, int kv_dim, int pos0,                    \
-                                            const int* pos0_dev, int capacity) {               \
+                                            const int* pos0_dev, const KvPages pages) {        \
         grid_dependency_wait();                                                                \
-        kv_store<KV>(k, v, kc, vc, rows, kv_dim, pos0, pos0_dev, capacity);                    \
+        kv_store<KV>(k, v, kc, vc, rows, kv_dim, pos0, pos0_dev, pages);                       \
     }
 KV_STORE(f32, float)
 KV_STORE(bf16, bf16_t)

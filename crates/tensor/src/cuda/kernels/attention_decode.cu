@@ -1,5 +1,6 @@
 // Flash-decoding: one new token's queries (f32, [n_heads, d]) over the first `context`
-// positions of one layer's KV cache (f32, bf16 or f16, [positions, n_kv_heads, d]); query
+// positions of one layer's KV cache (f32, bf16 or f16, rows of [n_kv_heads, d] in the
+// sequence's blocks, KvPages in common.cuh); query
 // head h reads kv head h / (n_heads / n_kv_heads). Every product here is f32 (CUDA cores);
 // attention_decode_mma.cu, which follows this file in its module, does them on the tensor
 // cores for 16-bit caches and shares the chunking, rope and merge below.
@@ -152,7 +153,6 @@ struct DecodeRope {
     int positions;  // of the tables; a position past them is left unrotated, as rope.cu does
     int pairs;      // 1: rotate 2i with 2i + 1 (GGUF); 0: i with i + d/2 (HF)
     float eps;
-    int capacity;  // positions of the cache; a key past them is not stored
 };
 static_assert(sizeof(DecodeRope) == 64, "RopeArgs in attention.rs has 64 bytes");
 
@@ -351,8 +351,8 @@ __device__ __forceinline__ void attention_decode(
     const float* __restrict__ q, KV* __restrict__ kc, KV* __restrict__ vc,
     float* __restrict__ part_ml, float* __restrict__ part_acc, unsigned* __restrict__ tickets,
     float* __restrict__ out, int context, const int* __restrict__ context_dev, int n_heads,
-    int n_kv_heads, int d, float scale, int target_splits, int vec, const DecodeRope& rope,
-    Wait wait) {
+    int n_kv_heads, int d, float scale, int target_splits, int vec, const KvPages& pages,
+    const DecodeRope& rope, Wait wait) {
     // Keys a warp takes at once: its KB·ROWS scores fit the 32 lanes.
     const int KB = ROWS >= 8 ? 32 / ROWS : 8;
     const int SCORES = KB * ROWS;  // 8, 16 or 32
@@ -385,7 +385,7 @@ __device__ __forceinline__ void attention_decode(
     auto prefetch = [&](int t0) {
         const int t = t0 + (lane >> 1);
         if (vec && lane < 2 * KB && t < t_end && t <= last_cached)
-            prefetch_l2(((lane & 1) ? vh : kh) + (size_t)t * stride, d * sizeof(KV));
+            prefetch_l2(((lane & 1) ? vh : kh) + kv_row(pages, t, stride), d * sizeof(KV));
     };
     const int first = split * keys_per_split + warp * KB, step = DEC_WARPS * KB;
     // Before waiting on the kernel before (the projections): the cached rows and the rope's
@@ -425,14 +425,14 @@ __device__ __forceinline__ void attention_decode(
     }
     if (holds_new) {
         norm_rotate<E>(k_new, lr, lr.k_norm, rope.k_norm != nullptr, rope.pairs, rope.eps, lane, d);
-        const bool stores = blockIdx.y % row_blocks == 0 && warp == 0 && pos < rope.capacity;
+        const bool stores = blockIdx.y % row_blocks == 0 && warp == 0 && pos < pages.capacity;
 #pragma unroll
         for (int j = 0; j < E; ++j) {
             const int e = lane * E + j;
             const KV kq = from_f32<KV>(k_new[j]), vq = from_f32<KV>(v_new[j]);
             if (stores && e < d) {
-                kc[(size_t)pos * stride + (size_t)kvh * d + e] = kq;
-                vc[(size_t)pos * stride + (size_t)kvh * d + e] = vq;
+                kc[kv_row(pages, pos, stride) + (size_t)kvh * d + e] = kq;
+                vc[kv_row(pages, pos, stride) + (size_t)kvh * d + e] = vq;
             }
             k_new[j] = to_f32(kq);
             v_new[j] = to_f32(vq);
@@ -460,8 +460,8 @@ __device__ __forceinline__ void attention_decode(
             // Keys past the chunk re-read its last cached one; their scores are masked below.
             const int tl = min(min(t0 + k, t_end - 1), last_cached);
             if (!FUSED || tl >= 0) {  // (the plain form always has a cached key)
-                load_lane<KV, E>(kh + (size_t)tl * stride, lane, d, vec, kf[k]);
-                load_lane<KV, E>(vh + (size_t)tl * stride, lane, d, vec, vf[k]);
+                load_lane<KV, E>(kh + kv_row(pages, tl, stride), lane, d, vec, kf[k]);
+                load_lane<KV, E>(vh + kv_row(pages, tl, stride), lane, d, vec, vf[k]);
             } else {
                 // Nothing cached yet (the step is at position 0): finite values, which a
                 // masked key's zero weight then cancels.
@@ -545,10 +545,10 @@ __device__ __forceinline__ void attention_decode(
     extern "C" __global__ void __launch_bounds__(DEC_THREADS) NAME(                     \
         const float* q, KV* kc, KV* vc, float* part_ml, float* part_acc, unsigned* tickets,     \
         float* out, int context, const int* context_dev, int n_heads, int n_kv_heads, int d,    \
-        float scale, int target_splits, int vec, const DecodeRope rope) {                       \
+        float scale, int target_splits, int vec, const KvPages pages, const DecodeRope rope) {  \
         attention_decode<KV, E, ROWS, FUSED>(q, kc, vc, part_ml, part_acc, tickets, out,        \
                                              context, context_dev, n_heads, n_kv_heads, d,      \
-                                             scale, target_splits, vec, rope,                   \
+                                             scale, target_splits, vec, pages, rope,            \
                                              [] { grid_dependency_wait(); });                   \
     }
 #define ATTENTION_DECODE(T, KV, E, ROWS)                                                        \

@@ -45,7 +45,8 @@ __device__ __forceinline__ void attention_decode_mma(
     const float* __restrict__ q, KV* __restrict__ kc, KV* __restrict__ vc,
     float* __restrict__ part_ml, float* __restrict__ part_acc, unsigned* __restrict__ tickets,
     float* __restrict__ out, int context, const int* __restrict__ context_dev, int n_heads,
-    int n_kv_heads, float scale, int target_splits, const DecodeRope& rope, Wait wait) {
+    int n_kv_heads, float scale, int target_splits, const KvPages& pages, const DecodeRope& rope,
+    Wait wait) {
     using Mma = Mma16<KV>;
     const int ROWS = DEC_MMA_ROWS, KEYS = DEC_MMA_KEYS;
     const int E = D / 32;        // a lane's values of a row when it holds them in order (rope)
@@ -77,7 +78,7 @@ __device__ __forceinline__ void attention_decode_mma(
     auto prefetch = [&](int t0) {
         const int tk = t0 + (lane >> 1);
         if (tk < t_end && tk <= last_cached)
-            prefetch_l2(((lane & 1) ? vh : kh) + (size_t)tk * stride, D * sizeof(KV));
+            prefetch_l2(((lane & 1) ? vh : kh) + kv_row(pages, tk, stride), D * sizeof(KV));
     };
     const int first = split * keys_per_split + warp * KEYS, step = DEC_WARPS * KEYS;
     const bool holds_new = FUSED && t_end == context;
@@ -93,7 +94,7 @@ __device__ __forceinline__ void attention_decode_mma(
             const bool cached = tk < t_end && tk <= last_cached;
 #pragma unroll
             for (int i = 0; i < K_PARTS; ++i)
-                kw[h][i] = cached ? load_stream16(kh + (size_t)tk * stride + 8 * (4 * i + t))
+                kw[h][i] = cached ? load_stream16(kh + kv_row(pages, tk, stride) + 8 * (4 * i + t))
                                   : make_uint4(0u, 0u, 0u, 0u);
         }
 #pragma unroll
@@ -102,7 +103,7 @@ __device__ __forceinline__ void attention_decode_mma(
             const bool cached = tk < t_end && tk <= last_cached;
 #pragma unroll
             for (int p = 0; p < V_PARTS; ++p)
-                vw[k][p] = cached ? load_stream16(vh + (size_t)tk * stride + 64 * p + 8 * g)
+                vw[k][p] = cached ? load_stream16(vh + kv_row(pages, tk, stride) + 64 * p + 8 * g)
                                   : make_uint4(0u, 0u, 0u, 0u);
         }
     };
@@ -152,7 +153,7 @@ __device__ __forceinline__ void attention_decode_mma(
             v_new[j] = rope.v_new[(size_t)kvh * D + lane * E + j];
         }
         norm_rotate<E>(k_new, lr, lr.k_norm, rope.k_norm != nullptr, rope.pairs, rope.eps, lane, D);
-        const bool stores = blockIdx.y % row_blocks == 0 && pos < rope.capacity;
+        const bool stores = blockIdx.y % row_blocks == 0 && pos < pages.capacity;
 #pragma unroll
         for (int j = 0; j < E; ++j) {
             const int e = lane * E + j;
@@ -160,8 +161,8 @@ __device__ __forceinline__ void attention_decode_mma(
             new_s[0][e] = kq;
             new_s[1][e] = vq;
             if (stores) {
-                kc[(size_t)pos * stride + (size_t)kvh * D + e] = kq;
-                vc[(size_t)pos * stride + (size_t)kvh * D + e] = vq;
+                kc[kv_row(pages, pos, stride) + (size_t)kvh * D + e] = kq;
+                vc[kv_row(pages, pos, stride) + (size_t)kvh * D + e] = vq;
             }
         }
     }
@@ -266,10 +267,11 @@ __device__ __forceinline__ void attention_decode_mma(
     extern "C" __global__ void __launch_bounds__(DEC_THREADS) NAME(                             \
         const float* q, KV* kc, KV* vc, float* part_ml, float* part_acc, unsigned* tickets,     \
         float* out, int context, const int* context_dev, int n_heads, int n_kv_heads, int d,    \
-        float scale, int target_splits, int vec, const DecodeRope rope) {                       \
+        float scale, int target_splits, int vec, const KvPages pages, const DecodeRope rope) {  \
         attention_decode_mma<KV, D, FUSED>(q, kc, vc, part_ml, part_acc, tickets, out, context, \
                                            context_dev, n_heads, n_kv_heads, scale,             \
-                                           target_splits, rope, [] { grid_dependency_wait(); }); \
+                                           target_splits, pages, rope,                          \
+                                           [] { grid_dependency_wait(); });                     \
     }
 #define ATTENTION_DECODE_MMA(T, KV, D)                                                          \
     ATTENTION_DECODE_MMA_ENTRY(attention_decode_mma_##T##_d##D, KV, D, false)                   \

@@ -2,7 +2,7 @@
 // forward pass with 16-bit operands and f32 sums, for heads of D = 64 or 128 values.
 //
 // Layouts as in attention.cu: queries and outputs [n, n_heads, D] f32, the cache of one layer
-// [positions, n_kv_heads, D] (f32, bf16 or f16); query i is at position pos0 + i and sees
+// rows of [n_kv_heads, D] (f32, bf16 or f16) in the sequence's blocks; query i is at position pos0 + i and sees
 // keys 0..=pos0 + i; query head h reads kv head h / (n_heads / n_kv_heads).
 //
 // A block of 4 warps takes 64 queries of one head, a warp 16 of them, whose fragments it keeps
@@ -40,14 +40,14 @@ template <typename KV, int D> struct StageTile {
     // 16-bit caches: 16-byte asynchronous copies, complete after cp_async_wait.
     static __device__ __forceinline__ void copy(unsigned short* ks, unsigned short* vs,
                                                 const KV* kc, const KV* vc, int t0, int keys,
-                                                int kv_stride, int head) {
+                                                int kv_stride, int head, const KvPages& pages) {
         const int CHUNKS = D / 8;  // 16-byte pieces of a row
 #pragma unroll
         for (int i = 0; i < MMA_KEYS * CHUNKS / MMA_THREADS; ++i) {
             const int idx = threadIdx.x + i * MMA_THREADS;
             const int j = idx / CHUNKS, c = (idx % CHUNKS) * 8;
             const bool valid = t0 + j < keys;
-            const size_t off = valid ? (size_t)(t0 + j) * kv_stride + head + c : 0;
+            const size_t off = valid ? kv_row(pages, t0 + j, kv_stride) + head + c : 0;
             cp_async_16(shared_address(ks + j * (D + MMA_PAD) + c), kc + off, valid);
             cp_async_16(shared_address(vs + j * (D + MMA_PAD) + c), vc + off, valid);
         }
@@ -62,14 +62,15 @@ template <int D> struct StageTile<float, D> {
     }
     static __device__ __forceinline__ void copy(unsigned short* ks, unsigned short* vs,
                                                 const float* kc, const float* vc, int t0,
-                                                int keys, int kv_stride, int head) {
+                                                int keys, int kv_stride, int head,
+                                                const KvPages& pages) {
         const int CHUNKS = D / 8;
         for (int i = 0; i < MMA_KEYS * CHUNKS / MMA_THREADS; ++i) {
             const int idx = threadIdx.x + i * MMA_THREADS;
             const int j = idx / CHUNKS, c = (idx % CHUNKS) * 8;
             uint4 k8 = make_uint4(0, 0, 0, 0), v8 = k8;
             if (t0 + j < keys) {
-                const size_t off = (size_t)(t0 + j) * kv_stride + head + c;
+                const size_t off = kv_row(pages, t0 + j, kv_stride) + head + c;
                 k8 = rounded(kc + off);
                 v8 = rounded(vc + off);
             }
@@ -86,7 +87,8 @@ __device__ __forceinline__ void attention_prefill_mma(const float* __restrict__ 
                                                       const KV* __restrict__ kc,
                                                       const KV* __restrict__ vc,
                                                       float* __restrict__ out, int n, int pos0,
-                                                      int n_heads, int n_kv_heads, float scale) {
+                                                      int n_heads, int n_kv_heads, float scale,
+                                                      const KvPages& pages) {
     using Mma = Mma16<KV>;
     const int ROW = D + MMA_PAD;      // a shared row, in 16-bit values
     const int TILE = MMA_KEYS * ROW;  // a K or V tile
@@ -136,7 +138,7 @@ __device__ __forceinline__ void attention_prefill_mma(const float* __restrict__ 
 
     const int keys = pos0 + min(n, q0 + MMA_ROWS);  // the block's last query sees these
     const int n_tiles = (keys + MMA_KEYS - 1) / MMA_KEYS;
-    StageTile<KV, D>::copy(tiles, tiles + TILE, kc, vc, 0, keys, kv_stride, kvh * D);
+    StageTile<KV, D>::copy(tiles, tiles + TILE, kc, vc, 0, keys, kv_stride, kvh * D, pages);
     cp_async_commit();
     for (int tile = 0; tile < n_tiles; ++tile) {
         const int t0 = tile * MMA_KEYS, stage = tile & 1;
@@ -144,7 +146,7 @@ __device__ __forceinline__ void attention_prefill_mma(const float* __restrict__ 
             // The other stage was last read in the previous tile, behind its closing barrier.
             unsigned short* next = tiles + 2 * (stage ^ 1) * TILE;
             StageTile<KV, D>::copy(next, next + TILE, kc, vc, t0 + MMA_KEYS, keys, kv_stride,
-                                   kvh * D);
+                                   kvh * D, pages);
         }
         cp_async_commit();
         cp_async_wait<1>();  // this tile's copies have landed (the next one's may not have)
@@ -250,9 +252,10 @@ __device__ __forceinline__ void attention_prefill_mma(const float* __restrict__ 
 #define ATTENTION_MMA(T, KV, D)                                                                \
     extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_prefill_mma_##T##_d##D( \
         const float* q, const KV* kc, const KV* vc, float* out, int n, int pos0, int n_heads,  \
-        int n_kv_heads, float scale) {                                                         \
+        int n_kv_heads, float scale, const KvPages pages) {                                    \
         grid_dependency_wait();                                                                \
-        attention_prefill_mma<KV, D>(q, kc, vc, out, n, pos0, n_heads, n_kv_heads, scale);     \
+        attention_prefill_mma<KV, D>(q, kc, vc, out, n, pos0, n_heads, n_kv_heads, scale,      \
+                                     pages);                                                   \
     }
 #define ATTENTION_MMA_ALL_DIMS(T, KV) ATTENTION_MMA(T, KV, 64) ATTENTION_MMA(T, KV, 128)
 

@@ -140,3 +140,21 @@ template <> struct Chunk<f16_t> {
         }
     }
 };
+
+// A sequence's blocks in the KV pool, as the attention kernels address one layer's cache:
+// position t is row t & (2^shift - 1) of block table[t >> shift], and each block's rows start
+// block_stride elements after the previous block's (every layer's keys and values of a block
+// lie together). Mirrors `KvPages` in attention.rs field for field.
+struct KvPages {
+    const int* table;
+    long long block_stride;
+    int shift;
+    int capacity;  // positions the table covers; a store past them is dropped
+};
+static_assert(sizeof(KvPages) == 24, "KvPages in attention.rs has 24 bytes");
+
+// Elements from a layer's cache base to position t's row of `row_stride` elements.
+__device__ __forceinline__ size_t kv_row(const KvPages& p, int t, int row_stride) {
+    return (size_t)p.table[t >> p.shift] * (size_t)p.block_stride +
+           (size_t)(t & ((1 << p.shift) - 1)) * (size_t)row_stride;
+}

@@ -1,0 +1,545 @@
+//! The CUDA backend: weights uploaded to device memory in their checkpoint dtype (f32, bf16,
+//! f16), f32 activation slots on the device, a device KV pool, and `ember_tensor::cuda`'s
+//! kernels on the device's one stream. Only the logits come back to the host.
+//!
+//! Decode (≤ [`cuda::MAX_BATCH`] rows) runs matrix-vector kernels that stream each weight
+//! once; longer batches (prefill) run cuBLASLt GEMMs on bf16/f16 copies of the activations
+//! with f32 accumulation (f32 weights stay on the matrix-vector path, 8 rows at a time).
+//!
+//! Split by job: [`weights`] (device matrices and vectors), [`products`] (the matrix
+//! products), [`kv`] (the KV pool, its host tier, attention), [`moe`] (mixture-of-experts
+//! layers), [`pass`] (a pass's inputs on the device, picks ahead of the host, graphs); this
+//! file holds the activations and the [`Backend`] implementation that dispatches to them.
+
+mod kv;
+mod moe;
+mod pass;
+mod products;
+mod weights;
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use ember_checkpoint::TensorSource;
+use ember_tensor::cpu::{AttentionShape, RopeLayout};
+use ember_tensor::cuda::{
+    self, AttentionPrecision, CudaDevice, DeviceBuffer, Epilogue, Gemm, Position, RopeHeads,
+};
+use ember_tensor::quant::dequantize_row;
+use ember_tensor::{Buffer, BufferKind, BufferOwner, DType};
+use half::{bf16, f16};
+
+pub use kv::CudaKvPool;
+pub use moe::CudaExperts;
+pub use weights::{CudaMatrix, CudaRope, CudaVector};
+
+use self::kv::rope_norm;
+use self::moe::MoeWorkspace;
+use self::pass::{GraphKey, PassInputs, PicksAhead, Recording};
+use crate::backend::{
+    AttentionParams, Backend, PICKS_AHEAD, PassShape, Projection, RopeStyle, Slot, add_to_residual,
+    norm_linears_step_by_step, norm_mlp_step_by_step,
+};
+use crate::config::ModelConfig;
+use crate::error::Result;
+use crate::kv_cache::BlockTable;
+use crate::rope::RopeTable;
+use crate::transformer::{Mlp, Moe};
+
+pub struct CudaBackend {
+    device: CudaDevice,
+    owner: BufferOwner,
+    gemm: Gemm,
+    max_batch: usize,
+    logit_rows: usize,
+    /// f32, indexed by [`Slot::index`].
+    slots: [DeviceBuffer; Slot::COUNT],
+    /// A GEMM's 16-bit copy of its input activations.
+    gemm_input: DeviceBuffer,
+    /// The pass's positions, token ids and block table as the kernels read them.
+    inputs: PassInputs,
+    attention_scratch: DeviceBuffer,
+    logits: DeviceBuffer,
+    /// The host side of `logits`: a staging buffer, page-locked with the driver while the
+    /// residency set holds it.
+    logits_host: Buffer,
+    /// The greedy token of the last pass (u32), and its host side: [`Backend::greedy_token`]
+    /// brings back 4 bytes, not a row of logits; [`Backend::pick_ahead`] one slot per pick
+    /// that may wait unread.
+    greedy: DeviceBuffer,
+    greedy_host: Buffer,
+    /// The argmax's chunk bests and ticket (`cuda::argmax_scratch_len`).
+    argmax_scratch: DeviceBuffer,
+    ahead: PicksAhead,
+    moe: Option<MoeWorkspace>,
+    /// Recorded one-token passes; `None` turns recording off.
+    graphs: Option<HashMap<GraphKey, Recording>>,
+    /// Attention on the tensor cores with 16-bit operands (prompt chunks on the GEMM road,
+    /// decode over a 16-bit cache): for 16-bit checkpoints, whose products already run in 16
+    /// bits; f32 checkpoints keep f32 attention.
+    attention_precision: AttentionPrecision,
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        // An unread pick may still be on its way into the staging buffer about to be freed.
+        if self.ahead.enqueued > self.ahead.read
+            && let Err(e) = self.device.synchronize()
+        {
+            tracing::warn!("waiting for the device before freeing its buffers failed: {e}");
+        }
+    }
+}
+
+impl CudaBackend {
+    /// Activations for passes of up to `max_batch` tokens over sequences of up to
+    /// `max_blocks` KV blocks. `graphs`: record one-token passes and replay them (off, every
+    /// pass is launched op by op: for comparing the two, and for debugging).
+    pub fn new(
+        device: CudaDevice,
+        config: &ModelConfig,
+        owner: &BufferOwner,
+        max_batch: usize,
+        max_blocks: usize,
+        logit_rows: usize,
+        graphs: bool,
+    ) -> Result<Self> {
+        let b = max_batch.max(1);
+        let logit_rows = logit_rows.max(1);
+        let f32s = |label: &str, n: usize| {
+            owner.alloc_device(BufferKind::Activations, label, &device, n * 4)
+        };
+        let mut slots = Vec::with_capacity(Slot::COUNT);
+        for slot in Slot::ALL {
+            slots.push(f32s(slot.label(), b * slot.width(config))?);
+        }
+        let widest = config
+            .hidden_size
+            .max(config.q_dim())
+            .max(config.ffn_width());
+        let shape = AttentionShape {
+            n_heads: config.num_attention_heads,
+            n_kv_heads: config.num_key_value_heads,
+            head_dim: config.head_dim,
+        };
+        let gemm_input = owner.alloc_device(
+            BufferKind::Activations,
+            "gemm input (16-bit)",
+            &device,
+            b * widest * 2,
+        )?;
+        let inputs = PassInputs::new(&device, owner, b, max_blocks)?;
+        let mut attention_scratch = f32s(
+            "attention splits",
+            cuda::attention_decode_scratch_len(shape),
+        )?;
+        cuda::attention_decode_scratch_reset(
+            &device,
+            shape,
+            &mut attention_scratch.as_mut_slice::<f32>(),
+        )?;
+        let logits = f32s("logits", logit_rows * config.vocab_size)?;
+        let mut argmax_scratch = f32s("argmax chunks", cuda::argmax_scratch_len(1))?;
+        device.fill_bytes(&mut argmax_scratch.as_mut_slice::<u32>(), 0)?;
+        let gemm = Gemm::new(&device, owner)?;
+        let moe = MoeWorkspace::new(&device, owner, config, b)?;
+        Ok(CudaBackend {
+            owner: owner.clone(),
+            gemm,
+            max_batch: b,
+            logit_rows,
+            slots: slots.try_into().expect("one buffer per slot"),
+            gemm_input,
+            inputs,
+            attention_scratch,
+            logits,
+            logits_host: owner.alloc_staging(
+                BufferKind::Activations,
+                "logits (host)",
+                logit_rows * config.vocab_size * 4,
+            )?,
+            greedy: owner.alloc_device(BufferKind::Activations, "greedy token", &device, 4)?,
+            greedy_host: owner.alloc_staging(
+                BufferKind::Activations,
+                "greedy token (host)",
+                PICKS_AHEAD * 4,
+            )?,
+            argmax_scratch,
+            ahead: pass::picks_ahead(&device)?,
+            moe,
+            graphs: graphs.then(HashMap::new),
+            attention_precision: match config.dtype.as_deref() {
+                Some("bfloat16" | "float16") => AttentionPrecision::Bf16,
+                _ => AttentionPrecision::F32,
+            },
+            device,
+        })
+    }
+
+    pub fn device(&self) -> &CudaDevice {
+        &self.device
+    }
+}
+
+impl Backend for CudaBackend {
+    type Matrix = CudaMatrix;
+    type Vector = CudaVector;
+    type Rope = CudaRope;
+    type Kv = CudaKvPool;
+    type Experts = CudaExperts;
+
+    fn max_batch(&self) -> usize {
+        self.max_batch
+    }
+
+    fn logit_rows(&self) -> usize {
+        self.logit_rows
+    }
+
+    fn load_matrix(
+        &self,
+        source: &dyn TensorSource,
+        name: &str,
+        rows: usize,
+        cols: usize,
+    ) -> Result<CudaMatrix> {
+        let t = source.get_shaped(name, &[rows, cols])?;
+        self.matrix_from(name, t.dtype, t.bytes, rows, cols)
+    }
+
+    fn load_stacked(
+        &self,
+        source: &dyn TensorSource,
+        name: &str,
+        count: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<CudaMatrix> {
+        let t = source.get_shaped(name, &[count, rows, cols])?;
+        self.matrix_from(name, t.dtype, t.bytes, count * rows, cols)
+    }
+
+    fn load_vector(&self, source: &dyn TensorSource, name: &str, len: usize) -> Result<CudaVector> {
+        let t = source.get_shaped(name, &[len])?;
+        let mut values = vec![0f32; len];
+        dequantize_row(t.dtype, t.bytes, &mut values);
+        let buffer = self.upload(name, BufferKind::Repacked, bytemuck::cast_slice(&values))?;
+        Ok(CudaVector(buffer))
+    }
+
+    fn rope_tables(&self, config: &ModelConfig, positions: usize) -> Result<CudaRope> {
+        // The CPU's tables, computed once on the host (the same angles on every device).
+        let host = RopeTable::new(config, positions, &self.owner)?;
+        let (cos, sin) = host.tables(false);
+        Ok(CudaRope {
+            cos: self.upload("rope cos", BufferKind::Scratch, bytemuck::cast_slice(cos))?,
+            sin: self.upload("rope sin", BufferKind::Scratch, bytemuck::cast_slice(sin))?,
+        })
+    }
+
+    fn begin_pass(&mut self, tokens: &[u32], table: &BlockTable) -> Result<()> {
+        self.begin_host_pass(tokens, table)
+    }
+
+    fn run_pass(
+        &mut self,
+        kv: &mut CudaKvPool,
+        shape: PassShape,
+        pass: &mut dyn FnMut(&mut Self, &mut CudaKvPool) -> Result<()>,
+    ) -> Result<()> {
+        self.run_recorded(kv, shape, pass)
+    }
+
+    fn embed(&mut self, table: &CudaMatrix, n: usize) -> Result<()> {
+        let ids = self.inputs.tokens(n);
+        let hidden = table.cols;
+        let mut out = self.slots[Slot::Residual.index()].as_mut_slice::<f32>();
+        let mut out = out.slice_mut(0..n * hidden);
+        let bytes = table.buffer.as_slice::<u8>().slice(table.bytes());
+        let dev = &self.device;
+        match table.dtype {
+            DType::BF16 => cuda::embedding(dev, bytes.cast::<bf16>(), hidden, ids, &mut out)?,
+            DType::F16 => cuda::embedding(dev, bytes.cast::<f16>(), hidden, ids, &mut out)?,
+            _ => cuda::embedding(dev, bytes.cast::<f32>(), hidden, ids, &mut out)?,
+        }
+        Ok(())
+    }
+
+    fn rms_norm(
+        &mut self,
+        src: Slot,
+        rows: Range<usize>,
+        weight: &CudaVector,
+        eps: f32,
+        dst: Slot,
+    ) -> Result<()> {
+        let width = weight.0.len() / 4;
+        let [s, d] = self
+            .slots
+            .get_disjoint_mut([src.index(), dst.index()])
+            .expect("distinct slots");
+        let x = s
+            .as_slice::<f32>()
+            .slice(rows.start * width..rows.end * width);
+        let mut out = d.as_mut_slice::<f32>();
+        let mut out = out.slice_mut(0..rows.len() * width);
+        cuda::rms_norm(&self.device, x, weight.slice(), eps, &mut out)?;
+        Ok(())
+    }
+
+    fn linear(
+        &mut self,
+        weight: &CudaMatrix,
+        bias: Option<&CudaVector>,
+        src: Slot,
+        rows: usize,
+        dst: Slot,
+    ) -> Result<()> {
+        self.project(weight, src, rows, dst, 0, false)?;
+        if let Some(bias) = bias {
+            self.add_bias(bias, dst, rows, weight.rows)?;
+        }
+        Ok(())
+    }
+
+    fn norm_linears(
+        &mut self,
+        src: Slot,
+        rows: Range<usize>,
+        norm: &CudaVector,
+        eps: f32,
+        projections: &[Projection<'_, Self>],
+    ) -> Result<()> {
+        let weights: Vec<&CudaMatrix> = projections.iter().map(|p| p.weight).collect();
+        if self.fusible(rows.len(), &weights) {
+            return self.fused_products(src, rows, norm, eps, projections, Epilogue::Store);
+        }
+        if !weights.iter().all(|w| w.dtype == DType::BF16) {
+            return norm_linears_step_by_step(self, src, rows, norm, eps, projections);
+        }
+        // Prefill: normalised once, straight to bf16, then a GEMM per projection.
+        let n = rows.len();
+        self.norm_into_gemm_input(src, rows, norm, eps)?;
+        for p in projections {
+            self.gemm_from_input::<f32>(p.weight, n, p.dst, 0, false)?;
+            if let Some(bias) = p.bias {
+                self.add_bias(bias, p.dst, n, p.weight.rows)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn norm_mlp(
+        &mut self,
+        rows: Range<usize>,
+        norm: &CudaVector,
+        eps: f32,
+        gate: Projection<'_, Self>,
+        up: Projection<'_, Self>,
+        down: Projection<'_, Self>,
+    ) -> Result<()> {
+        let (n, width, hidden) = (rows.len(), gate.weight.rows, down.weight.rows);
+        let offset = rows.start * hidden;
+        let bf16 = [gate.weight, up.weight, down.weight]
+            .iter()
+            .all(|w| w.dtype == DType::BF16);
+        if self.fusible(n, &[gate.weight, up.weight]) {
+            let projections = [gate, up];
+            self.fused_products(
+                Slot::Residual,
+                rows,
+                norm,
+                eps,
+                &projections,
+                Epilogue::SwiGlu,
+            )?;
+            return add_to_residual(self, &down, Slot::Gate, n, offset);
+        }
+        if !bf16 || [&gate, &up, &down].iter().any(|p| p.bias.is_some()) {
+            return norm_mlp_step_by_step(self, rows, norm, eps, gate, up, down);
+        }
+        // Prefill in bf16 GEMMs, the activations converted only where they are made: the norm
+        // and SwiGLU write bf16 for the next GEMM. Gate and up come out in bf16, as
+        // transformers' bf16 Linear layers give them (half the bytes of f32 to write and to
+        // read back), and SwiGLU multiplies them in f32.
+        self.norm_into_gemm_input(Slot::Residual, rows, norm, eps)?;
+        let len = n * width;
+        self.gemm_from_input::<bf16>(gate.weight, n, Slot::Gate, 0, false)?;
+        self.gemm_from_input::<bf16>(up.weight, n, Slot::Up, 0, false)?;
+        {
+            let [g, u] = self
+                .slots
+                .get_disjoint_mut([Slot::Gate.index(), Slot::Up.index()])
+                .expect("distinct slots");
+            let (g, u) = (
+                g.as_slice::<bf16>().slice(0..len),
+                u.as_slice::<bf16>().slice(0..len),
+            );
+            let mut a = self.gemm_input.as_mut_slice::<bf16>();
+            cuda::silu_mul(&self.device, g, u, &mut a.slice_mut(0..len))?;
+        }
+        self.gemm_from_input::<f32>(down.weight, n, Slot::Residual, offset, true)
+    }
+
+    fn linear_into_residual(
+        &mut self,
+        weight: &CudaMatrix,
+        src: Slot,
+        rows: usize,
+        offset: usize,
+    ) -> Result<()> {
+        self.project(weight, src, rows, Slot::Residual, offset, true)
+    }
+
+    fn rope(
+        &mut self,
+        tables: &CudaRope,
+        style: RopeStyle,
+        slot: Slot,
+        n_heads: usize,
+        head_dim: usize,
+        _pos0: usize,
+        rows: usize,
+        norm: Option<(&CudaVector, f32)>,
+    ) -> Result<()> {
+        let norm = rope_norm(norm);
+        let layout = RopeLayout::from(style);
+        let mut x = self.slots[slot.index()].as_mut_slice::<f32>();
+        let mut x = x.slice_mut(0..rows * n_heads * head_dim);
+        let (cos, sin) = (tables.cos.as_slice(), tables.sin.as_slice());
+        let pos0 = self.inputs.pos0();
+        cuda::rope(
+            &self.device,
+            &mut x,
+            n_heads,
+            head_dim,
+            pos0,
+            cos,
+            sin,
+            layout,
+            norm,
+        )?;
+        Ok(())
+    }
+
+    fn rope_qk(
+        &mut self,
+        tables: &CudaRope,
+        style: RopeStyle,
+        p: &AttentionParams,
+        rows: usize,
+        q_norm: Option<(&CudaVector, f32)>,
+        k_norm: Option<(&CudaVector, f32)>,
+    ) -> Result<()> {
+        let [q, k] = self
+            .slots
+            .get_disjoint_mut([Slot::Queries.index(), Slot::Keys.index()])
+            .expect("distinct slots");
+        let q = RopeHeads {
+            x: q.as_mut_slice::<f32>()
+                .split_at_mut(rows * p.n_heads * p.head_dim)
+                .0,
+            n_heads: p.n_heads,
+            norm: rope_norm(q_norm),
+        };
+        let k = RopeHeads {
+            x: k.as_mut_slice::<f32>()
+                .split_at_mut(rows * p.n_kv_heads * p.head_dim)
+                .0,
+            n_heads: p.n_kv_heads,
+            norm: rope_norm(k_norm),
+        };
+        let pos0: Position<'_> = self.inputs.pos0();
+        let (cos, sin) = (tables.cos.as_slice(), tables.sin.as_slice());
+        let layout = RopeLayout::from(style);
+        cuda::rope_qk(&self.device, q, Some(k), p.head_dim, pos0, cos, sin, layout)?;
+        Ok(())
+    }
+
+    fn attention(&mut self, kv: &mut CudaKvPool, p: AttentionParams, rows: usize) -> Result<()> {
+        self.store_and_attend(kv, p, rows)
+    }
+
+    fn rope_attention(
+        &mut self,
+        kv: &mut CudaKvPool,
+        tables: &CudaRope,
+        style: RopeStyle,
+        params: AttentionParams,
+        rows: usize,
+        q_norm: Option<(&CudaVector, f32)>,
+        k_norm: Option<(&CudaVector, f32)>,
+    ) -> Result<()> {
+        self.rope_store_and_attend(kv, tables, style, params, rows, q_norm, k_norm)
+    }
+
+    fn silu_mul(&mut self, len: usize) -> Result<()> {
+        let [gate, up] = self
+            .slots
+            .get_disjoint_mut([Slot::Gate.index(), Slot::Up.index()])
+            .expect("distinct slots");
+        let mut gate = gate.as_mut_slice::<f32>();
+        let mut gate = gate.slice_mut(0..len);
+        cuda::silu_mul_in_place(&self.device, &mut gate, up.as_slice::<f32>().slice(0..len))?;
+        Ok(())
+    }
+
+    fn add(&mut self, dst: Slot, offset: usize, src: Slot, len: usize) -> Result<()> {
+        let [s, d] = self
+            .slots
+            .get_disjoint_mut([src.index(), dst.index()])
+            .expect("distinct slots");
+        let mut d = d.as_mut_slice::<f32>();
+        let mut d = d.slice_mut(offset..offset + len);
+        cuda::add(&self.device, &mut d, s.as_slice::<f32>().slice(0..len))?;
+        Ok(())
+    }
+
+    fn prepare_experts(&self, experts: &[Mlp<Self>]) -> Result<CudaExperts> {
+        self.experts_from(experts)
+    }
+
+    fn norm_moe(
+        &mut self,
+        moe: &Moe<Self>,
+        rows: Range<usize>,
+        norm: &CudaVector,
+        eps: f32,
+    ) -> Result<()> {
+        self.moe_layer(moe, rows, norm, eps)
+    }
+
+    fn logits(&mut self, len: usize) -> Result<&[f32]> {
+        let host = &mut self.logits_host.as_mut_slice::<f32>()[..len];
+        let logits = self.logits.as_slice::<f32>().slice(0..len);
+        self.device.download(logits, host)?;
+        Ok(&self.logits_host.as_slice::<f32>()[..len])
+    }
+
+    fn greedy_token(&mut self, vocab: usize) -> Result<u32> {
+        self.pick_now(vocab)
+    }
+
+    fn pick_ahead(&mut self, vocab: usize) -> Result<()> {
+        self.enqueue_pick(vocab)
+    }
+
+    fn read_pick(&mut self) -> Result<u32> {
+        self.take_pick()
+    }
+
+    fn begin_fed_pass(&mut self, table: &BlockTable) -> Result<()> {
+        self.begin_fed(table)
+    }
+    /// `logits[..rows] = Normed[..rows] · headᵀ` (matrix-vector: at most a few rows).
+    fn project_logits(&mut self, head: &CudaMatrix, rows: usize) -> Result<()> {
+        let mat = head.as_mat()?;
+        let x = self.slots[Slot::Normed.index()]
+            .as_slice::<f32>()
+            .slice(0..rows * head.cols);
+        let mut y = self.logits.as_mut_slice::<f32>();
+        let mut y = y.slice_mut(0..rows * head.rows);
+        cuda::matvec(&self.device, &mat, x, rows, &mut y, false)?;
+        Ok(())
+    }
+}

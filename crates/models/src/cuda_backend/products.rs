@@ -1,0 +1,176 @@
+//! Matrix products on the device: matrix-vector kernels for decode batches (the norm and the
+//! epilogue inside them where they fuse), cuBLASLt GEMMs on 16-bit activations for prompts.
+
+use std::ops::Range;
+
+use ember_tensor::DType;
+use ember_tensor::cuda::{
+    self, DevSliceMut, DeviceBuffer, Epilogue, Float, MatvecNorm, MatvecOutput,
+};
+use half::{bf16, f16};
+
+use super::CudaBackend;
+use super::weights::{CudaMatrix, CudaVector};
+use crate::backend::{Projection, Slot};
+use crate::error::Result;
+
+impl CudaBackend {
+    /// `dst[offset..][..rows·out] = src[..rows·in] · Wᵀ` (`+=` with `accumulate`), by
+    /// matrix-vector kernels for decode and a GEMM for longer batches.
+    pub(super) fn project(
+        &mut self,
+        w: &CudaMatrix,
+        src: Slot,
+        rows: usize,
+        dst: Slot,
+        offset: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        let mat = w.as_mat()?;
+        let (n_in, n_out) = (w.cols, w.rows);
+        let [s, d] = self
+            .slots
+            .get_disjoint_mut([src.index(), dst.index()])
+            .expect("distinct slots");
+        let x = s.as_slice::<f32>().slice(0..rows * n_in);
+        let mut y = d.as_mut_slice::<f32>();
+        let mut y = y.slice_mut(offset..offset + rows * n_out);
+        if rows <= cuda::MAX_BATCH || mat.dtype == Float::F32 {
+            return Ok(cuda::matvec(
+                &self.device,
+                &mat,
+                x,
+                rows,
+                &mut y,
+                accumulate,
+            )?);
+        }
+        match mat.dtype {
+            Float::Bf16 => {
+                let mut a = self.gemm_input.as_mut_slice::<bf16>();
+                let mut a = a.slice_mut(0..rows * n_in);
+                cuda::convert(&self.device, x, &mut a)?;
+                self.gemm.matmul(a.as_slice(), &mat, &mut y, accumulate)?;
+            }
+            Float::F16 => {
+                let mut a = self.gemm_input.as_mut_slice::<f16>();
+                let mut a = a.slice_mut(0..rows * n_in);
+                cuda::convert(&self.device, x, &mut a)?;
+                self.gemm.matmul(a.as_slice(), &mat, &mut y, accumulate)?;
+            }
+            Float::F32 => unreachable!("f32 weights take the matrix-vector path"),
+        }
+        Ok(())
+    }
+
+    /// `gemm_input[..rows.len()] = rms_norm(src[rows])` in bf16: a prefill GEMM's input made
+    /// by the norm itself.
+    pub(super) fn norm_into_gemm_input(
+        &mut self,
+        src: Slot,
+        rows: Range<usize>,
+        norm: &CudaVector,
+        eps: f32,
+    ) -> Result<()> {
+        let width = norm.0.len() / 4;
+        let x = self.slots[src.index()]
+            .as_slice::<f32>()
+            .slice(rows.start * width..rows.end * width);
+        let mut a = self.gemm_input.as_mut_slice::<bf16>();
+        let mut a = a.slice_mut(0..rows.len() * width);
+        cuda::rms_norm(&self.device, x, norm.slice(), eps, &mut a)?;
+        Ok(())
+    }
+
+    /// `dst[offset..] (+)= gemm_input[..rows] · Wᵀ` for bf16 weights whose input the caller
+    /// left in `gemm_input` as bf16; `dst` holds `O` (f32, or bf16 for gate and up).
+    pub(super) fn gemm_from_input<O: cuda::FloatElem>(
+        &mut self,
+        w: &CudaMatrix,
+        rows: usize,
+        dst: Slot,
+        offset: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        let mat = w.as_mat()?;
+        let a = self.gemm_input.as_slice::<bf16>().slice(0..rows * w.cols);
+        let mut y = self.slots[dst.index()].as_mut_slice::<O>();
+        let mut y = y.slice_mut(offset..offset + rows * w.rows);
+        self.gemm.matmul(a, &mat, &mut y, accumulate)?;
+        Ok(())
+    }
+
+    /// `dst[r] += bias` for each of `rows` rows of `width`.
+    pub(super) fn add_bias(
+        &mut self,
+        bias: &CudaVector,
+        dst: Slot,
+        rows: usize,
+        width: usize,
+    ) -> Result<()> {
+        let mut y = self.slots[dst.index()].as_mut_slice::<f32>();
+        for r in 0..rows {
+            let mut row = y.slice_mut(r * width..(r + 1) * width);
+            cuda::add(&self.device, &mut row, bias.slice())?;
+        }
+        Ok(())
+    }
+
+    /// Whether [`Self::fused_products`] takes these: the matrix-vector road (a decode batch,
+    /// or f32 weights, which never take a GEMM), and matrices that can share a launch.
+    pub(super) fn fusible(&self, rows: usize, weights: &[&CudaMatrix]) -> bool {
+        let first = weights[0];
+        weights.len() <= cuda::MAX_OUTPUTS
+            && (rows <= cuda::MAX_BATCH || first.dtype == DType::F32)
+            && weights
+                .iter()
+                .all(|w| w.dtype == first.dtype && w.cols == first.cols)
+    }
+
+    /// `dst_i[..] = rms_norm(src[rows]) · W_iᵀ + bias_i` by matrix-vector kernels (the norm
+    /// computed inside them), finished by `epilogue`.
+    pub(super) fn fused_products(
+        &mut self,
+        src: Slot,
+        rows: Range<usize>,
+        norm: &CudaVector,
+        eps: f32,
+        projections: &[Projection<'_, Self>],
+        epilogue: Epilogue,
+    ) -> Result<()> {
+        let width = norm.0.len() / 4;
+        let mats = projections
+            .iter()
+            .map(|p| p.weight.as_mat())
+            .collect::<Result<Vec<_>>>()?;
+        // Disjoint borrows of the source and each destination slot.
+        let mut slots: Vec<Option<&mut DeviceBuffer>> = self.slots.iter_mut().map(Some).collect();
+        let x = slots[src.index()].take().expect("a slot").as_slice::<f32>();
+        let x = x.slice(rows.start * width..rows.end * width);
+        let mut ys: Vec<DevSliceMut<'_, f32>> = projections
+            .iter()
+            .map(|p| {
+                let len = rows.len() * p.weight.rows;
+                let buffer = slots[p.dst.index()].take().expect("distinct slots");
+                buffer.as_mut_slice::<f32>().split_at_mut(len).0
+            })
+            .collect();
+        let norm = MatvecNorm {
+            weight: norm.slice(),
+            eps,
+        };
+        let mut outputs: Vec<MatvecOutput<'_, '_>> = projections
+            .iter()
+            .zip(&mats)
+            .zip(&mut ys)
+            .map(|((p, w), y)| MatvecOutput {
+                w,
+                bias: p.bias.map(|b| b.slice()),
+                y: y.reborrow(),
+            })
+            .collect();
+        let batch = rows.len();
+        cuda::matvec_fused(&self.device, &mut outputs, x, batch, Some(norm), epilogue)?;
+        Ok(())
+    }
+}
