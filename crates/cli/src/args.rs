@@ -165,6 +165,32 @@ pub enum BenchCommand {
     /// First-token latency after idle gaps, against back to back, on any OpenAI-compatible
     /// server (one JSON line per gap).
     Idle(BenchIdleArgs),
+    /// A chat's next turn: time to first token with the prompt cache against without.
+    Turn(BenchTurnArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct BenchTurnArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The first turn's prompt: the conversation so far.
+    #[arg(long, default_value_t = 2048)]
+    pub history_tokens: usize,
+    /// The first turn's reply, repeated in the second turn's prompt.
+    #[arg(long, default_value_t = 64)]
+    pub reply_tokens: usize,
+    /// Tokens the second turn adds.
+    #[arg(long, default_value_t = 30)]
+    pub new_tokens: usize,
+    /// Runs; the report gives medians.
+    #[arg(long, default_value_t = 3)]
+    pub repeats: usize,
+    /// GiB of the KV pool for the prompt cache.
+    #[arg(long, default_value = "1")]
+    pub prompt_cache_gib: ember_engine::prompt_cache::CacheBudget,
+    /// Print one JSON object instead of lines.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args, Debug)]

@@ -1,5 +1,5 @@
 //! `ember bench decode`: prefill and decode speed against a memory-bandwidth bound measured in
-//! the same run.
+//! the same run; `ember bench turn`: a chat's next turn with the prompt cache against without.
 
 use std::ops::ControlFlow;
 use std::time::Instant;
@@ -7,8 +7,9 @@ use std::time::Instant;
 use ember_models::KvLayout;
 use ember_tensor::cpu;
 
-use crate::engine::Engine;
+use crate::engine::{Engine, GenerateParams};
 use crate::error::{Error, Result};
+use crate::sampler::SamplingParams;
 
 #[derive(Clone, Debug)]
 pub struct DecodeBenchOptions {
@@ -153,5 +154,137 @@ pub fn bench_decode(
         bytes_per_token,
         bandwidth_gb_s,
         bound_tok_s: bandwidth_gb_s * 1e9 / bytes_per_token,
+    })
+}
+
+#[derive(Clone, Debug)]
+pub struct TurnBenchOptions {
+    /// The conversation so far: the first turn's prompt.
+    pub history_tokens: usize,
+    /// The first turn's reply, which the second turn's prompt repeats.
+    pub reply_tokens: usize,
+    /// New tokens the second turn adds (the user's next message).
+    pub new_tokens: usize,
+    pub repeats: usize,
+}
+
+impl Default for TurnBenchOptions {
+    fn default() -> Self {
+        TurnBenchOptions {
+            history_tokens: 2048,
+            reply_tokens: 64,
+            new_tokens: 30,
+            repeats: 3,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct TurnBenchReport {
+    pub model: String,
+    pub device: String,
+    /// The second turn's prompt, and how much of it the cache held.
+    pub prompt_tokens: usize,
+    pub cached_tokens: usize,
+    /// Time to the second turn's first token, medians over the repeats: with the cache, and
+    /// with the same request opting out (`cache_prompt: false`), alternated.
+    pub cached_s: f64,
+    pub cold_s: f64,
+    pub cached_runs: Vec<f64>,
+    pub cold_runs: Vec<f64>,
+}
+
+impl TurnBenchReport {
+    pub fn to_json(&self) -> serde_json::Value {
+        let ms = |v: f64| (v * 1e5).round() / 100.0;
+        serde_json::json!({
+            "model": self.model,
+            "device": self.device,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "ttft_cached_ms": ms(self.cached_s),
+            "ttft_cold_ms": ms(self.cold_s),
+            "cached_vs_cold": (self.cached_s / self.cold_s * 1e4).round() / 1e4,
+            "cached_runs_ms": self.cached_runs.iter().map(|v| ms(*v)).collect::<Vec<_>>(),
+            "cold_runs_ms": self.cold_runs.iter().map(|v| ms(*v)).collect::<Vec<_>>(),
+        })
+    }
+}
+
+/// A chat's second turn, `repeats` times: into an emptied cache the first turn runs
+/// (`history_tokens` of prompt, `reply_tokens` of greedy reply); then the second turn's prompt
+/// (the history, the reply, `new_tokens` more) runs opting out of the cache (cold: neither
+/// read nor fed), then with it (finding the first turn's blocks), and the time to its first
+/// token is taken each time. Cold and cached alternate, in the same minutes.
+pub fn bench_turn(engine: &mut Engine, options: &TurnBenchOptions) -> Result<TurnBenchReport> {
+    let vocab = engine.config().vocab_size as u64;
+    let mut state = 0x5EED_u64;
+    let mut random = |n: usize| -> Vec<u32> {
+        (0..n)
+            .map(|_| {
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((state >> 33) % vocab) as u32
+            })
+            .collect()
+    };
+    let history = random(options.history_tokens);
+    let new = random(options.new_tokens);
+    let params = |max_tokens, cache_prompt| GenerateParams {
+        max_tokens,
+        sampling: SamplingParams {
+            temperature: 0.0,
+            ..SamplingParams::default()
+        },
+        ignore_eos: true,
+        step_logits: false,
+        cache_prompt,
+    };
+    let needed = options.history_tokens + options.reply_tokens + options.new_tokens + 1;
+    if needed >= engine.context() {
+        return Err(Error::PromptTooLong {
+            prompt_tokens: needed,
+            context: engine.context(),
+        });
+    }
+    if !engine.prompt_cache_enabled() {
+        return Err(Error::Io(std::io::Error::other(
+            "the prompt cache is off: give --prompt-cache-gib a size",
+        )));
+    }
+    let (mut cached_runs, mut cold_runs) = (Vec::new(), Vec::new());
+    let (mut prompt_tokens, mut cached_tokens) = (0, 0);
+    for _ in 0..options.repeats.max(1) {
+        // The first turn, into an empty cache; its reply is the same every time (greedy).
+        engine.clear_prompt_cache();
+        let first = engine.generate(&history, &params(options.reply_tokens, true), |_| {
+            ControlFlow::Continue(())
+        })?;
+        let mut prompt = history.clone();
+        prompt.extend(&first.tokens);
+        prompt.extend(&new);
+        prompt_tokens = prompt.len();
+        // The second turn opting out, then the same turn with the cache.
+        for cache in [false, true] {
+            let g = engine.generate(&prompt, &params(1, cache), |_| ControlFlow::Continue(()))?;
+            let runs = if cache {
+                cached_tokens = g.cached_tokens;
+                &mut cached_runs
+            } else {
+                &mut cold_runs
+            };
+            runs.push(g.prefill_time.as_secs_f64());
+        }
+    }
+    Ok(TurnBenchReport {
+        model: engine.dir().display().to_string(),
+        device: engine.device_label(),
+        prompt_tokens,
+        cached_tokens,
+        cached_s: median(&cached_runs),
+        cold_s: median(&cold_runs),
+        cached_runs,
+        cold_runs,
     })
 }

@@ -1,14 +1,51 @@
 use std::process::ExitCode;
 
-use ember_engine::bench::{DecodeBenchOptions, bench_decode};
+use ember_engine::EngineOptions;
+use ember_engine::bench::{DecodeBenchOptions, TurnBenchOptions, bench_decode, bench_turn};
 
-use crate::args::{BenchCommand, BenchDecodeArgs};
+use crate::args::{BenchCommand, BenchDecodeArgs, BenchTurnArgs};
 
 pub fn run(command: BenchCommand) -> anyhow::Result<ExitCode> {
     match command {
         BenchCommand::Decode(args) => decode(args),
         BenchCommand::Idle(args) => super::bench_idle::run(args),
+        BenchCommand::Turn(args) => turn(args),
     }
+}
+
+fn turn(args: BenchTurnArgs) -> anyhow::Result<ExitCode> {
+    let options = EngineOptions {
+        prompt_cache: args.prompt_cache_gib,
+        ..super::engine_options(&args.model)
+    };
+    let mut engine = super::load_engine_with(&args.model, &options)?;
+    let report = bench_turn(
+        &mut engine,
+        &TurnBenchOptions {
+            history_tokens: args.history_tokens,
+            reply_tokens: args.reply_tokens,
+            new_tokens: args.new_tokens,
+            repeats: args.repeats,
+        },
+    )?;
+    if args.json {
+        println!("{}", report.to_json());
+    } else {
+        println!("model            {}", report.model);
+        println!("device           {}", report.device);
+        println!(
+            "second turn      {} prompt tokens, {} from the cache",
+            report.prompt_tokens, report.cached_tokens
+        );
+        println!(
+            "first token      {:.1} ms cached, {:.1} ms cold ({:.1}% of cold; medians of {})",
+            report.cached_s * 1e3,
+            report.cold_s * 1e3,
+            report.cached_s / report.cold_s * 100.0,
+            report.cold_runs.len()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn decode(args: BenchDecodeArgs) -> anyhow::Result<ExitCode> {

@@ -14,11 +14,15 @@ use crate::args::ModelArgs;
 
 /// Loads the model named by the shared flags, logging what was loaded and how long it took.
 pub fn load_engine(args: &ModelArgs) -> anyhow::Result<Engine> {
-    let options = engine_options(args);
+    load_engine_with(args, &engine_options(args))
+}
+
+/// [`load_engine`] with options the command has adjusted.
+pub fn load_engine_with(args: &ModelArgs, options: &EngineOptions) -> anyhow::Result<Engine> {
     let model = model_path(args)?;
     let start = std::time::Instant::now();
     let engine =
-        Engine::load(&model, &options).with_context(|| format!("loading {}", model.display()))?;
+        Engine::load(&model, options).with_context(|| format!("loading {}", model.display()))?;
     let bytes: usize = engine.buffers().iter().map(|b| b.bytes).sum();
     tracing::info!(
         "loaded {} ({}, {} layers) in {:.2} s: {} buffers, {:.2} GiB, on {}, context {} ({} cache)",
