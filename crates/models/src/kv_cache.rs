@@ -100,6 +100,29 @@ impl KvLayout {
         positions.div_ceil(self.block_size)
     }
 
+    /// Bytes of pool block `block` and of host slot `slot`, after checking that a pool of
+    /// `blocks` and a tier of `host_blocks` have them (a transfer between the two).
+    pub fn transfer_ranges(
+        &self,
+        block: u32,
+        slot: u32,
+        blocks: usize,
+        host_blocks: usize,
+        backend: &'static str,
+    ) -> Result<(std::ops::Range<usize>, std::ops::Range<usize>)> {
+        if block as usize >= blocks || slot as usize >= host_blocks {
+            return Err(Error::Unsupported {
+                what: format!(
+                    "kv block {block} / host slot {slot} past the pool's {blocks} / {host_blocks}"
+                ),
+                backend,
+            });
+        }
+        let bytes = self.block_bytes();
+        let at = |i: u32| i as usize * bytes..(i as usize + 1) * bytes;
+        Ok((at(block), at(slot)))
+    }
+
     /// Bytes one position takes across all layers, keys and values.
     pub fn bytes_per_position(config: &ModelConfig, dtype: KvDtype) -> usize {
         2 * config.num_hidden_layers * config.kv_dim() * dtype.size_in_bytes()
@@ -255,24 +278,6 @@ impl KvPool {
             ),
         }
     }
-
-    fn block_range(&self, index: usize) -> std::ops::Range<usize> {
-        let bytes = self.layout.block_bytes();
-        index * bytes..(index + 1) * bytes
-    }
-
-    fn check_block(&self, block: u32, slot: u32) -> Result<()> {
-        if block as usize >= self.blocks || slot as usize >= self.host_blocks {
-            return Err(Error::Unsupported {
-                what: format!(
-                    "kv block {block} / host slot {slot} past the pool's {} / {}",
-                    self.blocks, self.host_blocks
-                ),
-                backend: "cpu",
-            });
-        }
-        Ok(())
-    }
 }
 
 fn convert(dst: &mut [u16], src: &[f32], f: impl Fn(f32) -> u16) {
@@ -295,21 +300,17 @@ impl KvStore for KvPool {
     }
 
     fn save_to_host(&mut self, block: u32, slot: u32) -> Result<()> {
-        self.check_block(block, slot)?;
-        let (src, dst) = (
-            self.block_range(block as usize),
-            self.block_range(slot as usize),
-        );
+        let (src, dst) =
+            self.layout
+                .transfer_ranges(block, slot, self.blocks, self.host_blocks, "cpu")?;
         self.host.as_mut_slice::<u8>()[dst].copy_from_slice(&self.storage.as_slice::<u8>()[src]);
         Ok(())
     }
 
     fn load_from_host(&mut self, slot: u32, block: u32) -> Result<()> {
-        self.check_block(block, slot)?;
-        let (src, dst) = (
-            self.block_range(slot as usize),
-            self.block_range(block as usize),
-        );
+        let (dst, src) =
+            self.layout
+                .transfer_ranges(block, slot, self.blocks, self.host_blocks, "cpu")?;
         self.storage.as_mut_slice::<u8>()[dst].copy_from_slice(&self.host.as_slice::<u8>()[src]);
         Ok(())
     }

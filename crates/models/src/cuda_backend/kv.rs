@@ -2,6 +2,8 @@
 //! over the pass's sequence's blocks, whose table the pass inputs carry
 //! ([`super::pass`]).
 
+use std::ops::Range;
+
 use ember_tensor::cpu::{AttentionShape, RopeLayout};
 use ember_tensor::cuda::{
     self, AttentionPrecision, CudaDevice, DevSlice, DevSliceMut, DeviceBuffer, FloatElem,
@@ -13,7 +15,7 @@ use half::{bf16, f16};
 use super::CudaBackend;
 use super::weights::{CudaRope, CudaVector};
 use crate::backend::{AttentionParams, KvStore, RopeStyle, Slot};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::kv_cache::{KvDtype, KvLayout};
 
 /// Every sequence's keys and values in one device buffer of blocks ([`crate::kv_cache`]'s
@@ -59,24 +61,10 @@ impl CudaKvPool {
         self.pool.id()
     }
 
-    /// Bytes of block or slot `index`, and a check that `block` and `slot` exist.
-    fn ranges(
-        &self,
-        block: u32,
-        slot: u32,
-    ) -> Result<(std::ops::Range<usize>, std::ops::Range<usize>)> {
-        if block as usize >= self.blocks || slot as usize >= self.host_blocks {
-            return Err(Error::Unsupported {
-                what: format!(
-                    "kv block {block} / host slot {slot} past the pool's {} / {}",
-                    self.blocks, self.host_blocks
-                ),
-                backend: "CUDA",
-            });
-        }
-        let bytes = self.layout.block_bytes();
-        let at = |i: u32| i as usize * bytes..(i as usize + 1) * bytes;
-        Ok((at(block), at(slot)))
+    /// Bytes of pool block `block` and host slot `slot`, checked.
+    fn ranges(&self, block: u32, slot: u32) -> Result<(Range<usize>, Range<usize>)> {
+        self.layout
+            .transfer_ranges(block, slot, self.blocks, self.host_blocks, "CUDA")
     }
 
     /// One layer's keys and values of the sequence whose blocks `table` lists, to be written.

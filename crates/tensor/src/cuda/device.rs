@@ -472,21 +472,8 @@ impl CudaDevice {
         dst: &mut DevSliceMut<'_, T>,
         src: &[T],
     ) -> Result<(), CudaError> {
-        ensure!(
-            dst.len() == src.len(),
-            "upload",
-            "{} elements into {}",
-            src.len(),
-            dst.len()
-        );
-        if src.is_empty() {
-            return Ok(());
-        }
-        self.bind()?;
-        // SAFETY: `dst` is a live device range of `src.len()` elements; the wait below keeps
-        // `src` borrowed until the copy is done.
-        unsafe { drv::memcpy_htod_async(dst.device_ptr(), src, self.inner.stream.cu_stream()) }
-            .map_err(CudaError::driver("cuMemcpyHtoDAsync"))?;
+        // SAFETY: the wait below keeps `src` borrowed until the copy is done.
+        unsafe { self.upload_async(dst, src) }?;
         self.synchronize()
     }
 
