@@ -18,7 +18,7 @@
 //! `EMBER_TEST_CUDA_GRAPHS=0`), where only the tokens are held equal (see [`assert_same`]).
 
 use std::ops::ControlFlow;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use ember_engine::prompt_cache::CacheBudget;
 use ember_engine::sampler::SamplingParams;
@@ -49,7 +49,7 @@ fn gguf(file: &str) -> Option<PathBuf> {
     dirs.into_iter().map(|d| d.join(file)).find(|p| p.is_file())
 }
 
-fn load(path: &PathBuf, cache: CacheBudget, host: CacheBudget) -> Engine {
+fn load(path: &Path, cache: CacheBudget, host: CacheBudget) -> Engine {
     let options = EngineOptions {
         threads: Some(2),
         context: Some(512),
@@ -157,7 +157,7 @@ fn prompt(n: usize, seed: u64, vocab: usize) -> Vec<u32> {
 }
 
 /// Runs every case on `path`; `what` names the model in failures.
-fn check(path: &PathBuf, what: &str) {
+fn check(path: &Path, what: &str) {
     let mut cold = load(path, CacheBudget::Off, CacheBudget::Off);
     let mut warm = load(path, CacheBudget::Gib(0.02), CacheBudget::Off);
     let vocab = cold.config().vocab_size;
