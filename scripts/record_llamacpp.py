@@ -38,7 +38,8 @@ models from scripts/fetch-model:
         models/Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf
 
 Model construction follows the fixtures' contract exactly:
-Llama(model_path, n_ctx=512, n_threads=2, seed=0, logits_all=False, verbose=False).
+Llama(model_path, n_ctx=512, n_threads=2, n_batch=1, n_ubatch=1, seed=0, logits_all=False,
+verbose=False).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ OUT_DIR = os.path.join(REPO_ROOT, "crates", "engine", "tests", "fixtures", "llam
 N_GEN = 48
 N_CTX = 512
 N_THREADS = 2
+N_BATCH = 1
 
 # llama.cpp commit vendored by each llama-cpp-python release we have used
 # (from the release's CHANGELOG / the sdist's vendor/llama.cpp/.git).
@@ -165,8 +167,11 @@ def record(path: str, tokenizer_extras: bool | None) -> str:
     from llama_cpp import Llama
 
     t0 = time.time()
+    # One token per batch: llama.cpp then computes every prompt token with its one-token
+    # kernels, the arithmetic ember uses for every row (a row's result must not depend on how
+    # a prompt is split, so that a prompt resumed from ember's cache equals a cold one).
     llama = Llama(model_path=path, n_ctx=N_CTX, n_threads=N_THREADS, seed=0,
-                  logits_all=False, verbose=False)
+                  n_batch=N_BATCH, n_ubatch=N_BATCH, logits_all=False, verbose=False)
     md = dict(llama.metadata)
     add_bos = bool(llama._model.add_bos_token())
     eos = int(llama.token_eos())
@@ -184,7 +189,8 @@ def record(path: str, tokenizer_extras: bool | None) -> str:
         "llama_cpp_commit": LLAMA_CPP_COMMITS.get(version, "unknown"),
         "llama_cpp_system_info": as_text(llama_cpp.llama_print_system_info()).strip(),
         "machine": platform.machine(),
-        "settings": {"n_ctx": N_CTX, "n_threads": N_THREADS, "seed": 0, "logits_all": False,
+        "settings": {"n_ctx": N_CTX, "n_threads": N_THREADS, "n_batch": N_BATCH,
+                     "n_ubatch": N_BATCH, "seed": 0, "logits_all": False,
                      "temperature": 0.0, "top_k": 1, "repeat_penalty": 1.0,
                      "n_generate": N_GEN, "stop_at_eos": False},
         "model": {

@@ -5,11 +5,12 @@
 //! quantized once into scratch as llama.cpp quantizes them, then integer kernels take the dot
 //! products block by block. Decode streams the weights once; prefill keeps a block of
 //! quantized activation rows in cache (for Q4_K and Q6_K with VNNI, interleaved into the wide
-//! road's tiles) and runs each group of weight rows past all of it. Their
-//! float steps are llama.cpp's, so GGUF models give llama.cpp's results to the bit; where
-//! llama.cpp takes another kernel for a batch (Q4_K rows in whole groups of four, Q6_K
-//! products of eight rows or more), so do these, and such a row differs in its last bits from
-//! the same row alone.
+//! road's tiles) and runs each group of weight rows past all of it. Their float steps are
+//! llama.cpp's for one row (a decode step), so a decode step gives llama.cpp's results to the
+//! bit, and every row of a batch takes the same steps: a row's result never depends on the
+//! rows beside it (where llama.cpp takes other kernels for batches, Q4_K rows in groups of four
+//! and Q6_K products of eight rows or more, ember's prompts differ from llama.cpp's in their
+//! last bits).
 //!
 //! Float weights: each output element is a dot product accumulated lane-wise over `k` in order, with one
 //! fused multiply-add per lane and step and a masked tail, then summed by the fixed tree of
@@ -546,17 +547,6 @@ mod tests {
         }
         // Row independence: each row alone gives the very same bits as inside the batch.
         for i in [0, m / 2, m - 1] {
-            // As in llama.cpp, Q4_K rows in whole groups of four and Q6_K rows of a batch of
-            // eight or more take other kernels than a row alone (close, checked above, but not
-            // the same bits); every other row is the row alone to the bit.
-            let as_alone = match dtype {
-                DType::Q4_K => i >= m - m % 4,
-                DType::Q6_K => m < 8,
-                _ => true,
-            };
-            if !as_alone {
-                continue;
-            }
             let mut y1 = vec![0f32; n];
             matmul(
                 &pool,
@@ -595,7 +585,7 @@ mod tests {
 
     /// Quantized weights through `matmul`: against the f64 reference of the dequantized
     /// weights and quantized-then-dequantized activations, and row by row bit-identical to the
-    /// same row alone where llama.cpp's kernels are, whatever the thread count.
+    /// same row alone, whatever the thread count.
     fn check_quantized(m: usize, n: usize, k: usize, dtype: DType, threads: usize) {
         let mut seed = (m * 1000 + n * 10 + k + dtype.ggml_type() as usize) as u64;
         let w: Vec<u8> = (0..n)
@@ -623,17 +613,6 @@ mod tests {
             }
         }
         for i in [0, m / 2, m - 1] {
-            // As in llama.cpp, Q4_K rows in whole groups of four and Q6_K rows of a batch of
-            // eight or more take other kernels than a row alone (close, checked above, but not
-            // the same bits); every other row is the row alone to the bit.
-            let as_alone = match dtype {
-                DType::Q4_K => i >= m - m % 4,
-                DType::Q6_K => m < 8,
-                _ => true,
-            };
-            if !as_alone {
-                continue;
-            }
             let mut y1 = vec![0f32; n];
             matmul(
                 &pool,
@@ -671,6 +650,9 @@ mod tests {
                 (2, 8, 2),
                 (3, 17, 1),
                 (5, 13, 2),
+                // From 16 rows the wide road (Q4_K, Q6_K with VNNI), its tiles split over
+                // the threads.
+                (17, 9, 2),
                 (37, 21, 2),
             ] {
                 for threads in [1, 2, 3] {
@@ -682,24 +664,43 @@ mod tests {
 
     #[test]
     fn quantized_prefill_blocks_and_threads_give_the_same_bits() {
-        // Enough rows for several activation blocks; results match one thread's, row alone.
-        let dtype = DType::Q4_K;
-        let (m, n, k) = (300, 24, 256 * 8);
-        let mut seed = 99u64;
-        let w: Vec<u8> = (0..n)
-            .flat_map(|_| super::super::quant_dot::tests::random_row(dtype, k, &mut seed, false))
-            .collect();
-        let x: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
-        let mat = MatRef::new(dtype, &w, n, k);
-        let mut results = Vec::new();
-        for threads in [1, 2, 3] {
-            let pool = ThreadPool::new(threads);
-            let mut scratch = vec![0f32; matmul_scratch_len(threads, m, k)];
-            let mut y = vec![0f32; m * n];
-            matmul(&pool, &x, m, &mat, &mut y, &mut scratch);
-            results.push(y.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+        // Enough rows for several activation blocks (of wide tiles with VNNI): the results of
+        // one thread, of two and of three, and each row alone, are the same bits.
+        for dtype in [DType::Q4_K, DType::Q6_K] {
+            let (m, n, k) = (300, 24, 256 * 8);
+            let mut seed = 99u64;
+            let w: Vec<u8> = (0..n)
+                .flat_map(|_| {
+                    super::super::quant_dot::tests::random_row(dtype, k, &mut seed, false)
+                })
+                .collect();
+            let x: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
+            let mat = MatRef::new(dtype, &w, n, k);
+            let mut results = Vec::new();
+            for threads in [1, 2, 3] {
+                let pool = ThreadPool::new(threads);
+                let mut scratch = vec![0f32; matmul_scratch_len(threads, m, k)];
+                let mut y = vec![0f32; m * n];
+                matmul(&pool, &x, m, &mat, &mut y, &mut scratch);
+                results.push(y.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+            }
+            assert_eq!(results[0], results[1], "{dtype}: two threads");
+            assert_eq!(results[0], results[2], "{dtype}: three threads");
+            let pool = ThreadPool::new(2);
+            let mut scratch = vec![0f32; matmul_scratch_len(2, 1, k)];
+            for i in [0, 151, m - 1] {
+                let mut y1 = vec![0f32; n];
+                matmul(
+                    &pool,
+                    &x[i * k..(i + 1) * k],
+                    1,
+                    &mat,
+                    &mut y1,
+                    &mut scratch,
+                );
+                let y1: Vec<u32> = y1.iter().map(|v| v.to_bits()).collect();
+                assert_eq!(y1, results[0][i * n..(i + 1) * n], "{dtype}: row {i} alone");
+            }
         }
-        assert_eq!(results[0], results[1]);
-        assert_eq!(results[0], results[2]);
     }
 }

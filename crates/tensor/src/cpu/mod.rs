@@ -1,11 +1,11 @@
 //! CPU kernels: run-time dispatch over AVX-512, AVX2 and a portable fallback.
 //!
-//! Every kernel computes an output element the same way whatever the thread count, and
-//! whatever the batch size except where llama.cpp's CPU backend itself changes kernels with
-//! the batch, which the GGUF path imitates to the bit: Q4_K and Q6_K products (see
-//! [`matmul`]) and attention over an f16 cache (see [`causal_attention`]). On the f32 path
-//! (safetensors checkpoints) a row's result never depends on the rows beside it, so prefill
-//! and decode, batched and alone, give bit-identical results on one machine.
+//! Every kernel computes an output element the same way whatever the thread count and whatever
+//! the batch size: a row's result never depends on the rows beside it, so prefill and decode,
+//! batched and alone, give bit-identical results on one machine. The GGUF path's quantized
+//! products (see [`matmul`]) and attention over an f16 cache (see [`causal_attention`]) compute
+//! every row as llama.cpp's CPU backend computes a lone token, also where llama.cpp itself
+//! changes kernels for a batch.
 
 mod argmax;
 mod attention;
