@@ -298,9 +298,8 @@ unsafe fn attend_items_f16<S: Simd>(job: Job) {
         unsafe {
             let mut q16 = [0f32; MAX_HEAD_DIM];
             let q = job.q.get().add((i * n_heads + h) * d) as *const f32;
-            for (e, r) in q16.iter_mut().enumerate().take(d) {
-                *r = F16::round_operand(*q.add(e));
-            }
+            std::ptr::copy_nonoverlapping(q, q16.as_mut_ptr(), d);
+            round_f16_in_place::<S>(q16.as_mut_ptr(), d);
             let key = |t: usize| (job.keys.get() as *const F16).add(job.row(t, kv_row) + kv_offset);
             let mut t = 0;
             while t < visible {
@@ -317,9 +316,7 @@ unsafe fn attend_items_f16<S: Simd>(job: Job) {
                 t += 4;
             }
             softmax::<S>(scores, visible);
-            for t in 0..visible {
-                *scores.add(t) = F16::round_operand(*scores.add(t));
-            }
+            round_f16_in_place::<S>(scores, visible);
             let value =
                 |t: usize| (job.values.get() as *const F16).add(job.row(t, kv_row) + kv_offset);
             weighted_sum_lanes::<S>(
@@ -331,6 +328,19 @@ unsafe fn attend_items_f16<S: Simd>(job: Job) {
                 LANES,
                 &mut acc,
             );
+        }
+    }
+}
+
+/// `x[..n]` rounded to f16 values, as llama.cpp rounds an f32 operand of an f16 product.
+#[inline(always)]
+unsafe fn round_f16_in_place<S: Simd>(x: *mut f32, n: usize) {
+    unsafe {
+        let mut t = 0;
+        while t < n {
+            let len = S::LANES.min(n - t);
+            S::store_partial(x.add(t), S::round_f16(S::load_partial(x.add(t), len)), len);
+            t += len;
         }
     }
 }

@@ -34,6 +34,8 @@ pub(crate) unsafe trait Simd: Copy {
     unsafe fn min(a: Self::V, b: Self::V) -> Self::V;
     /// Rounds to the nearest integer, ties to even.
     unsafe fn round(v: Self::V) -> Self::V;
+    /// Rounds to the nearest f16 value, ties to even (`half::f16::from_f32(x).to_f32()`).
+    unsafe fn round_f16(v: Self::V) -> Self::V;
     /// `2^n` for lanes holding integers `n` in the normal exponent range.
     unsafe fn pow2i(n: Self::V) -> Self::V;
     unsafe fn hsum(v: Self::V) -> f32;
@@ -81,12 +83,6 @@ pub(crate) trait WeightElem: Copy + Send + Sync + 'static {
     unsafe fn load<S: Simd>(p: *const Self) -> S::V;
     unsafe fn load_partial<S: Simd>(p: *const Self, n: usize) -> S::V;
     fn to_f32(self) -> f32;
-    /// An f32 operand as it is when multiplied with elements of this type in llama.cpp's
-    /// kernels (rounded to f16 for f16 data, unchanged otherwise).
-    #[inline(always)]
-    fn round_operand(x: f32) -> f32 {
-        x
-    }
 }
 
 impl WeightElem for f32 {
@@ -130,10 +126,6 @@ impl WeightElem for Bf16 {
 }
 
 impl WeightElem for F16 {
-    #[inline(always)]
-    fn round_operand(x: f32) -> f32 {
-        half::f16::from_f32(x).to_f32()
-    }
     #[inline(always)]
     unsafe fn load<S: Simd>(p: *const F16) -> S::V {
         unsafe { S::load_f16(p.cast()) }
@@ -242,6 +234,10 @@ unsafe impl Simd for Portable {
     #[inline(always)]
     unsafe fn round(v: Self::V) -> Self::V {
         v.map(f32::round_ties_even)
+    }
+    #[inline(always)]
+    unsafe fn round_f16(v: Self::V) -> Self::V {
+        v.map(|x| half::f16::from_f32(x).to_f32())
     }
     #[inline(always)]
     unsafe fn pow2i(n: Self::V) -> Self::V {
@@ -355,6 +351,10 @@ mod x86 {
         #[inline(always)]
         unsafe fn round(v: __m512) -> __m512 {
             unsafe { _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v) }
+        }
+        #[inline(always)]
+        unsafe fn round_f16(v: __m512) -> __m512 {
+            unsafe { _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v)) }
         }
         #[inline(always)]
         unsafe fn pow2i(n: __m512) -> __m512 {
@@ -486,6 +486,10 @@ mod x86 {
             unsafe { _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v) }
         }
         #[inline(always)]
+        unsafe fn round_f16(v: __m256) -> __m256 {
+            unsafe { _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v)) }
+        }
+        #[inline(always)]
         unsafe fn pow2i(n: __m256) -> __m256 {
             unsafe {
                 _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
@@ -523,6 +527,57 @@ mod tests {
                 ((got as f64 - want) / want).abs() < 3e-7,
                 "exp({x}) = {got}, want {want}"
             );
+        }
+    }
+
+    fn check_round_f16<S: Simd>() {
+        // Every f16 value and the points halfway between neighbours (ties go to even), across
+        // subnormals, normals, overflow and both signs; plus values between those.
+        let mut xs = Vec::new();
+        for bits in 0..=u16::MAX {
+            let x = half::f16::from_bits(bits).to_f32();
+            if x.is_finite() {
+                xs.push(x);
+                let next = half::f16::from_bits(bits.wrapping_add(1)).to_f32();
+                if next.is_finite() {
+                    xs.push(((x as f64 + next as f64) / 2.0) as f32);
+                    xs.push(x + (next - x) * 0.3);
+                }
+            }
+        }
+        xs.extend([70000.0, -70000.0, 1e-9, -1e-9, 0.0, -0.0]);
+        for chunk in xs.chunks(S::LANES) {
+            let mut out = [0f32; 16];
+            unsafe {
+                let v = S::load_partial(chunk.as_ptr(), chunk.len());
+                S::store_partial(out.as_mut_ptr(), S::round_f16(v), chunk.len());
+            }
+            for (x, got) in chunk.iter().zip(out) {
+                let want = half::f16::from_f32(*x).to_f32();
+                assert_eq!(got.to_bits(), want.to_bits(), "round_f16({x:e})");
+            }
+        }
+    }
+
+    #[test]
+    fn vector_f16_rounding_is_half_s_on_every_available_set() {
+        check_round_f16::<Portable>();
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                #[target_feature(enable = "avx2,fma,f16c")]
+                unsafe fn avx2() {
+                    check_round_f16::<Avx2>()
+                }
+                unsafe { avx2() };
+            }
+            if super::super::Isa::available().contains(&super::super::Isa::Avx512) {
+                #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+                unsafe fn avx512() {
+                    check_round_f16::<Avx512>()
+                }
+                unsafe { avx512() };
+            }
         }
     }
 
