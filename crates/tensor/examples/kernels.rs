@@ -1,15 +1,20 @@
 //! Kernel micro-benchmarks: `cargo run --release -p ember-tensor --example kernels [threads]
-//! [quant | hot [type] | matvec | gemm [type]]`. Prints the read bandwidth of the probe beside
+//! [quant | hot [type] | matvec | gemm [type] | attention]`. Prints the read bandwidth of the probe beside
 //! matrix-vector and matrix-matrix rates; with `quant`, only the quantized ones. The "hot"
 //! lines run one thread on a matrix that fits in L2: what one core's kernel can consume, which
 //! must exceed its share of the probe for decode to be bound by memory. `hot` runs only those
 //! (for `perf stat`), optionally only for one type (`hot q4_k`). `matvec` runs decode's
 //! products at a 1.5B model's shapes from memory, each against a probe read just before it;
-//! `gemm` one thread's prefill products (512 activation rows) at those shapes, in GMAC/s.
+//! `gemm` one thread's prefill products (512 activation rows) at those shapes, in GMAC/s;
+//! `attention` a 512-token prompt's causal attention over an f16 and an f32 cache (a 1.5B
+//! model's 12 heads over 2 of 128), the fastest of 15 runs (the least disturbed by neighbours).
 
 use std::time::Instant;
 
-use ember_tensor::cpu::{MatRef, matmul, matmul_scratch_len, read_sum};
+use ember_tensor::cpu::{
+    AttentionShape, KvSlice, MatRef, PagedKv, attention_scratch_len, causal_attention, matmul,
+    matmul_scratch_len, read_sum,
+};
 use ember_tensor::{Buffer, BufferKind, BufferOwner, DType, ThreadPool};
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -32,6 +37,10 @@ fn main() {
     }
     if mode == "matvec" {
         model_matvecs(&pool, &owner, threads);
+        return;
+    }
+    if mode == "attention" {
+        prompt_attention(&pool);
         return;
     }
     if mode == "gemm" {
@@ -265,4 +274,48 @@ fn quantized(owner: &BufferOwner, dtype: DType, n: usize, k: usize) -> Buffer {
         }
     }
     w
+}
+
+fn prompt_attention(pool: &ThreadPool) {
+    let (n, kv_heads, d) = (512, 2, 128);
+    let shape = AttentionShape {
+        n_heads: 12,
+        n_kv_heads: kv_heads,
+        head_dim: d,
+    };
+    let mut seed = 1u64;
+    let mut next = || {
+        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+        (seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+    };
+    let q: Vec<f32> = (0..n * shape.n_heads * d).map(|_| next()).collect();
+    let k: Vec<f32> = (0..n * kv_heads * d).map(|_| next()).collect();
+    let v: Vec<f32> = (0..n * kv_heads * d).map(|_| next()).collect();
+    let f16 = |x: &[f32]| -> Vec<u16> {
+        x.iter()
+            .map(|&x| half::f16::from_f32(x).to_bits())
+            .collect()
+    };
+    let (k16, v16) = (f16(&k), f16(&v));
+    let mut out = vec![0f32; q.len()];
+    let mut scratch = vec![0f32; attention_scratch_len(pool.n_threads(), n)];
+    for (name, keys, values) in [
+        ("f16", KvSlice::F16(&k16), KvSlice::F16(&v16)),
+        ("f32", KvSlice::F32(&k), KvSlice::F32(&v)),
+    ] {
+        let ms = (0..15)
+            .map(|_| {
+                let t = Instant::now();
+                let kv = PagedKv::contiguous(keys, values, kv_heads * d);
+                causal_attention(pool, &q, kv, 0, n, shape, 0.088, &mut out, &mut scratch);
+                t.elapsed().as_secs_f64() * 1e3
+            })
+            .fold(f64::INFINITY, f64::min);
+        // Two products of `d` MACs per (query, visible key) and head.
+        let macs = (n * (n + 1) / 2 * 2 * d * shape.n_heads) as f64;
+        println!(
+            "attention {name} cache, {n} queries, 12/2 heads of {d}: {ms:6.2} ms, {:5.1} GMAC/s",
+            macs / ms / 1e6
+        );
+    }
 }

@@ -559,47 +559,37 @@ mod tests {
         }
     }
 
+    /// Runs `$check::<S>()` for the portable set and every x86 set this CPU has.
+    macro_rules! on_every_available_set {
+        ($check:ident) => {{
+            $check::<Portable>();
+            #[cfg(target_arch = "x86_64")]
+            {
+                if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                    #[target_feature(enable = "avx2,fma,f16c")]
+                    unsafe fn avx2() {
+                        $check::<Avx2>()
+                    }
+                    unsafe { avx2() };
+                }
+                if super::super::Isa::available().contains(&super::super::Isa::Avx512) {
+                    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+                    unsafe fn avx512() {
+                        $check::<Avx512>()
+                    }
+                    unsafe { avx512() };
+                }
+            }
+        }};
+    }
+
     #[test]
     fn vector_f16_rounding_is_half_s_on_every_available_set() {
-        check_round_f16::<Portable>();
-        #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                #[target_feature(enable = "avx2,fma,f16c")]
-                unsafe fn avx2() {
-                    check_round_f16::<Avx2>()
-                }
-                unsafe { avx2() };
-            }
-            if super::super::Isa::available().contains(&super::super::Isa::Avx512) {
-                #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-                unsafe fn avx512() {
-                    check_round_f16::<Avx512>()
-                }
-                unsafe { avx512() };
-            }
-        }
+        on_every_available_set!(check_round_f16);
     }
 
     #[test]
     fn vector_exp_is_accurate_on_every_available_set() {
-        check_exp::<Portable>();
-        #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                #[target_feature(enable = "avx2,fma,f16c")]
-                unsafe fn avx2() {
-                    check_exp::<Avx2>()
-                }
-                unsafe { avx2() };
-            }
-            if super::super::Isa::available().contains(&super::super::Isa::Avx512) {
-                #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-                unsafe fn avx512() {
-                    check_exp::<Avx512>()
-                }
-                unsafe { avx512() };
-            }
-        }
+        on_every_available_set!(check_exp);
     }
 }
