@@ -2,7 +2,7 @@
 //! tier) the cache may hold, decided once at load, and the counters `/metrics` and `/health`
 //! read while the engine runs.
 //!
-//! The cache lives inside the KV pool ([`crate::kv`]): the pool is one sequence's context
+//! The cache lives inside the KV pool (`crate::kv`): the pool is one sequence's context
 //! plus the cache's budget, made at load and held by the residency set with everything else,
 //! so the cache never grows memory the set does not hold.
 

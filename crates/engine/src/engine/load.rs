@@ -1,0 +1,550 @@
+//! Loading: the files, the device, the model on its backend, the KV pool and prompt cache, and
+//! the residency set that holds it all.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use ember_checkpoint::{GgufFile, SafetensorsSet, TensorSource, read_json};
+use ember_models::{
+    Arithmetic, BlockTable, CpuBackend, CudaBackend, CudaKvPool, KV_BLOCK_SIZE, KvDtype, KvLayout,
+    KvPool, Logits, ModelConfig, Transformer,
+};
+use ember_residency::{
+    Bound, CODE_ID_BASE, MlockBackend, Region, ResidencySet, executable_regions,
+};
+use ember_tensor::cuda::{self, CudaDevice, CudaResidency};
+use ember_tensor::{BufferKind, BufferOwner, ThreadPool};
+use serde_json::Value;
+
+use super::{
+    DEFAULT_CONTEXT, DEFAULT_PREFILL_CHUNK_CPU, DEFAULT_PREFILL_CHUNK_CUDA, Device, Engine,
+    EngineOptions, KEEPALIVE_SCRATCH_BYTES, KeepaliveScratch, PromptEncoder, ResidencyMode,
+};
+use crate::chat_template::ChatTemplate;
+use crate::error::{Error, Result};
+use crate::gguf_tokenizer::tokenizer_from_gguf;
+use crate::kv::BlockManager;
+use crate::prompt_cache::{
+    DEFAULT_CACHE_GIB_CPU, DEFAULT_CACHE_GIB_GPU, DEFAULT_HOST_TIER_GIB_GPU, PromptCacheStats,
+    budget_blocks,
+};
+use crate::runner::{ModelRunner, Runner};
+use crate::tokenizer::Tokenizer;
+
+impl Engine {
+    /// Loads a Hugging Face model directory.
+    pub fn load(dir: &Path, options: &EngineOptions) -> Result<Engine> {
+        Self::load_with_owner(dir, options, BufferOwner::new())
+    }
+
+    /// Loads with a given buffer owner (tests inspect its list).
+    pub fn load_with_owner(
+        dir: &Path,
+        options: &EngineOptions,
+        owner: BufferOwner,
+    ) -> Result<Engine> {
+        // A GGUF file (or a directory holding one) carries config, tokenizer and weights
+        // together; a Hugging Face directory spreads them over several files.
+        let gguf = match gguf_path(dir) {
+            Some(path) => Some(GgufFile::open(&path, &owner)?),
+            None if dir.is_dir() => None,
+            None => return Err(Error::ModelDirMissing(dir.to_path_buf())),
+        };
+        let (config, tokenizer) = match &gguf {
+            Some(file) => (ModelConfig::from_gguf(file)?, tokenizer_from_gguf(file)?),
+            None => (ModelConfig::from_dir(dir)?, Tokenizer::from_dir(dir)?),
+        };
+        let tokenizer = Arc::new(tokenizer);
+        let template = match tokenizer.chat_template() {
+            Some(source) => {
+                let (bos, eos) = (
+                    tokenizer.bos_token().map(str::to_owned),
+                    tokenizer.eos_token().map(str::to_owned),
+                );
+                Some(Arc::new(ChatTemplate::new(source, bos, eos)?))
+            }
+            None => None,
+        };
+        let eos_ids = match gguf {
+            Some(_) => unique(
+                config
+                    .eos_token_ids
+                    .iter()
+                    .copied()
+                    .chain(tokenizer.eos_token_id()),
+            ),
+            None => eos_token_ids(dir, &config, &tokenizer)?,
+        };
+        let context = options
+            .context
+            .unwrap_or(DEFAULT_CONTEXT.min(config.max_position_embeddings))
+            .max(1);
+        if context > config.max_position_embeddings {
+            tracing::warn!(
+                context,
+                max_position_embeddings = config.max_position_embeddings,
+                "the context is longer than the model was trained for; quality may drop past it"
+            );
+        }
+        let threads = options
+            .threads
+            .unwrap_or_else(ThreadPool::available_parallelism)
+            .max(1);
+        let weights = match gguf {
+            Some(file) => WeightFiles::Gguf(file),
+            None => WeightFiles::Safetensors(SafetensorsSet::open(dir, &owner)?),
+        };
+        let source = weights.source();
+        let cuda = choose_device(options.device, &weights, &config)?;
+        let kv_dtype = options
+            .kv_dtype
+            .unwrap_or_else(|| default_kv_dtype(&weights, &config, cuda.is_some()));
+        let residency_device = cuda.clone();
+        let default_chunk = match cuda {
+            Some(_) => DEFAULT_PREFILL_CHUNK_CUDA,
+            None => DEFAULT_PREFILL_CHUNK_CPU,
+        };
+        // A chunk never needs more rows than the context holds positions.
+        let max_batch = options
+            .prefill_chunk
+            .unwrap_or(default_chunk)
+            .clamp(1, context);
+        let (runner, keepalive_scratch, weights, plan): (Box<dyn Runner>, _, _, PoolPlan) =
+            match cuda {
+                None => {
+                    let pool = ThreadPool::new(threads);
+                    // An f16 cache is the GGUF path, checked against llama.cpp: imitate its
+                    // arithmetic there; elsewhere transformers' (the golden fixtures, and its bf16
+                    // cache for bf16 checkpoints).
+                    let arithmetic = match kv_dtype {
+                        KvDtype::F16 => Arithmetic::LlamaCpp,
+                        KvDtype::F32 | KvDtype::Bf16 => Arithmetic::Transformers,
+                    };
+                    let backend =
+                        CpuBackend::new(&config, pool, &owner, max_batch, context, 1, arithmetic)?;
+                    let model = Transformer::load(&backend, config, source, context)?;
+                    let plan =
+                        PoolPlan::new(options, &model.config, kv_dtype, context, &owner, None);
+                    let kv = KvPool::new(plan.layout, plan.blocks, plan.host_blocks, &owner)?;
+                    let scratch = owner.alloc(
+                        BufferKind::Scratch,
+                        "keepalive scratch",
+                        KEEPALIVE_SCRATCH_BYTES,
+                    )?;
+                    let runner = ModelRunner {
+                        backend,
+                        model,
+                        kv,
+                        context,
+                    };
+                    let scratch = KeepaliveScratch::Host(Arc::new(Mutex::new(scratch)));
+                    (Box::new(runner), scratch, Some(weights), plan)
+                }
+                Some(device) => {
+                    // Every kernel compiled (or read from the disk cache) now, not inside the
+                    // first request: a fresh machine's NVRTC pass takes tens of seconds.
+                    let started = std::time::Instant::now();
+                    device.load_all().map_err(Error::Cuda)?;
+                    tracing::info!(
+                        "cuda kernels ready in {:.2} s",
+                        started.elapsed().as_secs_f64()
+                    );
+                    let backend = CudaBackend::new(
+                        device.clone(),
+                        &config,
+                        &owner,
+                        max_batch,
+                        context.div_ceil(KV_BLOCK_SIZE),
+                        1,
+                        options.cuda_graphs,
+                    )?;
+                    let model = Transformer::load(&backend, config, source, context)?;
+                    let plan = PoolPlan::new(
+                        options,
+                        &model.config,
+                        kv_dtype,
+                        context,
+                        &owner,
+                        Some(&device),
+                    );
+                    let kv = CudaKvPool::new(
+                        &device,
+                        &owner,
+                        plan.layout,
+                        plan.blocks,
+                        plan.host_blocks,
+                    )?;
+                    let scratch = owner
+                        .alloc_device(
+                            BufferKind::Scratch,
+                            "keepalive scratch",
+                            &device,
+                            KEEPALIVE_SCRATCH_BYTES,
+                        )
+                        .map_err(Error::Cuda)?;
+                    let mut runner = ModelRunner {
+                        backend,
+                        model,
+                        kv,
+                        context,
+                    };
+                    warm_up(&mut runner)?;
+                    let scratch = KeepaliveScratch::Device(device, Arc::new(Mutex::new(scratch)));
+                    // The weights live on the device now: unmap the files.
+                    drop(weights);
+                    (Box::new(runner), scratch, None, plan)
+                }
+            };
+        plan.log();
+        let residency = establish_residency(&owner, options, residency_device, plan.caching())?;
+        let encoder = PromptEncoder {
+            dir: dir.to_path_buf(),
+            tokenizer,
+            template,
+        };
+        Ok(Engine {
+            dir: dir.to_path_buf(),
+            owner,
+            runner,
+            blocks: BlockManager::new(plan.blocks, plan.host_blocks, KV_BLOCK_SIZE),
+            seq: BlockTable::new(),
+            cache_enabled: plan.cache_blocks > 0,
+            cache_stats: Arc::new(PromptCacheStats::new(
+                plan.layout.block_bytes(),
+                plan.cache_blocks,
+                plan.host_blocks,
+            )),
+            transfers: Vec::new(),
+            kv_dtype,
+            encoder,
+            eos_ids,
+            residency,
+            keepalive_scratch,
+            _weights: weights,
+        })
+    }
+}
+
+/// Holds every listed buffer and the program's own code in one set, whole or not at all, logs
+/// the one load line that says which way it went, and attaches the set to the owner so later
+/// buffers join it.
+fn establish_residency(
+    owner: &BufferOwner,
+    options: &EngineOptions,
+    cuda: Option<CudaDevice>,
+    caching: bool,
+) -> Result<Arc<ResidencySet>> {
+    let (set, report) = match options.residency {
+        ResidencyMode::Off => ResidencySet::disabled(),
+        ResidencyMode::Auto | ResidencyMode::Required => {
+            let mut regions: Vec<(u64, Region)> = owner
+                .list()
+                .iter()
+                .filter(|b| b.bytes > 0)
+                .map(|b| (b.id.raw(), b.region()))
+                .collect();
+            regions.extend(
+                executable_regions()
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, r)| (CODE_ID_BASE + i as u64, r)),
+            );
+            let mut bound = Bound::from_system(options.load_limit_gib);
+            if caching {
+                // The prompt cache is the part an operator sizes most freely.
+                bound = bound
+                    .with_advice("lower --prompt-cache-gib or --context, or set --load-limit-gib")
+                    .with_device_advice("lower --prompt-cache-gib or --context");
+            }
+            match cuda {
+                // Device buffers are resident by nature; the bound keeps later joins (KV
+                // growth, caches) inside the GPU's memory. Staging buffers are page-locked
+                // with the driver.
+                Some(device) => {
+                    let bound = bound.with_device_limit(device.info().memory_bytes as u64);
+                    let backend = Arc::new(CudaResidency::new(device));
+                    ResidencySet::establish(backend, bound, regions)
+                }
+                None => ResidencySet::establish(Arc::new(MlockBackend::new()), bound, regions),
+            }
+        }
+    };
+    if options.residency != ResidencyMode::Off {
+        report.log();
+    }
+    if options.residency == ResidencyMode::Required && !report.held {
+        return Err(Error::ResidencyRequired(report.line()));
+    }
+    owner.attach_residency(Arc::clone(&set));
+    Ok(set)
+}
+
+/// The KV pool made at load: one sequence's context of blocks plus the prompt cache's budget,
+/// and the host tier's slots, with the figures for the load line.
+struct PoolPlan {
+    layout: KvLayout,
+    /// Blocks in the pool, and how many of them are the cache's beyond the sequence's.
+    blocks: usize,
+    cache_blocks: usize,
+    host_blocks: usize,
+    on_gpu: bool,
+}
+
+impl PoolPlan {
+    /// Sizes the budgets against the room the residency bound leaves once what `owner` lists
+    /// (the weights and activations) and the sequence's blocks are counted: `auto` takes the
+    /// device's default share, clamped to half that room; a size asked for is taken as is
+    /// (the residency load line says when it does not fit).
+    fn new(
+        options: &EngineOptions,
+        config: &ModelConfig,
+        kv_dtype: KvDtype,
+        context: usize,
+        owner: &BufferOwner,
+        device: Option<&CudaDevice>,
+    ) -> PoolPlan {
+        let layout = KvLayout::new(config, kv_dtype);
+        let seq_blocks = layout.blocks_for(context);
+        let seq_bytes = (seq_blocks * layout.block_bytes()) as u64;
+        let bound = Bound::from_system(options.load_limit_gib);
+        let (mut host_listed, mut device_listed) = (0u64, 0u64);
+        for b in owner.list() {
+            match b.location {
+                ember_tensor::Location::Host => host_listed += b.bytes as u64,
+                _ => device_listed += b.bytes as u64,
+            }
+        }
+        let host_room = bound.host_bytes().saturating_sub(host_listed);
+        let (cache_room, cache_default, host_default) = match device {
+            Some(d) => (
+                (d.info().memory_bytes as u64).saturating_sub(device_listed + seq_bytes),
+                DEFAULT_CACHE_GIB_GPU,
+                DEFAULT_HOST_TIER_GIB_GPU,
+            ),
+            None => (
+                host_room.saturating_sub(seq_bytes),
+                DEFAULT_CACHE_GIB_CPU,
+                0.0,
+            ),
+        };
+        let block_bytes = layout.block_bytes();
+        let cache_blocks =
+            budget_blocks(options.prompt_cache, cache_default, cache_room, block_bytes);
+        let cache_bytes = (cache_blocks * block_bytes) as u64;
+        // On the CPU the host tier shares the RAM the cache already took.
+        let host_room = match device {
+            Some(_) => host_room,
+            None => host_room.saturating_sub(seq_bytes + cache_bytes),
+        };
+        // Without a cache there is nothing to keep on the host either.
+        let host_blocks = if cache_blocks == 0 {
+            0
+        } else {
+            budget_blocks(
+                options.prompt_cache_host,
+                host_default,
+                host_room,
+                block_bytes,
+            )
+        };
+        PoolPlan {
+            layout,
+            blocks: seq_blocks + cache_blocks,
+            cache_blocks,
+            host_blocks,
+            on_gpu: device.is_some(),
+        }
+    }
+
+    fn caching(&self) -> bool {
+        self.cache_blocks > 0
+    }
+
+    /// One line: the pool, the cache's share and the host tier, or that the cache is off.
+    fn log(&self) {
+        let gib = |blocks: usize| (blocks * self.layout.block_bytes()) as f64 / (1u64 << 30) as f64;
+        let memory = if self.on_gpu { "device memory" } else { "RAM" };
+        if !self.caching() {
+            tracing::info!(
+                "kv pool: {} blocks of {} positions ({:.2} GiB of {memory}); prompt cache off",
+                self.blocks,
+                self.layout.block_size,
+                gib(self.blocks)
+            );
+            return;
+        }
+        let host = if self.host_blocks > 0 {
+            format!(
+                ", host tier {:.2} GiB ({} blocks)",
+                gib(self.host_blocks),
+                self.host_blocks
+            )
+        } else {
+            String::new()
+        };
+        tracing::info!(
+            "kv pool: {} blocks of {} positions ({:.2} GiB of {memory}); prompt cache {:.2} GiB \
+             ({} blocks, {} KiB each){host}",
+            self.blocks,
+            self.layout.block_size,
+            gib(self.blocks),
+            gib(self.cache_blocks),
+            self.cache_blocks,
+            self.layout.block_bytes() / 1024
+        );
+    }
+}
+
+/// Prompt passes of a whole chunk, a quarter of it, and so on down to a few tokens, then a
+/// decode step, each forgotten. A CUDA engine's first pass of a size loads the cuBLASLt kernels
+/// that size picks (the driver loads kernels lazily, on first use) and its GEMM plans, and the
+/// first step records the decode graph: H200, the first 2048-token prompt of qwen3-8b after
+/// load took 223 ms against 59 ms for the next, and a 512-token prompt after a warm-up of
+/// 2048 alone still paid 14 ms more on qwen3-0.6b. Paid at load, not by the first request.
+fn warm_up(runner: &mut dyn Runner) -> Result<()> {
+    let started = std::time::Instant::now();
+    let capacity = runner.context();
+    // At load no block is anyone's: the first ones serve, and are forgotten with the table.
+    let layout = runner.kv_layout();
+    let blocks = layout.blocks_for(capacity).min(runner.kv().blocks());
+    let table = || BlockTable::with_blocks((0..blocks as u32).collect(), 0);
+    let mut sizes = Vec::new();
+    let mut size = runner.max_batch().min(capacity.saturating_sub(1)).max(1);
+    loop {
+        sizes.push(size);
+        let mut seq = table();
+        runner.forward(&mut seq, &vec![0; size], Logits::Last)?;
+        if size < capacity {
+            // Greedy, as most steps are served.
+            runner.forward_greedy(&mut seq, &[0])?;
+        }
+        // Prompts this short take the matrix-vector kernels, no GEMM.
+        if size <= cuda::MAX_BATCH {
+            break;
+        }
+        size /= 4;
+    }
+    tracing::info!(
+        "warm-up: prompts of {sizes:?} tokens, each with a step, in {:.2} s",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// The KV cache's type when the options name none. GGUF models: f16, as llama.cpp keeps it.
+/// On CUDA, a bf16 or f16 checkpoint's own type, as transformers and vLLM keep it: half the
+/// memory, and decode attention reads half the bytes on the tensor cores (H200, qwen3-8b
+/// decode after 2048 tokens 195 -> 200 tok/s, after 8192 172 -> 188). Elsewhere f32, exact
+/// against transformers' float32 (the golden fixtures).
+fn default_kv_dtype(weights: &WeightFiles, config: &ModelConfig, on_cuda: bool) -> KvDtype {
+    if matches!(weights, WeightFiles::Gguf(_)) {
+        return KvDtype::F16;
+    }
+    match (on_cuda, config.dtype.as_deref()) {
+        (true, Some("bfloat16")) => KvDtype::Bf16,
+        (true, Some("float16")) => KvDtype::F16,
+        _ => KvDtype::F32,
+    }
+}
+
+/// The CUDA device to run on, or `None` for the CPU; `auto` logs which and why.
+fn choose_device(
+    device: Device,
+    weights: &WeightFiles,
+    config: &ModelConfig,
+) -> Result<Option<CudaDevice>> {
+    // What the CUDA backend cannot run yet, said before anything is uploaded.
+    let cpu_only = if matches!(weights, WeightFiles::Gguf(_)) {
+        Some("GGUF (quantized) models run on the CPU; quantized CUDA kernels come later")
+    } else if config.moe.as_ref().is_some_and(|m| {
+        m.num_experts > cuda::MAX_EXPERTS || m.num_experts_per_tok > cuda::MAX_TOP_K
+    }) {
+        Some("CUDA routes at most 1024 experts, and at most 32 per token")
+    } else {
+        None
+    };
+    match device {
+        Device::Cpu => Ok(None),
+        Device::Cuda(_) if cpu_only.is_some() => {
+            Err(Error::NotOnCuda(cpu_only.unwrap_or_default()))
+        }
+        Device::Cuda(ordinal) => Ok(Some(CudaDevice::open(ordinal).map_err(Error::Cuda)?)),
+        Device::Auto => {
+            if let Some(reason) = cpu_only {
+                tracing::info!("device: cpu ({reason})");
+                return Ok(None);
+            }
+            match CudaDevice::open(0) {
+                Ok(device) => {
+                    tracing::info!("device: cuda ({})", device.info());
+                    Ok(Some(device))
+                }
+                Err(e) => {
+                    tracing::info!("device: cpu ({e})");
+                    Ok(None)
+                }
+            }
+        }
+    }
+}
+
+/// The checkpoint files a model was loaded from.
+pub(super) enum WeightFiles {
+    Safetensors(SafetensorsSet),
+    Gguf(GgufFile),
+}
+
+impl WeightFiles {
+    fn source(&self) -> &dyn TensorSource {
+        match self {
+            WeightFiles::Safetensors(set) => set,
+            WeightFiles::Gguf(file) => file,
+        }
+    }
+}
+
+/// The GGUF file `path` names: the file itself, or the only `.gguf` in a directory that has no
+/// `config.json`.
+fn gguf_path(path: &Path) -> Option<PathBuf> {
+    let is_gguf = |p: &Path| {
+        p.extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+    };
+    if path.is_file() {
+        return is_gguf(path).then(|| path.to_path_buf());
+    }
+    if !path.is_dir() || path.join("config.json").exists() {
+        return None;
+    }
+    let mut found = std::fs::read_dir(path)
+        .ok()?
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| is_gguf(p));
+    let first = found.next()?;
+    found.next().is_none().then_some(first)
+}
+
+fn unique(ids: impl IntoIterator<Item = u32>) -> Vec<u32> {
+    let mut out = Vec::new();
+    for id in ids {
+        if !out.contains(&id) {
+            out.push(id);
+        }
+    }
+    out
+}
+
+/// End-of-sequence ids: generation_config.json's (an int or a list), config.json's, and the
+/// tokenizer's eos token, together (as vLLM does; checkpoints disagree among these files).
+fn eos_token_ids(dir: &Path, config: &ModelConfig, tokenizer: &Tokenizer) -> Result<Vec<u32>> {
+    let mut ids = Vec::new();
+    let generation_config = dir.join("generation_config.json");
+    if generation_config.exists() {
+        let value: Value = read_json(&generation_config)?;
+        ids.extend(ember_models::config::token_ids(value.get("eos_token_id")));
+    }
+    ids.extend(&config.eos_token_ids);
+    ids.extend(tokenizer.eos_token_id());
+    Ok(unique(ids))
+}

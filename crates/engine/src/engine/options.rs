@@ -1,0 +1,96 @@
+//! How to load a model.
+
+use ember_models::KvDtype;
+
+use crate::prompt_cache::CacheBudget;
+
+/// How to load a model.
+#[derive(Clone, Debug)]
+pub struct EngineOptions {
+    /// Compute threads, the calling thread included; `None` means every core this process may use.
+    pub threads: Option<usize>,
+    /// Positions of KV cache preallocated: the longest prompt plus reply. `None` takes the
+    /// model's trained length, capped at [`DEFAULT_CONTEXT`](super::DEFAULT_CONTEXT).
+    pub context: Option<usize>,
+    /// Tokens per forward pass in prefill; longer prompts run in chunks of this size. `None`
+    /// takes [`DEFAULT_PREFILL_CHUNK_CPU`](super::DEFAULT_PREFILL_CHUNK_CPU) or
+    /// [`DEFAULT_PREFILL_CHUNK_CUDA`](super::DEFAULT_PREFILL_CHUNK_CUDA).
+    pub prefill_chunk: Option<usize>,
+    /// How the KV cache stores keys and values; `None` takes f16 for GGUF models (as
+    /// llama.cpp does), a 16-bit checkpoint's own type on CUDA, and f32 otherwise (exact
+    /// against transformers' float32): see `default_kv_dtype`.
+    pub kv_dtype: Option<KvDtype>,
+    /// Whether to hold every engine buffer (and the program's code) resident between requests.
+    pub residency: ResidencyMode,
+    /// Replaces the 70% of RAM that bounds the residency set (the 2 GiB margin stays).
+    pub load_limit_gib: Option<f64>,
+    /// Where the model runs.
+    pub device: Device,
+    /// On CUDA, record decode steps as graphs and replay them (off: op by op, same results).
+    pub cuda_graphs: bool,
+    /// The prompt cache's share of the KV pool (`--prompt-cache-gib`): finished requests'
+    /// blocks stay, and a request whose prompt starts with a cached prefix prefills only the
+    /// rest.
+    pub prompt_cache: CacheBudget,
+    /// Host memory for blocks evicted from the pool (`--prompt-cache-host-gib`): on a GPU,
+    /// pinned memory they come back from by copy. The CPU takes it only when asked.
+    pub prompt_cache_host: CacheBudget,
+}
+
+/// Where the model runs (`--device`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Device {
+    #[default]
+    Cpu,
+    /// CUDA device N.
+    Cuda(usize),
+    /// The first CUDA device when one is usable and the model's weights can run there, else
+    /// the CPU; the log says which and why.
+    Auto,
+}
+
+impl std::str::FromStr for Device {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "cpu" => Ok(Device::Cpu),
+            "auto" => Ok(Device::Auto),
+            "cuda" => Ok(Device::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Device::Cuda)
+                .ok_or_else(|| format!("{s:?}: expected auto, cpu, cuda or cuda:N")),
+        }
+    }
+}
+
+/// What to do about holding memory resident.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum ResidencyMode {
+    /// No set (the library's default, so tests measure plain memory).
+    #[default]
+    Off,
+    /// Hold the whole set if it fits and the OS allows; otherwise run without, saying why.
+    Auto,
+    /// Refuse to load without a whole set.
+    Required,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            threads: None,
+            context: None,
+            prefill_chunk: None,
+            kv_dtype: None,
+            residency: ResidencyMode::Off,
+            load_limit_gib: None,
+            device: Device::Cpu,
+            cuda_graphs: true,
+            prompt_cache: CacheBudget::Off,
+            prompt_cache_host: CacheBudget::Off,
+        }
+    }
+}
