@@ -167,6 +167,47 @@ pub enum BenchCommand {
     Idle(BenchIdleArgs),
     /// A chat's next turn: time to first token with the prompt cache against without.
     Turn(BenchTurnArgs),
+    /// Load on any OpenAI-compatible server: many streams at once (a concurrency sweep) or
+    /// requests arriving at a rate; one JSON line per setting with throughput, time to first
+    /// token and inter-token latency percentiles.
+    Serve(BenchServeArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct BenchServeArgs {
+    /// The server: http://host:port (an OpenAI base URL ending in /v1 works too).
+    #[arg(long)]
+    pub api: String,
+    /// Streams kept in flight, one setting each, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,64")]
+    pub concurrency: Vec<usize>,
+    /// Instead of a concurrency sweep: requests per second arriving as a Poisson process, one
+    /// setting each, comma-separated (nothing caps how many are in flight).
+    #[arg(long, value_delimiter = ',')]
+    pub rate: Vec<f64>,
+    /// Requests per setting [default: 4 per stream of the concurrency, at least 8; 32 for a
+    /// rate].
+    #[arg(long)]
+    pub requests: Option<usize>,
+    /// Words of each synthetic prompt (about 1.3 tokens each in English tokenizers; the report
+    /// gives the server's own count). Every prompt is distinct, so no prompt cache helps.
+    #[arg(long, default_value_t = 384)]
+    pub prompt_words: usize,
+    /// With this, each prompt's length is drawn uniformly from --prompt-words to this many.
+    #[arg(long)]
+    pub prompt_words_max: Option<usize>,
+    /// Tokens each reply generates (end-of-sequence ignored, so every reply is this long).
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: usize,
+    /// Seeds the prompts and the arrival times.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Bearer key for servers that require one.
+    #[arg(long, env = "EMBER_API_KEY")]
+    pub api_key: Option<String>,
+    /// Model name sent with each request [default: the first of /v1/models].
+    #[arg(long)]
+    pub model: Option<String>,
 }
 
 #[derive(Args, Debug)]

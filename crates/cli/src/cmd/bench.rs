@@ -10,6 +10,7 @@ pub fn run(command: BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::Decode(args) => decode(args),
         BenchCommand::Idle(args) => super::bench_idle::run(args),
         BenchCommand::Turn(args) => turn(args),
+        BenchCommand::Serve(args) => super::bench_serve::run(args),
     }
 }
 

@@ -212,7 +212,7 @@ fn has_text(event: &Value) -> bool {
         .any(|k| delta[k].as_str().is_some_and(|s| !s.is_empty()))
 }
 
-fn first_model(base: &BaseUrl, api_key: Option<&str>) -> anyhow::Result<String> {
+pub(crate) fn first_model(base: &BaseUrl, api_key: Option<&str>) -> anyhow::Result<String> {
     let response = http_client::request(
         base,
         "GET",

@@ -1,5 +1,6 @@
 pub mod bench;
 pub mod bench_idle;
+pub mod bench_serve;
 pub mod gen_checkpoint;
 pub mod run;
 pub mod serve;
