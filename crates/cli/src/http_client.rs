@@ -77,6 +77,27 @@ pub struct Response {
 }
 
 impl Response {
+    /// The next server-sent event's JSON (`data: {...}`), skipping other lines; `None` at
+    /// `data: [DONE]` or the end. An event that is not JSON, or an `error` event (a stream cut
+    /// by the server), is an error.
+    pub fn next_event(&mut self) -> anyhow::Result<Option<serde_json::Value>> {
+        while let Some(line) = self.read_line()? {
+            let Some(data) = line.strip_prefix("data:").map(str::trim) else {
+                continue;
+            };
+            if data == "[DONE]" {
+                return Ok(None);
+            }
+            let event: serde_json::Value = serde_json::from_str(data)
+                .with_context(|| format!("a stream event is not JSON: {data}"))?;
+            if let Some(error) = event.get("error") {
+                bail!("the server sent an error mid-stream: {error}");
+            }
+            return Ok(Some(event));
+        }
+        Ok(None)
+    }
+
     /// The next line of the body without its line ending; `None` at the end.
     pub fn read_line(&mut self) -> io::Result<Option<String>> {
         let mut line = String::new();
@@ -93,6 +114,26 @@ impl Response {
         self.body.read_to_string(&mut text)?;
         Ok(text)
     }
+}
+
+/// POSTs `body` as JSON with `"stream": true` expected of it, and returns the response once
+/// the server has answered 200 (any other status is an error carrying the server's message),
+/// ready for [`Response::next_event`].
+pub fn post_stream(
+    base: &BaseUrl,
+    path: &str,
+    api_key: Option<&str>,
+    body: &serde_json::Value,
+    timeout: Duration,
+) -> anyhow::Result<Response> {
+    let body = serde_json::to_vec(body)?;
+    let response = request(base, "POST", path, api_key, Some(&body), timeout)?;
+    if response.status != 200 {
+        let status = response.status;
+        let text = response.text().unwrap_or_default();
+        bail!("the server answered {status}: {}", text.trim());
+    }
+    Ok(response)
 }
 
 /// Sends one request and reads the status line and headers.

@@ -166,38 +166,19 @@ impl Client {
             "temperature": 0,
             "stream": true,
         });
-        let body = serde_json::to_vec(&body)?;
         let start = Instant::now();
-        let mut response = http_client::request(
+        let mut response = http_client::post_stream(
             &self.base,
-            "POST",
             "/v1/chat/completions",
             self.api_key.as_deref(),
-            Some(&body),
+            &body,
             REQUEST_TIMEOUT,
         )?;
-        if response.status != 200 {
-            let status = response.status;
-            let text = response.text().unwrap_or_default();
-            bail!("the server answered {status}: {}", text.trim());
-        }
         let mut first = None;
-        while let Some(line) = response.read_line()? {
-            let Some(data) = line.strip_prefix("data:").map(str::trim) else {
-                continue;
-            };
-            if data == "[DONE]" {
-                break;
-            }
-            if first.is_none() {
-                let event: Value = serde_json::from_str(data)
-                    .with_context(|| format!("a stream event is not JSON: {data}"))?;
-                if let Some(error) = event.get("error") {
-                    bail!("the server sent an error mid-stream: {error}");
-                }
-                if has_text(&event) {
-                    first = Some(start.elapsed().as_secs_f64());
-                }
+        // Read to the end: the next request must not overlap this one's tail.
+        while let Some(event) = response.next_event()? {
+            if first.is_none() && has_text(&event) {
+                first = Some(start.elapsed().as_secs_f64());
             }
         }
         first.context("the stream ended without any generated text")

@@ -228,35 +228,17 @@ impl Client {
             "stream": true,
             "stream_options": {"include_usage": true},
         });
-        let body = serde_json::to_vec(&body)?;
         let start = Instant::now();
-        let mut response = http_client::request(
+        let mut response = http_client::post_stream(
             &self.base,
-            "POST",
             "/v1/completions",
             self.api_key.as_deref(),
-            Some(&body),
+            &body,
             REQUEST_TIMEOUT,
         )?;
-        if response.status != 200 {
-            let status = response.status;
-            let text = response.text().unwrap_or_default();
-            bail!("the server answered {status}: {}", text.trim());
-        }
         let mut chunks: Vec<f64> = Vec::new();
         let mut usage = None;
-        while let Some(line) = response.read_line()? {
-            let Some(data) = line.strip_prefix("data:").map(str::trim) else {
-                continue;
-            };
-            if data == "[DONE]" {
-                break;
-            }
-            let event: Value = serde_json::from_str(data)
-                .with_context(|| format!("a stream event is not JSON: {data}"))?;
-            if let Some(error) = event.get("error") {
-                bail!("the server sent an error mid-stream: {error}");
-            }
+        while let Some(event) = response.next_event()? {
             if event["choices"][0]["text"]
                 .as_str()
                 .is_some_and(|t| !t.is_empty())
