@@ -116,6 +116,39 @@ impl Response {
     }
 }
 
+/// Waits until the server's `/health` answers 200 (ember, llama-server and vLLM answer 503
+/// while the model loads), polling twice a second for up to `timeout`. A server without the
+/// route (404) counts as ready; one that does not answer at all is an error at once.
+pub fn wait_ready(base: &BaseUrl, api_key: Option<&str>, timeout: Duration) -> anyhow::Result<()> {
+    let start = std::time::Instant::now();
+    let mut said = false;
+    loop {
+        let response = request(
+            base,
+            "GET",
+            "/health",
+            api_key,
+            None,
+            Duration::from_secs(30),
+        )
+        .with_context(|| format!("asking {}:{} for /health", base.host, base.port))?;
+        match response.status {
+            200 | 404 => return Ok(()),
+            503 if start.elapsed() < timeout => {
+                if !said {
+                    eprintln!("waiting for the server to finish loading (/health answers 503)");
+                    said = true;
+                }
+                std::thread::sleep(Duration::from_millis(500));
+            }
+            status => {
+                let text = response.text().unwrap_or_default();
+                bail!("/health answered {status}: {}", text.trim());
+            }
+        }
+    }
+}
+
 /// POSTs `body` as JSON with `"stream": true` expected of it, and returns the response once
 /// the server has answered 200 (any other status is an error carrying the server's message),
 /// ready for [`Response::next_event`].

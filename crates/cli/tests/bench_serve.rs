@@ -62,7 +62,8 @@ fn check_setting(line: &Value, requests: u64, max_tokens: u64) {
 
 #[test]
 fn sweeps_concurrency_and_rate_against_a_server() {
-    let server = Server::start(QWEN, &[]);
+    // Not waited for: the bench waits for /health itself (503 while the model loads).
+    let server = Server::spawn(QWEN, &[]);
     let api = server.base_url();
     let out = bench(&[
         "--api",

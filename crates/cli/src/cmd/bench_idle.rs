@@ -13,6 +13,9 @@ use crate::args::BenchIdleArgs;
 use crate::http_client::{self, BaseUrl};
 use crate::server_process::{self, PageOut};
 
+/// Longest wait for a server that is still loading its model.
+const LOAD_TIMEOUT: Duration = Duration::from_secs(600);
+
 /// Longest wait for a reply: a cold first token on a slow machine takes seconds, not minutes.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
 
@@ -44,6 +47,7 @@ pub fn run(args: BenchIdleArgs) -> anyhow::Result<ExitCode> {
              (pass --server-pid for a local server)"
         ),
     }
+    http_client::wait_ready(&base, args.api_key.as_deref(), LOAD_TIMEOUT)?;
     let model = match &args.model {
         Some(model) => model.clone(),
         None => first_model(&base, args.api_key.as_deref())?,

@@ -15,6 +15,9 @@ use serde_json::{Value, json};
 use crate::args::BenchServeArgs;
 use crate::http_client::{self, BaseUrl};
 
+/// Longest wait for a server that is still loading its model.
+const LOAD_TIMEOUT: Duration = Duration::from_secs(600);
+
 /// Longest wait for one reply: at 64 streams on a slow machine a reply can take minutes.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(1800);
 
@@ -56,6 +59,7 @@ pub fn run(args: BenchServeArgs) -> anyhow::Result<ExitCode> {
         );
     }
     let base = BaseUrl::parse(&args.api)?;
+    http_client::wait_ready(&base, args.api_key.as_deref(), LOAD_TIMEOUT)?;
     let model = match &args.model {
         Some(model) => model.clone(),
         None => super::bench_idle::first_model(&base, args.api_key.as_deref())?,
