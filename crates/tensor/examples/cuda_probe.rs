@@ -357,6 +357,7 @@ impl Probe {
         let pool = self.pool(1, pos0 + n, kv_row, from_f32)?;
         let q = self.random(n * shape.n_heads * shape.head_dim, |x| x)?;
         let mut out = self.alloc(n * shape.n_heads * shape.head_dim * 4)?;
+        let mut scratch = self.alloc(cuda::attention_prefill_scratch_len(shape) * 4)?;
         let ms = time(&self.device, || {
             cuda::attention_prefill(
                 &self.device,
@@ -367,6 +368,7 @@ impl Probe {
                 shape,
                 0.088,
                 precision,
+                &mut scratch.as_mut_slice(),
                 &mut out.as_mut_slice(),
             )
         })?;
@@ -489,7 +491,15 @@ fn run() -> Result<(), CudaError> {
     }
 
     println!("\nattention_prefill, tensor cores (qwen3-8b heads 32/8×128), causal FLOPs:");
-    for (pos0, n) in [(0, 512), (1536, 512), (0, 2048), (0, 8192)] {
+    // The last two: a chat's next turn, a few dozen tokens over a long cache (split keys).
+    for (pos0, n) in [
+        (0, 512),
+        (1536, 512),
+        (0, 2048),
+        (0, 8192),
+        (8208, 78),
+        (16384, 30),
+    ] {
         let (tf, us) = probe.prompt_attention(
             shape,
             pos0,

@@ -1267,6 +1267,7 @@ fn check_attention<T: Elem>(
     let want = attention_reference(&q, &kf, &vf, pos0, n, shape, scale);
     // f32 throughout, then on the tensor cores (heads of 64 and 128) with bf16 operands and
     // so a bf16-sized error.
+    let mut split_scratch = ctx.poisoned::<f32>(cuda::attention_prefill_scratch_len(shape));
     for precision in [AttentionPrecision::F32, AttentionPrecision::Bf16] {
         let mut out = ctx.poisoned::<f32>(n * n_heads * head_dim);
         cuda::attention_prefill(
@@ -1278,6 +1279,7 @@ fn check_attention<T: Elem>(
             shape,
             scale,
             precision,
+            &mut split_scratch.as_mut_slice(),
             &mut out.as_mut_slice(),
         )
         .unwrap();
@@ -1655,6 +1657,10 @@ fn attention_matches_f64_reference() {
         // Several tensor-core blocks of queries, with and without earlier positions.
         (shape(8, 2, 64), 0, 130),
         (shape(16, 8, 128), 37, 300),
+        // Short chunks over long caches, whose keys split (a chat's next turn): both kernels.
+        (shape(32, 8, 128), 8200, 78),
+        (shape(8, 2, 64), 2000, 130),
+        (shape(6, 2, 20), 1500, 3),
     ];
     for (s, pos0, n) in cases {
         check_attention::<f32>(&ctx, &mut rng, s, pos0, n);

@@ -225,8 +225,18 @@ impl CudaBackend {
                     } else {
                         AttentionPrecision::F32
                     };
+                    let mut scratch = self.prompt_attention_scratch.as_mut_slice::<f32>();
                     cuda::attention_prefill(
-                        dev, q, cache, p.pos0, rows, shape, p.scale, precision, &mut out,
+                        dev,
+                        q,
+                        cache,
+                        p.pos0,
+                        rows,
+                        shape,
+                        p.scale,
+                        precision,
+                        &mut scratch,
+                        &mut out,
                     )?;
                 }
             }};

@@ -58,7 +58,10 @@ pub struct CudaBackend {
     gemm_input: DeviceBuffer,
     /// The pass's positions, token ids and block table as the kernels read them.
     inputs: PassInputs,
+    /// Decode attention's splits and their tickets.
     attention_scratch: DeviceBuffer,
+    /// Prompt attention's splits (a short chunk over a long cache).
+    prompt_attention_scratch: DeviceBuffer,
     logits: DeviceBuffer,
     /// The host side of `logits`: a staging buffer, page-locked with the driver while the
     /// residency set holds it.
@@ -138,6 +141,10 @@ impl CudaBackend {
             shape,
             &mut attention_scratch.as_mut_slice::<f32>(),
         )?;
+        let prompt_attention_scratch = f32s(
+            "prompt attention splits",
+            cuda::attention_prefill_scratch_len(shape),
+        )?;
         let logits = f32s("logits", logit_rows * config.vocab_size)?;
         let mut argmax_scratch = f32s("argmax chunks", cuda::argmax_scratch_len(1))?;
         device.fill_bytes(&mut argmax_scratch.as_mut_slice::<u32>(), 0)?;
@@ -152,6 +159,7 @@ impl CudaBackend {
             gemm_input,
             inputs,
             attention_scratch,
+            prompt_attention_scratch,
             logits,
             logits_host: owner.alloc_staging(
                 BufferKind::Activations,

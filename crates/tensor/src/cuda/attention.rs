@@ -7,8 +7,8 @@ use super::device::launch;
 use super::kernels::{Float, Kernel, Module};
 use super::rope::RopeNorm;
 use super::{
-    CudaDevice, CudaError, DevSlice, DevSliceMut, FloatElem, Position, config, ensure, int,
-    stride_blocks,
+    CudaDevice, CudaError, DevSlice, DevSliceMut, FloatElem, Position, config, config3, ensure,
+    int, stride_blocks,
 };
 use crate::cpu::{AttentionShape, RopeLayout};
 
@@ -560,9 +560,50 @@ const MMA_HEAD_DIMS: [usize; 2] = [64, 128];
 const MMA_ROWS: usize = 64;
 const MMA_THREADS: u32 = 128;
 
+/// A prompt chunk's attention splits the keys when its grid is too small to fill the device:
+/// a chat's next turn computes a few dozen tokens over thousands of cached positions, one
+/// block per 64 (16) queries and head, and without splits each block walked every key with
+/// most multiprocessors idle. The grid is sized for this many blocks per multiprocessor.
+const PREFILL_BLOCKS_PER_SM: usize = 4;
+/// Keys a split takes at least: fewer would cost more in partial results than they save.
+/// A whole number of both kernels' key tiles (64 and 32).
+const PREFILL_MIN_KEYS_PER_SPLIT: usize = 512;
+const PREFILL_KEY_ROUND: usize = 64;
+/// (row, split) pairs the scratch holds partial results for: bounds the splits of a chunk of
+/// `n` rows to `PREFILL_PART_ROWS / n`, so long chunks (whose grids fill the device anyway)
+/// never split.
+const PREFILL_PART_ROWS: usize = 1024;
+
+/// f32 elements of scratch [`attention_prefill`] needs for a shape (any chunk and context).
+pub fn attention_prefill_scratch_len(shape: AttentionShape) -> usize {
+    PREFILL_PART_ROWS * shape.n_heads * (shape.head_dim + 2)
+}
+
+/// How many splits, of how many keys, a chunk of `n` queries after `pos0` positions takes
+/// when a block takes `rows` queries of one head: `(1, _)` when its grid fills the device.
+fn prefill_splits(
+    multiprocessors: usize,
+    n: usize,
+    pos0: usize,
+    rows: usize,
+    n_heads: usize,
+) -> (usize, usize) {
+    let keys = pos0 + n;
+    let blocks = n.div_ceil(rows) * n_heads;
+    let wanted = (PREFILL_BLOCKS_PER_SM * multiprocessors).div_ceil(blocks);
+    let most = (keys / PREFILL_MIN_KEYS_PER_SPLIT).min(PREFILL_PART_ROWS / n);
+    let splits = wanted.min(most);
+    if splits <= 1 {
+        return (1, keys.next_multiple_of(PREFILL_KEY_ROUND));
+    }
+    let per_split = keys.div_ceil(splits).next_multiple_of(PREFILL_KEY_ROUND);
+    (keys.div_ceil(per_split), per_split)
+}
+
 /// Causal attention of `n` new tokens at positions `pos0..pos0 + n` (their keys and values
 /// already in the sequence's cache): query `i` sees positions `..=pos0 + i`. `q` and `out` are
-/// `[n, n_heads · head_dim]`.
+/// `[n, n_heads · head_dim]`; `scratch` ([`attention_prefill_scratch_len`] values) holds the
+/// partial results when a short chunk over a long cache splits its keys.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_prefill<T: FloatElem>(
     device: &CudaDevice,
@@ -573,6 +614,7 @@ pub fn attention_prefill<T: FloatElem>(
     shape: AttentionShape,
     scale: f32,
     precision: AttentionPrecision,
+    scratch: &mut DevSliceMut<'_, f32>,
     out: &mut DevSliceMut<'_, f32>,
 ) -> Result<(), CudaError> {
     const OP: &str = "attention_prefill";
@@ -612,25 +654,45 @@ pub fn attention_prefill<T: FloatElem>(
         && MMA_HEAD_DIMS.contains(&head_dim)
         && device.info().compute_capability >= super::Module::AttentionMma.min_compute_capability()
         && cache.vectorised(head_dim, kv_row) == 1;
+    let rows = if tensor_cores { MMA_ROWS } else { ROWS };
+    let (splits, per_split) = prefill_splits(device.info().multiprocessors, n, pos0, rows, n_heads);
+    if splits > 1 {
+        let need = splits * n * n_heads * (head_dim + 2);
+        ensure!(
+            scratch.len() >= need,
+            OP,
+            "scratch of {} values, {need} needed",
+            scratch.len()
+        );
+    }
+    let part = if splits > 1 { scratch.device_ptr() } else { 0 };
+    let grid = (n.div_ceil(rows) as u32, n_heads as u32, splits as u32);
+    let per_split = int(OP, "keys per split", per_split)?;
     if tensor_cores {
         let kernel = Kernel::AttentionPrefillMma {
             kv: T::FLOAT,
             head_dim: head_dim as u16,
         };
         let smem = kernel.dynamic_smem_bytes().unwrap_or(0);
-        let grid = (n.div_ceil(MMA_ROWS) as u32, n_heads as u32);
-        return launch!(device, kernel, config(grid, MMA_THREADS, smem);
-            qp, kp, vp, op, tokens, p0, heads, kv_heads, scale, pages);
+        launch!(device, kernel, config3(grid, MMA_THREADS, smem);
+            qp, kp, vp, op, tokens, p0, heads, kv_heads, scale, pages, per_split, part)?;
+    } else {
+        let vec = cache.vectorised(head_dim, kv_row);
+        let kernel = Kernel::AttentionPrefill {
+            kv: T::FLOAT,
+            width,
+        };
+        let smem = kernel.dynamic_smem_bytes().unwrap_or(0);
+        launch!(device, kernel, config3(grid, THREADS, smem);
+            qp, kp, vp, op, tokens, p0, heads, kv_heads, d, scale, vec, pages, per_split, part)?;
     }
-    let vec = cache.vectorised(head_dim, kv_row);
-    let kernel = Kernel::AttentionPrefill {
-        kv: T::FLOAT,
-        width,
-    };
-    let smem = kernel.dynamic_smem_bytes().unwrap_or(0);
-    let grid = (n.div_ceil(ROWS) as u32, n_heads as u32);
-    launch!(device, kernel, config(grid, THREADS, smem);
-        qp, kp, vp, op, tokens, p0, heads, kv_heads, d, scale, vec, pages)
+    if splits == 1 {
+        return Ok(());
+    }
+    let (splits, log2_domain) = (int(OP, "splits", splits)?, i32::from(tensor_cores));
+    launch!(device, Kernel::AttentionPrefillCombine,
+        config((n as u32, n_heads as u32), THREADS, 0);
+        part, op, splits, tokens, heads, d, log2_domain)
 }
 
 #[cfg(test)]
@@ -661,6 +723,37 @@ mod tests {
 
     /// The host's chunk size for a context gives as many chunks as the kernel's, the last
     /// one not empty, never more than the scratch holds.
+    #[test]
+    fn prompt_splits_cover_the_keys_and_fit_the_scratch() {
+        let shape = AttentionShape {
+            n_heads: 32,
+            n_kv_heads: 8,
+            head_dim: 128,
+        };
+        for sms in [1, 16, 132] {
+            for rows in [ROWS, MMA_ROWS] {
+                for pos0 in [0, 100, 511, 4000, 8208, 100_000] {
+                    for n in [1, 2, 8, 30, 78, 130, 700, 2048] {
+                        let (splits, per_split) = prefill_splits(sms, n, pos0, rows, 32);
+                        let keys = pos0 + n;
+                        assert_eq!(per_split % PREFILL_KEY_ROUND, 0);
+                        assert_eq!(per_split % ROWS.max(32), 0, "whole tiles of both kernels");
+                        assert!(splits * per_split >= keys && (splits - 1) * per_split < keys);
+                        if splits > 1 {
+                            assert!(per_split >= PREFILL_MIN_KEYS_PER_SPLIT - PREFILL_KEY_ROUND);
+                            let need = splits * n * shape.n_heads * (shape.head_dim + 2);
+                            assert!(need <= attention_prefill_scratch_len(shape));
+                        }
+                    }
+                }
+            }
+        }
+        // A chat's next turn on an H200: 78 new tokens over 8,208 cached positions split;
+        // a long chunk does not.
+        assert!(prefill_splits(132, 78, 8208, MMA_ROWS, 32).0 >= 8);
+        assert_eq!(prefill_splits(132, 2048, 8208, MMA_ROWS, 32).0, 1);
+    }
+
     #[test]
     fn decode_chunks_cover_the_context() {
         for target in [1, 8, 50, 66, 528] {

@@ -292,6 +292,8 @@ pub enum Kernel {
         kv: Float,
         head_dim: u16,
     },
+    /// Merges the key splits of either prompt attention.
+    AttentionPrefillCombine,
     MoeRoute,
     MoeCombine,
     /// `swiglu`: gate and up together, silu(gate) · up written.
@@ -309,7 +311,9 @@ impl Kernel {
             Kernel::SiluMul { .. } | Kernel::Add | Kernel::Convert { .. } => Module::Elementwise,
             Kernel::Embedding { .. } => Module::Embedding,
             Kernel::Argmax => Module::Argmax,
-            Kernel::AttentionPrefill { .. } | Kernel::KvStore { .. } => Module::Attention,
+            Kernel::AttentionPrefill { .. }
+            | Kernel::AttentionPrefillCombine
+            | Kernel::KvStore { .. } => Module::Attention,
             Kernel::AttentionDecode { kv, .. } => Module::AttentionDecode(kv),
             Kernel::AttentionDecodeMma { kv, .. } => Module::AttentionDecodeMma(kv),
             Kernel::AttentionPrefillMma { .. } => Module::AttentionMma,
@@ -343,6 +347,7 @@ impl Kernel {
             Kernel::Rope,
             Kernel::Add,
             Kernel::Argmax,
+            Kernel::AttentionPrefillCombine,
             Kernel::MoeRoute,
             Kernel::MoeCombine,
             Kernel::ExpertsMma { swiglu: false },
@@ -457,6 +462,7 @@ impl Kernel {
             }
             Kernel::AttentionPrefill { kv, width } => format!("attention_prefill_{kv}_e{width}"),
             Kernel::KvStore { kv } => format!("kv_store_{kv}"),
+            Kernel::AttentionPrefillCombine => "attention_prefill_combine".into(),
             Kernel::AttentionPrefillMma { kv, head_dim } => {
                 format!("attention_prefill_mma_{kv}_d{head_dim}")
             }

@@ -47,7 +47,7 @@ pub use argmax::{argmax, argmax_scratch_len};
 pub use attention::{
     AttentionPrecision, DecodeRope, MAX_HEAD_DIM, PagedCache, PagedCacheMut, attention_decode,
     attention_decode_rope, attention_decode_rope_fits, attention_decode_scratch_len,
-    attention_decode_scratch_reset, attention_prefill, kv_store,
+    attention_decode_scratch_reset, attention_prefill, attention_prefill_scratch_len, kv_store,
 };
 pub use device::{CudaDevice, DeviceInfo, StreamEvent};
 pub use elementwise::{add, convert, silu_mul, silu_mul_in_place};
@@ -122,8 +122,13 @@ fn stride_blocks(device: &CudaDevice, n: usize) -> u32 {
 }
 
 fn config(grid: (u32, u32), threads: u32, smem: usize) -> cudarc::driver::LaunchConfig {
+    config3((grid.0, grid.1, 1), threads, smem)
+}
+
+/// [`config`] with a third grid dimension.
+fn config3(grid: (u32, u32, u32), threads: u32, smem: usize) -> cudarc::driver::LaunchConfig {
     cudarc::driver::LaunchConfig {
-        grid_dim: (grid.0, grid.1, 1),
+        grid_dim: grid,
         block_dim: (threads, 1, 1),
         shared_mem_bytes: smem as u32,
     }

@@ -135,14 +135,17 @@ __device__ __forceinline__ void stage_query(const Smem<E>& s, int row, const flo
     for (int e = threadIdx.x & 31; e < DP; e += 32) s.q[row * DP + e] = (q && e < d) ? q[e] : 0.0f;
 }
 
-// grid: (ceil(n / 16), n_heads).
+// grid: (ceil(n / 16), n_heads, splits). With one split the block writes its rows' outputs;
+// with more, split z takes keys z·keys_per_split.. (a multiple of ATT_TILE) and writes its
+// unnormalised partial result (PrefillPart) for attention_prefill_combine.
 template <typename KV, int E>
 __device__ __forceinline__ void attention_prefill(const float* __restrict__ q,
                                                   const KV* __restrict__ kc,
                                                   const KV* __restrict__ vc,
                                                   float* __restrict__ out, int n, int pos0,
                                                   int n_heads, int n_kv_heads, int d,
-                                                  float scale, int vec, const KvPages& pages) {
+                                                  float scale, int vec, const KvPages& pages,
+                                                  int keys_per_split, float* __restrict__ part) {
     extern __shared__ float smem[];
     const Smem<E> s(smem);
     const int h = blockIdx.y;
@@ -158,8 +161,10 @@ __device__ __forceinline__ void attention_prefill(const float* __restrict__ q,
     for (int i = 0; i < ATT_ROWS_PER_WARP; ++i) row_init<E>(st[i]);
 
     const int keys = pos0 + min(n, i0 + ATT_ROWS);  // the block's last query sees these
-    for (int t0 = 0; t0 < keys; t0 += ATT_TILE) {
-        const int count = min(ATT_TILE, keys - t0);
+    const int first_key = blockIdx.z * keys_per_split;
+    const int end = min(keys, first_key + keys_per_split);
+    for (int t0 = first_key; t0 < end; t0 += ATT_TILE) {
+        const int count = min(ATT_TILE, end - t0);
         __syncthreads();
         load_tile<KV, E>(s, kc, vc, t0, count, n_kv_heads * d, kvh * d, d, vec, pages);
         __syncthreads();
@@ -173,6 +178,27 @@ __device__ __forceinline__ void attention_prefill(const float* __restrict__ q,
         }
     }
 
+    if (gridDim.z > 1) {
+        // m is in the natural domain, as attention_prefill_combine is told.
+        const PrefillPart p(part, gridDim.z, n, n_heads, d);
+#pragma unroll
+        for (int j = 0; j < ATT_ROWS_PER_WARP; ++j) {
+            const int i = i0 + j * ATT_WARPS + warp;
+            if (i >= n) continue;
+            float* o = p.acc(blockIdx.z, i, h);
+#pragma unroll
+            for (int jj = 0; jj < E; ++jj) {
+                const int e = jj * 32 + lane;
+                if (e < d) o[e] = st[j].acc[jj];
+            }
+            if (lane == 0) {
+                float* ml = p.ml(blockIdx.z, i, h);
+                ml[0] = st[j].m;
+                ml[1] = st[j].l;
+            }
+        }
+        return;
+    }
 #pragma unroll
     for (int j = 0; j < ATT_ROWS_PER_WARP; ++j) {
         const int i = i0 + j * ATT_WARPS + warp;
@@ -190,16 +216,49 @@ __device__ __forceinline__ void attention_prefill(const float* __restrict__ q,
 #define ATTENTION(T, KV, E)                                                                    \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_prefill_##T##_e##E(     \
         const float* q, const KV* kc, const KV* vc, float* out, int n, int pos0, int n_heads,  \
-        int n_kv_heads, int d, float scale, int vec, const KvPages pages) {                    \
+        int n_kv_heads, int d, float scale, int vec, const KvPages pages, int keys_per_split,   \
+        float* part) {                                                                         \
         grid_dependency_wait();                                                                \
         attention_prefill<KV, E>(q, kc, vc, out, n, pos0, n_heads, n_kv_heads, d, scale, vec,  \
-                                 pages);                                                       \
+                                 pages, keys_per_split, part);                                 \
     }
 #define ATTENTION_ALL_WIDTHS(T, KV) ATTENTION(T, KV, 2) ATTENTION(T, KV, 4) ATTENTION(T, KV, 8)
 
 ATTENTION_ALL_WIDTHS(f32, float)
 ATTENTION_ALL_WIDTHS(bf16, bf16_t)
 ATTENTION_ALL_WIDTHS(f16, f16_t)
+
+// The splits of a prompt chunk's attention (either form) merged, split by split in order:
+// out = Σ acc_z · w_z / Σ l_z · w_z with w_z = exp(m_z - max m), exp2 when the partials' m is
+// in the log2 domain (the tensor-core form). A split that held none of a row's keys has
+// m = -inf and weighs 0; the first holds key 0, so the max is finite.
+// grid: (n, n_heads); any block size.
+extern "C" __global__ void attention_prefill_combine(const float* __restrict__ part,
+                                                     float* __restrict__ out, int splits, int n,
+                                                     int n_heads, int d, int log2_domain) {
+    grid_dependency_wait();
+    const PrefillPart p((float*)part, splits, n, n_heads, d);
+    const int i = blockIdx.x, h = blockIdx.y;
+    float m = NEG_INF;
+    for (int z = 0; z < splits; ++z) m = fmaxf(m, p.ml(z, i, h)[0]);
+    float l = 0.0f;
+    for (int z = 0; z < splits; ++z) {
+        const float* ml = p.ml(z, i, h);
+        const float w = log2_domain ? exp2f(ml[0] - m) : __expf(ml[0] - m);
+        l = fmaf(ml[1], w, l);
+    }
+    const float inv = 1.0f / l;
+    float* o = out + ((size_t)i * n_heads + h) * d;
+    for (int e = threadIdx.x; e < d; e += blockDim.x) {
+        float acc = 0.0f;
+        for (int z = 0; z < splits; ++z) {
+            const float* ml = p.ml(z, i, h);
+            const float w = log2_domain ? exp2f(ml[0] - m) : __expf(ml[0] - m);
+            acc = fmaf(p.acc(z, i, h)[e], w, acc);
+        }
+        o[e] = acc * inv;
+    }
+}
 
 // This step's keys and values (f32, [rows, kv_dim]) into one layer's cache at positions
 // pos0.. (pos0 read from `pos0_dev` when set) of the sequence's blocks, converted to the

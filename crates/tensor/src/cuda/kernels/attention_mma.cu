@@ -80,15 +80,20 @@ template <int D> struct StageTile<float, D> {
     }
 };
 
-// grid: (ceil(n / 64), n_heads); MMA_THREADS threads; dynamic shared memory for MMA_STAGES
-// stages of a K and a V tile (Kernel::dynamic_smem_bytes).
+// grid: (ceil(n / 64), n_heads, splits); MMA_THREADS threads; dynamic shared memory for
+// MMA_STAGES stages of a K and a V tile (Kernel::dynamic_smem_bytes). With one split the
+// block writes its rows' outputs; with more (a short chunk over a long cache, whose few
+// blocks would leave most of the GPU idle), split z takes keys z·keys_per_split.. (a multiple
+// of MMA_KEYS) and writes its unnormalised partial result to `part` (PrefillPart, attention.cu)
+// for attention_prefill_combine.
 template <typename KV, int D>
 __device__ __forceinline__ void attention_prefill_mma(const float* __restrict__ q,
                                                       const KV* __restrict__ kc,
                                                       const KV* __restrict__ vc,
                                                       float* __restrict__ out, int n, int pos0,
                                                       int n_heads, int n_kv_heads, float scale,
-                                                      const KvPages& pages) {
+                                                      const KvPages& pages, int keys_per_split,
+                                                      float* __restrict__ part) {
     using Mma = Mma16<KV>;
     const int ROW = D + MMA_PAD;      // a shared row, in 16-bit values
     const int TILE = MMA_KEYS * ROW;  // a K or V tile
@@ -137,11 +142,16 @@ __device__ __forceinline__ void attention_prefill_mma(const float* __restrict__ 
     const unsigned tiles_at = shared_address(tiles);
 
     const int keys = pos0 + min(n, q0 + MMA_ROWS);  // the block's last query sees these
-    const int n_tiles = (keys + MMA_KEYS - 1) / MMA_KEYS;
-    StageTile<KV, D>::copy(tiles, tiles + TILE, kc, vc, 0, keys, kv_stride, kvh * D, pages);
+    // This split's tiles (a split past the block's keys has none: its rows stay empty).
+    const int split_tiles = keys_per_split / MMA_KEYS;
+    const int first_tile = blockIdx.z * split_tiles;
+    const int n_tiles = min((keys + MMA_KEYS - 1) / MMA_KEYS, first_tile + split_tiles);
+    if (first_tile < n_tiles)
+        StageTile<KV, D>::copy(tiles, tiles + TILE, kc, vc, first_tile * MMA_KEYS, keys,
+                               kv_stride, kvh * D, pages);
     cp_async_commit();
-    for (int tile = 0; tile < n_tiles; ++tile) {
-        const int t0 = tile * MMA_KEYS, stage = tile & 1;
+    for (int tile = first_tile; tile < n_tiles; ++tile) {
+        const int t0 = tile * MMA_KEYS, stage = (tile - first_tile) & 1;
         if (tile + 1 < n_tiles) {
             // The other stage was last read in the previous tile, behind its closing barrier.
             unsigned short* next = tiles + 2 * (stage ^ 1) * TILE;
@@ -187,8 +197,9 @@ __device__ __forceinline__ void attention_prefill_mma(const float* __restrict__ 
                 tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(FULL_MASK, tile_max[r], 1));
                 tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(FULL_MASK, tile_max[r], 2));
                 const float m_new = fmaxf(m[r], tile_max[r]);
-                // Key 0 is in every row's first tile, so m_new is finite for every real row;
-                // clamped rows past the chunk may see nothing (and are not written).
+                // Key 0 is in every row's first tile, so m_new is finite for every real row
+                // unsplit; a split may hold no key of a row (it stays empty: m = -inf, l = 0),
+                // and clamped rows past the chunk may see nothing (and are not written).
                 correction[r] = m_new == NEG_INF ? 1.0f : exp2f(m[r] - m_new);
                 m[r] = m_new;
             }
@@ -235,6 +246,25 @@ __device__ __forceinline__ void attention_prefill_mma(const float* __restrict__ 
     }
 
     // Rows g and g + 8, columns 2t and 2t + 1 of each 8-wide tile.
+    if (gridDim.z > 1) {
+        // m is in the log2 domain, as attention_prefill_combine is told.
+        const PrefillPart p(part, gridDim.z, n, n_heads, D);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = w0 + g + 8 * r;
+            if (row >= n) continue;
+            float* dst = p.acc(blockIdx.z, row, h);
+#pragma unroll
+            for (int j = 0; j < D / 8; ++j)
+                *(float2*)&dst[j * 8 + 2 * t] = make_float2(o[j][2 * r], o[j][2 * r + 1]);
+            if (t == 0) {
+                float* ml = p.ml(blockIdx.z, row, h);
+                ml[0] = m[r];
+                ml[1] = l[r];
+            }
+        }
+        return;
+    }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = w0 + g + 8 * r;
@@ -252,10 +282,10 @@ __device__ __forceinline__ void attention_prefill_mma(const float* __restrict__ 
 #define ATTENTION_MMA(T, KV, D)                                                                \
     extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_prefill_mma_##T##_d##D( \
         const float* q, const KV* kc, const KV* vc, float* out, int n, int pos0, int n_heads,  \
-        int n_kv_heads, float scale, const KvPages pages) {                                    \
+        int n_kv_heads, float scale, const KvPages pages, int keys_per_split, float* part) {   \
         grid_dependency_wait();                                                                \
         attention_prefill_mma<KV, D>(q, kc, vc, out, n, pos0, n_heads, n_kv_heads, scale,      \
-                                     pages);                                                   \
+                                     pages, keys_per_split, part);                             \
     }
 #define ATTENTION_MMA_ALL_DIMS(T, KV) ATTENTION_MMA(T, KV, 64) ATTENTION_MMA(T, KV, 128)
 

@@ -158,3 +158,22 @@ __device__ __forceinline__ size_t kv_row(const KvPages& p, int t, int row_stride
     return (size_t)p.table[t >> p.shift] * (size_t)p.block_stride +
            (size_t)(t & ((1 << p.shift) - 1)) * (size_t)row_stride;
 }
+
+// Prompt attention split over the keys: each split's unnormalised result for every (row, head)
+// of the chunk, `[split][row][head][d]`, then its running max and sum, `[split][row][head][2]`
+// (attention_prefill_combine merges them; attention.rs sizes the scratch).
+struct PrefillPart {
+    float* base;
+    int splits, n, n_heads, d;
+    __device__ __forceinline__ PrefillPart(float* base, int splits, int n, int n_heads, int d)
+        : base(base), splits(splits), n(n), n_heads(n_heads), d(d) {}
+    __device__ __forceinline__ size_t at(int split, int row, int h) const {
+        return ((size_t)split * n + row) * n_heads + h;
+    }
+    __device__ __forceinline__ float* acc(int split, int row, int h) const {
+        return base + at(split, row, h) * d;
+    }
+    __device__ __forceinline__ float* ml(int split, int row, int h) const {
+        return base + (size_t)splits * n * n_heads * d + at(split, row, h) * 2;
+    }
+};
