@@ -1157,13 +1157,15 @@ fn attention_reference(
                 })
                 .collect();
             let m = scores.iter().cloned().fold(f64::MIN, f64::max);
-            let z: f64 = scores.iter().map(|s| (s - m).exp()).sum();
-            for e in 0..d {
-                out[(i * n_heads + h) * d + e] = scores
-                    .iter()
-                    .enumerate()
-                    .map(|(t, s)| (s - m).exp() / z * v[t * kv_row + off + e] as f64)
-                    .sum();
+            let weights: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+            let z: f64 = weights.iter().sum();
+            // Key-outer: a long cache (thousands of keys) stays quick to check.
+            let o = &mut out[(i * n_heads + h) * d..][..d];
+            for (t, w) in weights.iter().enumerate() {
+                let vt = &v[t * kv_row + off..][..d];
+                for (o, &x) in o.iter_mut().zip(vt) {
+                    *o += w / z * x as f64;
+                }
             }
         }
     }
