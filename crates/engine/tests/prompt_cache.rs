@@ -347,12 +347,16 @@ fn bad_requests_leave_the_pool_and_the_cache_consistent() {
         .unwrap_err();
     assert!(matches!(err, Error::PromptTooLong { .. }), "{err}");
 
-    // A new prompt stopped after its fourth chunk of 5 tokens: 20 positions filled.
-    let other = prompt(90, 6, vocab);
+    // A new prompt stopped after the chunks that fill 20 positions or more (4 of 5 tokens,
+    // 1 of 64), before its prefill ends (the stop is asked before each chunk but the last).
+    let chunk = prefill_chunk();
+    let other = prompt(90.max(2 * chunk + 10), 6, vocab);
+    let (run_chunks, filled) = (20usize.div_ceil(chunk), 20usize.div_ceil(chunk) * chunk);
+    assert!(run_chunks < (other.len() - 1) / chunk);
     let chunks = std::cell::Cell::new(0);
     let stop = || {
         chunks.set(chunks.get() + 1);
-        chunks.get() > 4
+        chunks.get() > run_chunks
     };
     let err = warm
         .generate_until(&other, &params, &stop, |_| ControlFlow::Continue(()))
@@ -369,8 +373,8 @@ fn bad_requests_leave_the_pool_and_the_cache_consistent() {
     assert_same(&got, &want, vocab, "the cache after a cancelled request");
     let want_other = greedy(&mut cold, &other, false, true).0;
     let (got, cached) = greedy(&mut warm, &other, false, true);
-    // The chunks run before the stop filled one whole block: that one was kept.
-    assert_eq!(cached, 16, "what a cancelled prefill left");
+    // The whole blocks the chunks run before the stop filled were kept.
+    assert_eq!(cached, filled / 16 * 16, "what a cancelled prefill left");
     assert_same(
         &got,
         &want_other,
