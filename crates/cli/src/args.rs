@@ -226,8 +226,10 @@ pub struct BenchTurnArgs {
     /// Runs; the report gives medians.
     #[arg(long, default_value_t = 3)]
     pub repeats: usize,
-    /// GiB of the KV pool for the prompt cache.
-    #[arg(long, default_value = "1")]
+    /// GiB of the KV pool for the prompt cache: `auto` (serve's default: 2 GiB on the CPU,
+    /// 8 GiB on a GPU, at most half the residency room) or a size; the report says when it
+    /// held less than the history.
+    #[arg(long, default_value = "auto")]
     pub prompt_cache_gib: ember_engine::prompt_cache::CacheBudget,
     /// Print one JSON object instead of lines.
     #[arg(long)]

@@ -29,6 +29,14 @@ fn turn(args: BenchTurnArgs) -> anyhow::Result<ExitCode> {
             repeats: args.repeats,
         },
     )?;
+    if report.cached_tokens < args.history_tokens {
+        // Then the figure measures a cache too small for the history, not a resumed turn.
+        tracing::warn!(
+            "the prompt cache held {} of the history's {} tokens: raise --prompt-cache-gib",
+            report.cached_tokens,
+            args.history_tokens
+        );
+    }
     if args.json {
         println!("{}", report.to_json());
     } else {
