@@ -99,7 +99,7 @@ impl From<RopeStyle> for ember_tensor::cpu::RopeLayout {
     }
 }
 
-/// The attention of one layer, as the backend needs to know it.
+/// The attention of one layer over one sequence of the pass, as the backend needs to know it.
 #[derive(Clone, Copy, Debug)]
 pub struct AttentionParams {
     pub layer: usize,
@@ -107,8 +107,21 @@ pub struct AttentionParams {
     pub n_kv_heads: usize,
     pub head_dim: usize,
     pub scale: f32,
-    /// Position of the first token of this batch; the cache holds `0..pos0` already.
+    /// Position of the sequence's first token in this pass; its cache holds `0..pos0` already.
     pub pos0: usize,
+    /// Which of the pass's sequences ([`Backend::begin_batch`]'s segments, in order).
+    pub segment: usize,
+    /// The slots' row of the sequence's first token in this pass.
+    pub first_row: usize,
+}
+
+/// One sequence's part of a forward pass over several ([`Backend::begin_batch`]): its block
+/// table, whose blocks cover the positions `table.len()..table.len() + rows`, and how many of
+/// the pass's tokens (rows) are its, following the segment before's.
+#[derive(Clone, Copy, Debug)]
+pub struct PassSegment<'a> {
+    pub table: &'a BlockTable,
+    pub rows: usize,
 }
 
 /// What one forward pass's work depends on besides its inputs ([`Backend::begin_pass`]) and
@@ -197,6 +210,12 @@ pub trait Backend {
     /// Takes the inputs of the next pass: its token ids, at the positions after the
     /// `table.len()` that `table`'s sequence holds, whose blocks cover them all.
     fn begin_pass(&mut self, tokens: &[u32], table: &BlockTable) -> Result<()>;
+    /// Takes the inputs of a pass over several sequences: `tokens` are the segments' tokens
+    /// one after another, each segment's at the positions after its table's. The model runs
+    /// the products over every row at once and the attention segment by segment; a row's
+    /// result must not depend on the other rows of the pass (batch invariance). A backend that
+    /// result must not depend on the other rows of the pass (batch invariance).
+    fn begin_batch(&mut self, tokens: &[u32], segments: &[PassSegment<'_>]) -> Result<()>;
     /// Runs `pass`, the device work of one forward pass from [`Backend::embed`] to
     /// [`Backend::project_logits`]. A backend may instead replay a recording of an earlier
     /// pass with the same shape over the same cache (CUDA graphs): the same work, on the
@@ -282,9 +301,9 @@ pub trait Backend {
         self.linear(weight, None, src, rows, Slot::BlockOut)?;
         self.add(Slot::Residual, offset, Slot::BlockOut, rows * weight.rows())
     }
-    /// Rotates `rows` tokens of `n_heads` heads in `slot`, token `i` at position `pos0 + i`,
-    /// after an RMS norm of each head by `norm`'s weight and epsilon where it is given
-    /// (Qwen3's q and k norms).
+    /// Rotates the tokens in `rows` of `slot`, `n_heads` heads each, row `rows.start + i` at
+    /// position `pos0 + i`, after an RMS norm of each head by `norm`'s weight and epsilon where
+    /// it is given (Qwen3's q and k norms).
     #[allow(clippy::too_many_arguments)]
     fn rope(
         &mut self,
@@ -294,12 +313,12 @@ pub trait Backend {
         n_heads: usize,
         head_dim: usize,
         pos0: usize,
-        rows: usize,
+        rows: Range<usize>,
         norm: Option<(&Self::Vector, f32)>,
     ) -> Result<()>;
     /// [`Backend::rope`] of `Queries` (`p.n_heads` heads, normalised by `q_norm`) and `Keys`
-    /// (`p.n_kv_heads`, by `k_norm`) of `rows` tokens at `p.pos0..`; a backend may do both in
-    /// one launch.
+    /// (`p.n_kv_heads`, by `k_norm`) of the segment's `rows` tokens, from row `p.first_row`,
+    /// at `p.pos0..`; a backend may do both in one launch.
     #[allow(clippy::too_many_arguments)]
     fn rope_qk(
         &mut self,
@@ -311,6 +330,7 @@ pub trait Backend {
         k_norm: Option<(&Self::Vector, f32)>,
     ) -> Result<()> {
         let (d, pos0) = (p.head_dim, p.pos0);
+        let rows = p.first_row..p.first_row + rows;
         self.rope(
             tables,
             style,
@@ -318,7 +338,7 @@ pub trait Backend {
             p.n_heads,
             d,
             pos0,
-            rows,
+            rows.clone(),
             q_norm,
         )?;
         self.rope(
@@ -332,8 +352,9 @@ pub trait Backend {
             k_norm,
         )
     }
-    /// Stores `Keys`/`Values` of `rows` tokens in the pass's sequence's blocks at `pos0..`,
-    /// then causal attention of `Queries` over them into `AttentionOut`.
+    /// Stores `Keys`/`Values` of the segment's `rows` tokens (from row `p.first_row`) in its
+    /// sequence's blocks at `p.pos0..`, then causal attention of their `Queries` over the
+    /// sequence into the same rows of `AttentionOut`.
     fn attention(&mut self, kv: &mut Self::Kv, params: AttentionParams, rows: usize) -> Result<()>;
     /// [`Backend::rope_qk`] then [`Backend::attention`]: a backend may do both in fewer passes
     /// (the CUDA decode step rotates and stores inside its attention kernel). `Queries` and
@@ -372,6 +393,10 @@ pub trait Backend {
     ) -> Result<()>
     where
         Self: Sized;
+    /// Moves rows `rows[j]` of `slot` (`width` values each; `rows` ascending) to rows `j`:
+    /// the rows that give logits, gathered before the last layer's MLP when they are not
+    /// one run (several sequences' last tokens).
+    fn gather_rows(&mut self, slot: Slot, width: usize, rows: &[usize]) -> Result<()>;
     /// Logits of the first `rows` rows of `Normed`, `head.rows()` each.
     fn project_logits(&mut self, head: &Self::Matrix, rows: usize) -> Result<()>;
     /// The first `len` logits of the last pass, on the host.

@@ -8,7 +8,7 @@ use ember_checkpoint::TensorSource;
 use ember_tensor::cpu::{self, AttentionShape, RopeLayout, RopeTables};
 use ember_tensor::{BufferOwner, ThreadPool};
 
-use crate::backend::{AttentionParams, Backend, PICKS_AHEAD, RopeStyle, Slot};
+use crate::backend::{AttentionParams, Backend, PICKS_AHEAD, PassSegment, RopeStyle, Slot};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::kv_cache::{BlockTable, KvPool};
@@ -33,8 +33,9 @@ pub struct CpuBackend {
     ws: Workspace,
     /// The token ids of the pass under way.
     tokens: Vec<u32>,
-    /// The blocks of the pass's sequence.
-    table: Vec<u32>,
+    /// The blocks of the pass's sequences, one after another, and where each one's are in it.
+    tables: Vec<u32>,
+    segment_tables: Vec<Range<usize>>,
     /// Greedy picks not yet read ([`Backend::pick_ahead`]), oldest first, and the last one.
     picks: VecDeque<u32>,
     last_pick: Option<u32>,
@@ -66,7 +67,8 @@ impl CpuBackend {
             owner: owner.clone(),
             ws,
             tokens: Vec::with_capacity(max_batch),
-            table: Vec::new(),
+            tables: Vec::new(),
+            segment_tables: Vec::new(),
             picks: VecDeque::with_capacity(PICKS_AHEAD),
             last_pick: None,
         })
@@ -145,12 +147,17 @@ impl Backend for CpuBackend {
     }
 
     fn begin_pass(&mut self, tokens: &[u32], table: &BlockTable) -> Result<()> {
+        let rows = tokens.len();
+        self.begin_batch(tokens, &[PassSegment { table, rows }])
+    }
+
+    fn begin_batch(&mut self, tokens: &[u32], segments: &[PassSegment<'_>]) -> Result<()> {
         // Picks not read by now never will be (as on a GPU, a pass of host tokens starts over).
         self.picks.clear();
         self.last_pick = None;
         self.tokens.clear();
         self.tokens.extend_from_slice(tokens);
-        self.take_table(table);
+        self.take_tables(segments.iter().map(|s| s.table));
         Ok(())
     }
 
@@ -158,7 +165,7 @@ impl Backend for CpuBackend {
         let token = self.last_pick.ok_or(Error::NoTokens)?;
         self.tokens.clear();
         self.tokens.push(token);
-        self.take_table(table);
+        self.take_tables([table]);
         Ok(())
     }
 
@@ -217,13 +224,14 @@ impl Backend for CpuBackend {
         n_heads: usize,
         head_dim: usize,
         pos0: usize,
-        rows: usize,
+        rows: Range<usize>,
         norm: Option<(&Vector, f32)>,
     ) -> Result<()> {
+        let width = n_heads * head_dim;
+        let values = rows.start * width..rows.end * width;
         if let Some((weight, eps)) = norm {
             let pool = &self.pool;
-            let x =
-                &mut self.ws.slots[slot.index()].as_mut_slice::<f32>()[..rows * n_heads * head_dim];
+            let x = &mut self.ws.slots[slot.index()].as_mut_slice::<f32>()[values.clone()];
             cpu::rms_norm_in_place(pool, x, weight.as_slice(), eps);
         }
         let layout = RopeLayout::from(style);
@@ -237,16 +245,16 @@ impl Backend for CpuBackend {
             fused: ggml,
         };
         let pool = &self.pool;
-        let x = &mut self.ws.slots[slot.index()].as_mut_slice::<f32>()[..rows * n_heads * head_dim];
+        let x = &mut self.ws.slots[slot.index()].as_mut_slice::<f32>()[values];
         cpu::rope_in_place(pool, x, n_heads, head_dim, pos0, tables);
         Ok(())
     }
 
     fn attention(&mut self, kv: &mut KvPool, p: AttentionParams, rows: usize) -> Result<()> {
-        let (q_len, kv_len) = (
-            rows * p.n_heads * p.head_dim,
-            rows * p.n_kv_heads * p.head_dim,
-        );
+        let (q_width, kv_width) = (p.n_heads * p.head_dim, p.n_kv_heads * p.head_dim);
+        let rows = p.first_row..p.first_row + rows;
+        let q_values = rows.start * q_width..rows.end * q_width;
+        let kv_values = rows.start * kv_width..rows.end * kv_width;
         let pool = &self.pool;
         let Workspace {
             slots,
@@ -261,13 +269,13 @@ impl Backend for CpuBackend {
                 Slot::AttentionOut.index(),
             ])
             .expect("distinct slots");
-        let table = &self.table;
+        let table = &self.tables[self.segment_tables[p.segment].clone()];
         kv.write(
             p.layer,
             table,
             p.pos0,
-            &k.as_slice()[..kv_len],
-            &v.as_slice()[..kv_len],
+            &k.as_slice()[kv_values.clone()],
+            &v.as_slice()[kv_values],
         );
         let shape = AttentionShape {
             n_heads: p.n_heads,
@@ -276,13 +284,13 @@ impl Backend for CpuBackend {
         };
         cpu::causal_attention(
             pool,
-            &q.as_slice()[..q_len],
+            &q.as_slice()[q_values.clone()],
             kv.layer(p.layer, table),
             p.pos0,
-            rows,
+            rows.len(),
             shape,
             p.scale,
-            &mut out.as_mut_slice()[..q_len],
+            &mut out.as_mut_slice()[q_values],
             attention_scratch.as_mut_slice(),
         );
         Ok(())
@@ -329,6 +337,16 @@ impl Backend for CpuBackend {
         )
     }
 
+    fn gather_rows(&mut self, slot: Slot, width: usize, rows: &[usize]) -> Result<()> {
+        let x = self.slot_mut(slot);
+        for (j, &row) in rows.iter().enumerate() {
+            // Ascending rows: row j is never one still to be read.
+            debug_assert!(row >= j);
+            x.copy_within(row * width..(row + 1) * width, j * width);
+        }
+        Ok(())
+    }
+
     fn project_logits(&mut self, head: &Matrix, rows: usize) -> Result<()> {
         let pool = &self.pool;
         let Workspace {
@@ -373,10 +391,15 @@ impl Backend for CpuBackend {
 }
 
 impl CpuBackend {
-    /// Keeps the pass's block table (kept, not reallocated, from pass to pass).
-    fn take_table(&mut self, table: &BlockTable) {
-        self.table.clear();
-        self.table.extend_from_slice(table.blocks());
+    /// Keeps the pass's block tables (in buffers kept, not reallocated, from pass to pass).
+    fn take_tables<'a>(&mut self, tables: impl IntoIterator<Item = &'a BlockTable>) {
+        self.tables.clear();
+        self.segment_tables.clear();
+        for table in tables {
+            let start = self.tables.len();
+            self.tables.extend_from_slice(table.blocks());
+            self.segment_tables.push(start..self.tables.len());
+        }
     }
 
     fn loader<'a>(&'a self, source: &'a dyn TensorSource) -> WeightLoader<'a> {

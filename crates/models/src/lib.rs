@@ -20,14 +20,14 @@ mod transformer;
 mod weights;
 mod workspace;
 
-pub use backend::{Backend, KvStore, PICKS_AHEAD, PassShape, Slot};
+pub use backend::{Backend, KvStore, PICKS_AHEAD, PassSegment, PassShape, Slot};
 pub use config::{Architecture, ModelConfig, MoeConfig};
 pub use cpu_backend::{Arithmetic, CpuBackend};
 pub use cuda_backend::{CudaBackend, CudaKvPool};
 pub use error::{Error, Result};
 pub use kv_cache::{BlockTable, KV_BLOCK_SIZE, KvDtype, KvLayout, KvPool};
 pub use transformer::{
-    Attention, FeedForward, Layer, Linear, Logits, Mlp, Moe, PassInput, Transformer,
+    Attention, FeedForward, Layer, Linear, Logits, Mlp, Moe, PassInput, SequencePass, Transformer,
 };
 pub use weights::{Matrix, Vector};
 pub use workspace::Workspace;

@@ -10,8 +10,8 @@ use std::ops::Range;
 use ember_checkpoint::TensorSource;
 
 use crate::backend::{
-    AttentionParams, Backend, KvStore, PassShape, Projection, RopeStyle, Slot, WeightMatrix,
-    add_to_residual,
+    AttentionParams, Backend, KvStore, PassSegment, PassShape, Projection, RopeStyle, Slot,
+    WeightMatrix, add_to_residual,
 };
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
@@ -147,13 +147,55 @@ impl<'t> From<&'t [u32]> for PassInput<'t> {
     }
 }
 
-/// Which rows of logits a forward pass computes.
+/// Which rows of logits a forward pass computes, for each of its sequences.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Logits {
     /// The last token's only: what generation needs.
     Last,
     /// Every token's (prompt log-probabilities); the backend must have the rows.
     All,
+    /// None: a prompt chunk before the sequence's last, in a pass with others.
+    None,
+}
+
+/// One sequence's part of a forward pass over several ([`Transformer::forward_batch`]): its
+/// tokens go after the positions its table holds, and its keys and values into its blocks.
+#[derive(Debug)]
+pub struct SequencePass<'s, 't> {
+    pub seq: &'s mut BlockTable,
+    pub tokens: &'t [u32],
+    pub logits: Logits,
+}
+
+/// Where a pass's rows come from: each sequence's run of rows and positions, and the rows
+/// whose logits it gives, in order.
+struct PassPlan {
+    rows: usize,
+    segments: Vec<SegmentRows>,
+    logit_rows: Vec<usize>,
+}
+
+#[derive(Clone, Copy)]
+struct SegmentRows {
+    pos0: usize,
+    first_row: usize,
+    rows: usize,
+}
+
+impl PassPlan {
+    /// The rows that give logits as one run `a..b` of the slots: where they are when they
+    /// already form one (a single sequence's), else gathered to the front first.
+    fn logit_rows_as_run<B: Backend>(&self, b: &mut B, width: usize) -> Result<Range<usize>> {
+        let rows = &self.logit_rows;
+        match (rows.first(), rows.last()) {
+            (None, _) | (_, None) => Ok(0..0),
+            (Some(&first), Some(&last)) if last + 1 - first == rows.len() => Ok(first..last + 1),
+            _ => {
+                b.gather_rows(Slot::Residual, width, rows)?;
+                Ok(0..rows.len())
+            }
+        }
+    }
 }
 
 pub struct Transformer<B: Backend> {
@@ -286,7 +328,29 @@ impl<B: Backend> Transformer<B> {
         tokens: &[u32],
         logits: Logits,
     ) -> Result<&'b [f32]> {
-        let rows = self.run(b, kv, seq, tokens.into(), logits)?;
+        self.forward_batch(
+            b,
+            kv,
+            &mut [SequencePass {
+                seq,
+                tokens,
+                logits,
+            }],
+        )
+    }
+
+    /// [`Self::forward`] of several sequences in one pass (at most the backend's batch of
+    /// tokens in all): the products run over every row at once, the attention sequence by
+    /// sequence over its own blocks. Returns the sequences' logits one after another, each
+    /// sequence's rows as its [`Logits`] asks (none, its last, or all). A row's results are
+    /// those it gets alone where the backend's kernels are batch-invariant (the CPU's are).
+    pub fn forward_batch<'b>(
+        &self,
+        b: &'b mut B,
+        kv: &mut B::Kv,
+        seqs: &mut [SequencePass<'_, '_>],
+    ) -> Result<&'b [f32]> {
+        let rows = self.run(b, kv, seqs, false)?;
         if rows == 0 {
             return Ok(&[]);
         }
@@ -302,7 +366,18 @@ impl<B: Backend> Transformer<B> {
         seq: &mut BlockTable,
         tokens: &[u32],
     ) -> Result<u32> {
-        if self.run(b, kv, seq, tokens.into(), Logits::Last)? == 0 {
+        let logits = Logits::Last;
+        if self.run(
+            b,
+            kv,
+            &mut [SequencePass {
+                seq,
+                tokens,
+                logits,
+            }],
+            false,
+        )? == 0
+        {
             return Err(Error::NoTokens);
         }
         b.greedy_token(self.config.vocab_size)
@@ -319,126 +394,192 @@ impl<B: Backend> Transformer<B> {
         seq: &mut BlockTable,
         input: PassInput<'_>,
     ) -> Result<()> {
-        if self.run(b, kv, seq, input, Logits::Last)? == 0 {
+        let (tokens, fed) = match input {
+            PassInput::Tokens(tokens) => (tokens, false),
+            PassInput::Fed => (&[][..], true),
+        };
+        let logits = Logits::Last;
+        if self.run(
+            b,
+            kv,
+            &mut [SequencePass {
+                seq,
+                tokens,
+                logits,
+            }],
+            fed,
+        )? == 0
+        {
             return Err(Error::NoTokens);
         }
         b.pick_ahead(self.config.vocab_size)
     }
 
-    /// The work of [`Self::forward`], the logits left on the backend; returns their rows.
+    /// The work of [`Self::forward_batch`], the logits left on the backend; returns their
+    /// rows. `fed`: one sequence, whose one token is the pick the pass before left on the
+    /// device (its `tokens` are empty).
     fn run(
         &self,
         b: &mut B,
         kv: &mut B::Kv,
-        seq: &mut BlockTable,
-        input: PassInput<'_>,
-        logits: Logits,
+        seqs: &mut [SequencePass<'_, '_>],
+        fed: bool,
     ) -> Result<usize> {
         let c = &self.config;
-        // A fed pass's one token is on the device: nothing of it to check here.
-        let (tokens, n) = match input {
-            PassInput::Tokens(tokens) => (tokens, tokens.len()),
-            PassInput::Fed => (&[][..], 1),
-        };
+        debug_assert!(!fed || seqs.len() == 1);
+        let rows_of = |s: &SequencePass<'_, '_>| if fed { 1 } else { s.tokens.len() };
+        let n: usize = seqs.iter().map(rows_of).sum();
         if n > b.max_batch() {
             return Err(Error::BatchTooLarge {
                 requested: n,
                 capacity: b.max_batch(),
             });
         }
-        if logits == Logits::All && n > b.logit_rows() {
-            return Err(Error::BatchTooLarge {
-                requested: n,
-                capacity: b.logit_rows(),
-            });
-        }
-        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-            return Err(Error::TokenOutOfRange {
-                id,
-                vocab_size: c.vocab_size,
-            });
-        }
-        let pos0 = seq.len();
         let block_size = kv.layout().block_size;
-        let capacity = seq.capacity(block_size).min(self.positions);
-        // The blocks this pass writes: one outside the pool would be another's memory.
-        let written = pos0 / block_size..(pos0 + n).div_ceil(block_size);
-        let written =
-            &seq.blocks()[written.start.min(written.end)..written.end.min(seq.blocks().len())];
-        if let Some(&block) = written.iter().find(|&&b| b as usize >= kv.blocks()) {
-            return Err(Error::Unsupported {
-                what: format!("kv block {block} of a pool of {}", kv.blocks()),
-                backend: "any",
+        let mut plan = PassPlan {
+            rows: n,
+            segments: Vec::with_capacity(seqs.len()),
+            logit_rows: Vec::new(),
+        };
+        for s in seqs.iter() {
+            // A fed pass's one token is on the device: nothing of it to check here.
+            if let Some(&id) = s.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+                return Err(Error::TokenOutOfRange {
+                    id,
+                    vocab_size: c.vocab_size,
+                });
+            }
+            let (pos0, rows) = (s.seq.len(), rows_of(s));
+            self.check_room(s.seq, kv.blocks(), block_size, rows)?;
+            if rows == 0 {
+                continue;
+            }
+            let first_row = plan.segments.last().map_or(0, |p| p.first_row + p.rows);
+            match s.logits {
+                Logits::Last => plan.logit_rows.push(first_row + rows - 1),
+                Logits::All => plan.logit_rows.extend(first_row..first_row + rows),
+                Logits::None => {}
+            }
+            plan.segments.push(SegmentRows {
+                pos0,
+                first_row,
+                rows,
             });
         }
-        if pos0 + n > capacity {
-            return Err(Error::ContextFull {
-                used: pos0,
-                requested: n,
-                capacity,
+        let m = plan.logit_rows.len();
+        if m > b.logit_rows() {
+            return Err(Error::BatchTooLarge {
+                requested: m,
+                capacity: b.logit_rows(),
             });
         }
         if n == 0 {
             return Ok(0);
         }
-        let m = match logits {
-            Logits::Last => 1,
-            Logits::All => n,
-        };
-        match input {
-            PassInput::Tokens(tokens) => b.begin_pass(tokens, seq)?,
-            PassInput::Fed => b.begin_fed_pass(seq)?,
+        match seqs {
+            _ if fed => b.begin_fed_pass(seqs[0].seq)?,
+            [one] => b.begin_pass(one.tokens, one.seq)?,
+            _ => {
+                let tokens: Vec<u32> = seqs.iter().flat_map(|s| s.tokens).copied().collect();
+                let segments: Vec<PassSegment<'_>> = seqs
+                    .iter()
+                    .filter(|s| !s.tokens.is_empty())
+                    .map(|s| PassSegment {
+                        table: s.seq,
+                        rows: s.tokens.len(),
+                    })
+                    .collect();
+                b.begin_batch(&tokens, &segments)?;
+            }
         }
         let shape = PassShape {
             tokens: n,
             logit_rows: m,
         };
-        b.run_pass(kv, shape, &mut |b, kv| self.pass(b, kv, n, pos0, logits))?;
-        seq.advance(n);
+        b.run_pass(kv, shape, &mut |b, kv| self.pass(b, kv, &plan))?;
+        for s in seqs.iter_mut() {
+            let rows = rows_of(s);
+            s.seq.advance(rows);
+        }
         Ok(m)
     }
 
-    /// The device work of a forward pass of `n` tokens at `pos0..`.
-    fn pass(&self, b: &mut B, kv: &mut B::Kv, n: usize, pos0: usize, logits: Logits) -> Result<()> {
+    /// Whether `rows` more positions fit `seq`: inside the context and its blocks, and its
+    /// blocks inside the pool (one outside would be another's memory).
+    fn check_room(
+        &self,
+        seq: &BlockTable,
+        pool_blocks: usize,
+        block_size: usize,
+        rows: usize,
+    ) -> Result<()> {
+        let pos0 = seq.len();
+        let capacity = seq.capacity(block_size).min(self.positions);
+        let written = pos0 / block_size..(pos0 + rows).div_ceil(block_size);
+        let written =
+            &seq.blocks()[written.start.min(written.end)..written.end.min(seq.blocks().len())];
+        if let Some(&block) = written.iter().find(|&&b| b as usize >= pool_blocks) {
+            return Err(Error::Unsupported {
+                what: format!("kv block {block} of a pool of {pool_blocks}"),
+                backend: "any",
+            });
+        }
+        if pos0 + rows > capacity {
+            return Err(Error::ContextFull {
+                used: pos0,
+                requested: rows,
+                capacity,
+            });
+        }
+        Ok(())
+    }
+
+    /// The device work of a forward pass.
+    fn pass(&self, b: &mut B, kv: &mut B::Kv, plan: &PassPlan) -> Result<()> {
         let c = &self.config;
-        let eps = c.rms_norm_eps;
+        let (eps, n) = (c.rms_norm_eps, plan.rows);
         b.embed(&self.embed_tokens, n)?;
+        let mut logit_rows = 0..0;
         for (index, layer) in self.layers.iter().enumerate() {
-            self.attention(b, kv, index, layer, n, pos0)?;
+            self.attention(b, kv, index, layer, plan)?;
 
             // The last layer's MLP runs only on the rows that give logits (llama.cpp's
             // `inp_out_ids`): less work, and its products see the batch llama.cpp's do.
-            let first = if index + 1 == self.layers.len() && logits == Logits::Last {
-                n - 1
+            let rows = if index + 1 == self.layers.len() {
+                logit_rows = plan.logit_rows_as_run(b, c.hidden_size)?;
+                logit_rows.clone()
             } else {
-                0
+                0..n
             };
+            if rows.is_empty() {
+                continue;
+            }
             let norm = &layer.post_attention_norm;
             match &layer.feed_forward {
-                FeedForward::Dense(mlp) => mlp.apply_to_residual(b, first..n, norm, eps)?,
-                FeedForward::Sparse(moe) => b.norm_moe(moe, first..n, norm, eps)?,
+                FeedForward::Dense(mlp) => mlp.apply_to_residual(b, rows, norm, eps)?,
+                FeedForward::Sparse(moe) => b.norm_moe(moe, rows, norm, eps)?,
             }
         }
-        let rows = match logits {
-            Logits::Last => n - 1..n,
-            Logits::All => 0..n,
-        };
-        let m = rows.len();
-        b.rms_norm(Slot::Residual, rows, &self.norm, eps, Slot::Normed)?;
+        let m = logit_rows.len();
+        if m == 0 {
+            return Ok(());
+        }
+        b.rms_norm(Slot::Residual, logit_rows, &self.norm, eps, Slot::Normed)?;
         b.project_logits(self.lm_head(), m)
     }
 
+    /// A layer's attention: q, k and v over every row, then each sequence's rotation, cache
+    /// store and attention over its own blocks, then the output projection over every row.
     fn attention(
         &self,
         b: &mut B,
         kv: &mut B::Kv,
         index: usize,
         layer: &Layer<B>,
-        n: usize,
-        pos0: usize,
+        plan: &PassPlan,
     ) -> Result<()> {
         let c = &self.config;
-        let (a, eps) = (&layer.attention, c.rms_norm_eps);
+        let (a, eps, n) = (&layer.attention, c.rms_norm_eps, plan.rows);
         let qkv = [
             a.q.writing(Slot::Queries),
             a.k.writing(Slot::Keys),
@@ -455,15 +596,19 @@ impl<B: Backend> Transformer<B> {
             RopeStyle::Halves
         };
         let head_dim = c.head_dim;
-        let params = AttentionParams {
-            layer: index,
-            n_heads: c.num_attention_heads,
-            n_kv_heads: c.num_key_value_heads,
-            head_dim,
-            scale: 1.0 / (head_dim as f32).sqrt(),
-            pos0,
-        };
-        b.rope_attention(kv, &self.rope, style, params, n, q_norm, k_norm)?;
+        for (segment, rows) in plan.segments.iter().enumerate() {
+            let params = AttentionParams {
+                layer: index,
+                n_heads: c.num_attention_heads,
+                n_kv_heads: c.num_key_value_heads,
+                head_dim,
+                scale: 1.0 / (head_dim as f32).sqrt(),
+                pos0: rows.pos0,
+                segment,
+                first_row: rows.first_row,
+            };
+            b.rope_attention(kv, &self.rope, style, params, rows.rows, q_norm, k_norm)?;
+        }
         a.o.apply_to_residual(b, Slot::AttentionOut, n, 0)
     }
 }

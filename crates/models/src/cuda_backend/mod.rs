@@ -37,11 +37,11 @@ use self::kv::rope_norm;
 use self::moe::MoeWorkspace;
 use self::pass::{GraphKey, PassInputs, PicksAhead, Recording};
 use crate::backend::{
-    AttentionParams, Backend, PICKS_AHEAD, PassShape, Projection, RopeStyle, Slot, add_to_residual,
-    norm_linears_step_by_step, norm_mlp_step_by_step,
+    AttentionParams, Backend, PICKS_AHEAD, PassSegment, PassShape, Projection, RopeStyle, Slot,
+    add_to_residual, norm_linears_step_by_step, norm_mlp_step_by_step,
 };
 use crate::config::ModelConfig;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::kv_cache::BlockTable;
 use crate::rope::RopeTable;
 use crate::transformer::{Mlp, Moe};
@@ -249,6 +249,17 @@ impl Backend for CudaBackend {
         self.begin_host_pass(tokens, table)
     }
 
+    /// One sequence a pass, for now: the pass inputs hold one table and one position.
+    fn begin_batch(&mut self, tokens: &[u32], segments: &[PassSegment<'_>]) -> Result<()> {
+        match segments {
+            [one] => self.begin_host_pass(tokens, one.table),
+            _ => Err(one_sequence_only(format!(
+                "a pass over {} sequences",
+                segments.len()
+            ))),
+        }
+    }
+
     fn run_pass(
         &mut self,
         kv: &mut CudaKvPool,
@@ -407,9 +418,16 @@ impl Backend for CudaBackend {
         n_heads: usize,
         head_dim: usize,
         _pos0: usize,
-        rows: usize,
+        rows: Range<usize>,
         norm: Option<(&CudaVector, f32)>,
     ) -> Result<()> {
+        if rows.start != 0 {
+            return Err(one_sequence_only(format!(
+                "rotating from row {}",
+                rows.start
+            )));
+        }
+        let rows = rows.end;
         let norm = rope_norm(norm);
         let layout = RopeLayout::from(style);
         let mut x = self.slots[slot.index()].as_mut_slice::<f32>();
@@ -439,6 +457,7 @@ impl Backend for CudaBackend {
         q_norm: Option<(&CudaVector, f32)>,
         k_norm: Option<(&CudaVector, f32)>,
     ) -> Result<()> {
+        check_one_sequence(p)?;
         let [q, k] = self
             .slots
             .get_disjoint_mut([Slot::Queries.index(), Slot::Keys.index()])
@@ -465,6 +484,7 @@ impl Backend for CudaBackend {
     }
 
     fn attention(&mut self, kv: &mut CudaKvPool, p: AttentionParams, rows: usize) -> Result<()> {
+        check_one_sequence(&p)?;
         self.store_and_attend(kv, p, rows)
     }
 
@@ -478,6 +498,7 @@ impl Backend for CudaBackend {
         q_norm: Option<(&CudaVector, f32)>,
         k_norm: Option<(&CudaVector, f32)>,
     ) -> Result<()> {
+        check_one_sequence(&params)?;
         self.rope_store_and_attend(kv, tables, style, params, rows, q_norm, k_norm)
     }
 
@@ -539,6 +560,11 @@ impl Backend for CudaBackend {
     fn begin_fed_pass(&mut self, table: &BlockTable) -> Result<()> {
         self.begin_fed(table)
     }
+
+    fn gather_rows(&mut self, _slot: Slot, _width: usize, rows: &[usize]) -> Result<()> {
+        // A pass of one sequence gives logits of one run of rows, which needs no gathering.
+        Err(one_sequence_only(format!("gathering {} rows", rows.len())))
+    }
     /// `logits[..rows] = Normed[..rows] · headᵀ` (matrix-vector: at most a few rows).
     fn project_logits(&mut self, head: &CudaMatrix, rows: usize) -> Result<()> {
         let mat = head.as_mat()?;
@@ -550,4 +576,22 @@ impl Backend for CudaBackend {
         cuda::matvec(&self.device, &mat, x, rows, &mut y, false)?;
         Ok(())
     }
+}
+
+/// What the CUDA backend refuses until its passes serve several sequences (issue 22).
+fn one_sequence_only(what: String) -> Error {
+    Error::Unsupported {
+        what: format!("{what} (CUDA passes run one sequence)"),
+        backend: "CUDA",
+    }
+}
+
+fn check_one_sequence(p: &AttentionParams) -> Result<()> {
+    if p.segment != 0 || p.first_row != 0 {
+        return Err(one_sequence_only(format!(
+            "attention of sequence {} from row {}",
+            p.segment, p.first_row
+        )));
+    }
+    Ok(())
 }
