@@ -15,6 +15,7 @@ pub(crate) mod kv;
 pub mod prompt_cache;
 mod runner;
 pub mod sampler;
+pub mod scheduler;
 pub mod synthetic;
 pub mod tokenizer;
 
