@@ -126,7 +126,12 @@ pub struct ServeArgs {
     /// Seconds in-flight requests may run on after SIGINT/SIGTERM before they are cancelled.
     #[arg(long, default_value_t = 5.0)]
     pub shutdown_timeout: f64,
-    /// Requests that may wait for the engine; beyond this the server answers 503.
+    /// Requests generated at once, sharing each forward pass (continuous batching); the KV
+    /// pool holds a whole --context for each [default: 4 on the CPU; 1 on CUDA, whose passes
+    /// serve one sequence for now].
+    #[arg(long, env = "EMBER_PARALLEL", value_parser = clap::value_parser!(u64).range(1..=1024))]
+    pub parallel: Option<u64>,
+    /// Requests that may wait beyond the --parallel running ones; more get 503.
     #[arg(long, default_value_t = 64)]
     pub max_queue: usize,
     /// Largest request body in bytes; larger bodies get 413.

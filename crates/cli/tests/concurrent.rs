@@ -1,8 +1,9 @@
 //! Many requests at once each get the reply the same request gets alone, to the byte: streamed
 //! and not, greedy and seeded sampling, prompts that share prefixes (so the requests take each
 //! other's blocks from a small prompt cache, and evict them, in whatever order they run), while
-//! a client leaves mid-stream. The server runs one request at a time today; with continuous
-//! batching (issue 22) this is the test that holds every reply to the bits it has alone.
+//! a client leaves mid-stream. The server batches them (`--parallel`, 4 on the CPU by
+//! default): decode tokens and prompt chunks of several requests share each forward pass, and
+//! this holds every reply to the bits it has alone.
 
 mod common;
 

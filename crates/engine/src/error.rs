@@ -40,6 +40,15 @@ pub enum Error {
     Io(#[from] std::io::Error),
     #[error(transparent)]
     Kv(#[from] crate::kv::KvError),
+    /// A batched pass failed; every request in it ends with this.
+    #[error("a forward pass of this and other requests failed: {0}")]
+    BatchFailed(String),
+    /// The KV pool cannot hold the request even with nothing else running.
+    #[error(
+        "the request needs {positions} positions of KV cache and the pool cannot hold them \
+         even alone (raise --context or --prompt-cache-gib)"
+    )]
+    PoolTooSmall { positions: usize },
     /// The caller asked to stop before the prompt was in (a client gone mid-prefill).
     #[error("the request was cancelled")]
     Cancelled,

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use ember_models::{
     Backend, BlockTable, CpuBackend, CudaBackend, KvLayout, KvStore, Logits, ModelConfig,
-    PassInput, Transformer,
+    PassInput, SequencePass, Transformer,
 };
 use ember_tensor::cuda::CudaDevice;
 use ember_tensor::{BufferKind, BufferOwner, cpu};
@@ -19,6 +19,9 @@ pub(crate) trait Runner: Send {
     /// Runs `tokens` after `seq`'s positions (its blocks must cover them) and returns the
     /// requested logits.
     fn forward(&mut self, seq: &mut BlockTable, tokens: &[u32], logits: Logits) -> Result<&[f32]>;
+    /// One pass over several sequences ([`Transformer::forward_batch`]): their logits one
+    /// after another, each as its [`Logits`] asks.
+    fn forward_batch(&mut self, seqs: &mut [SequencePass<'_, '_>]) -> Result<&[f32]>;
     /// A forward pass of a non-empty `tokens` that returns the greedy choice after the last,
     /// leaving its logits where they are (on the device, for a GPU).
     fn forward_greedy(&mut self, seq: &mut BlockTable, tokens: &[u32]) -> Result<u32>;
@@ -75,6 +78,12 @@ macro_rules! shared_runner_methods {
             logits: Logits,
         ) -> Result<&[f32]> {
             self.forward_pass(seq, tokens, logits)
+        }
+
+        fn forward_batch(&mut self, seqs: &mut [SequencePass<'_, '_>]) -> Result<&[f32]> {
+            Ok(self
+                .model
+                .forward_batch(&mut self.backend, &mut self.kv, seqs)?)
         }
 
         fn forward_greedy(&mut self, seq: &mut BlockTable, tokens: &[u32]) -> Result<u32> {

@@ -129,12 +129,22 @@ impl Scheduler {
         self.running.iter().chain(&self.waiting).any(|s| s.id == id)
     }
 
+    /// Sequences that may run at once.
+    pub fn max_running(&self) -> usize {
+        self.config.max_running
+    }
+
     pub fn running(&self) -> usize {
         self.running.len()
     }
 
     pub fn waiting(&self) -> usize {
         self.waiting.len()
+    }
+
+    /// The sequence first in the queue.
+    pub fn first_waiting(&self) -> Option<SeqId> {
+        self.waiting.front().map(|s| s.id)
     }
 
     pub fn is_idle(&self) -> bool {

@@ -59,7 +59,9 @@ pub fn engine_options(args: &ModelArgs) -> EngineOptions {
         device: args.device,
         cuda_graphs: !args.no_cuda_graphs,
         prefill_chunk: args.prefill_chunk.map(|n| n as usize),
-        // One-off commands gain nothing from keeping prompts; `serve` sets its own.
+        // One-off commands run one sequence and gain nothing from keeping prompts; `serve`
+        // sets its own.
+        parallel: Some(1),
         prompt_cache: CacheBudget::Off,
         prompt_cache_host: CacheBudget::Off,
     }

@@ -78,7 +78,7 @@ impl Engine {
     }
 
     /// Enqueues the block manager's copies, in order, ahead of the next pass.
-    fn run_transfers(&mut self) -> Result<()> {
+    pub(super) fn run_transfers(&mut self) -> Result<()> {
         let kv = self.runner.kv();
         for transfer in self.transfers.drain(..) {
             match transfer {

@@ -17,8 +17,9 @@ use ember_tensor::{BufferKind, BufferOwner, ThreadPool};
 use serde_json::Value;
 
 use super::{
-    DEFAULT_CONTEXT, DEFAULT_PREFILL_CHUNK_CPU, DEFAULT_PREFILL_CHUNK_CUDA, Device, Engine,
-    EngineOptions, KEEPALIVE_SCRATCH_BYTES, KeepaliveScratch, PromptEncoder, ResidencyMode,
+    DEFAULT_CONTEXT, DEFAULT_PARALLEL_CPU, DEFAULT_PREFILL_CHUNK_CPU, DEFAULT_PREFILL_CHUNK_CUDA,
+    Device, Engine, EngineOptions, KEEPALIVE_SCRATCH_BYTES, KeepaliveScratch, PromptEncoder,
+    ResidencyMode,
 };
 use crate::chat_template::ChatTemplate;
 use crate::error::{Error, Result};
@@ -109,6 +110,14 @@ impl Engine {
             .prefill_chunk
             .unwrap_or(default_chunk)
             .clamp(1, context);
+        let parallel = match (&cuda, options.parallel) {
+            (Some(_), Some(n)) if n > 1 => {
+                tracing::warn!("--parallel {n}: CUDA passes run one sequence for now; running 1");
+                1
+            }
+            (Some(_), _) => 1,
+            (None, n) => n.unwrap_or(DEFAULT_PARALLEL_CPU).max(1),
+        };
         let (runner, keepalive_scratch, weights, plan): (Box<dyn Runner>, _, _, PoolPlan) =
             match cuda {
                 None => {
@@ -120,11 +129,20 @@ impl Engine {
                         KvDtype::F16 => Arithmetic::LlamaCpp,
                         KvDtype::F32 | KvDtype::Bf16 => Arithmetic::Transformers,
                     };
-                    let backend =
-                        CpuBackend::new(&config, pool, &owner, max_batch, context, 1, arithmetic)?;
+                    // A row of logits for each sequence a batched pass may sample.
+                    let backend = CpuBackend::new(
+                        &config, pool, &owner, max_batch, context, parallel, arithmetic,
+                    )?;
                     let model = Transformer::load(&backend, config, source, context)?;
-                    let plan =
-                        PoolPlan::new(options, &model.config, kv_dtype, context, &owner, None);
+                    let plan = PoolPlan::new(
+                        options,
+                        &model.config,
+                        kv_dtype,
+                        context,
+                        parallel,
+                        &owner,
+                        None,
+                    );
                     let kv = KvPool::new(plan.layout, plan.blocks, plan.host_blocks, &owner)?;
                     let scratch = owner.alloc(
                         BufferKind::Scratch,
@@ -164,6 +182,7 @@ impl Engine {
                         &model.config,
                         kv_dtype,
                         context,
+                        parallel,
                         &owner,
                         Some(&device),
                     );
@@ -208,6 +227,7 @@ impl Engine {
             runner,
             blocks: BlockManager::new(plan.blocks, plan.host_blocks, KV_BLOCK_SIZE),
             seq: BlockTable::new(),
+            batch: super::batch::Batch::new(parallel, max_batch),
             cache_enabled: plan.cache_blocks > 0,
             cache_stats: Arc::new(PromptCacheStats::new(
                 plan.layout.block_bytes(),
@@ -300,11 +320,13 @@ impl PoolPlan {
         config: &ModelConfig,
         kv_dtype: KvDtype,
         context: usize,
+        parallel: usize,
         owner: &BufferOwner,
         device: Option<&CudaDevice>,
     ) -> PoolPlan {
         let layout = KvLayout::new(config, kv_dtype);
-        let seq_blocks = layout.blocks_for(context);
+        // A whole context for each sequence that may run at once.
+        let seq_blocks = layout.blocks_for(context) * parallel;
         let seq_bytes = (seq_blocks * layout.block_bytes()) as u64;
         let bound = Bound::from_system(options.load_limit_gib);
         let (mut host_listed, mut device_listed) = (0u64, 0u64);

@@ -4,6 +4,7 @@
 //! cache, the residency set); [`generate`] runs prompts and decode steps through the prompt
 //! cache; this file holds the engine and what it tells about itself.
 
+mod batch;
 mod generate;
 mod load;
 mod options;
@@ -24,6 +25,7 @@ use crate::prompt_cache::PromptCacheStats;
 use crate::runner::Runner;
 use crate::tokenizer::Tokenizer;
 
+pub use batch::BatchEvent;
 pub use generate::{FinishReason, GenerateParams, Generation, Step};
 use load::WeightFiles;
 pub use options::{Device, EngineOptions, ResidencyMode};
@@ -38,6 +40,10 @@ pub const DEFAULT_PREFILL_CHUNK_CPU: usize = 512;
 /// 34.7k tok/s in chunks of 512, 39.4k in one of 2048), for activation buffers of a few
 /// hundred MB of device memory.
 pub const DEFAULT_PREFILL_CHUNK_CUDA: usize = 2048;
+
+/// Requests a CPU engine runs at once by default (`--parallel`): a few streams share each
+/// pass's reading of the weights; more would slow every stream's tokens on a few cores.
+pub const DEFAULT_PARALLEL_CPU: usize = 4;
 
 /// The keepalive scratch: a source and a destination of 16 bytes.
 const KEEPALIVE_SCRATCH_BYTES: usize = 32;
@@ -102,6 +108,8 @@ pub struct Engine {
     blocks: BlockManager,
     /// The sequence the low-level calls ([`Self::prefill`], [`Self::step`]) extend.
     seq: BlockTable,
+    /// The requests of the batched loop ([`Self::submit`], [`Self::step_batch`]).
+    batch: batch::Batch,
     /// Whether the prompt cache has any room (`--prompt-cache-gib` above 0).
     cache_enabled: bool,
     cache_stats: Arc<PromptCacheStats>,

@@ -12,6 +12,12 @@ pub struct EngineOptions {
     /// Positions of KV cache preallocated: the longest prompt plus reply. `None` takes the
     /// model's trained length, capped at [`DEFAULT_CONTEXT`](super::DEFAULT_CONTEXT).
     pub context: Option<usize>,
+    /// Sequences that may run at once in the batched loop ([`Engine::submit`](super::Engine::submit)):
+    /// the KV pool holds a whole context for each, and the CPU backend a row of logits.
+    /// `None` takes the device's default: [`DEFAULT_PARALLEL_CPU`](super::DEFAULT_PARALLEL_CPU)
+    /// on the CPU, 1 on CUDA, whose passes serve one sequence for now (more asked for are
+    /// refused there with a warning). The library's default is `Some(1)`: embedders opt in.
+    pub parallel: Option<usize>,
     /// Tokens per forward pass in prefill; longer prompts run in chunks of this size. `None`
     /// takes [`DEFAULT_PREFILL_CHUNK_CPU`](super::DEFAULT_PREFILL_CHUNK_CPU) or
     /// [`DEFAULT_PREFILL_CHUNK_CUDA`](super::DEFAULT_PREFILL_CHUNK_CUDA).
@@ -83,6 +89,7 @@ impl Default for EngineOptions {
         EngineOptions {
             threads: None,
             context: None,
+            parallel: Some(1),
             prefill_chunk: None,
             kv_dtype: None,
             residency: ResidencyMode::Off,

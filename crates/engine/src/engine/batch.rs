@@ -1,0 +1,341 @@
+//! The batched loop: many requests at once, each step one forward pass over the sequences the
+//! [`Scheduler`] picks (decode tokens and prompt chunks together), each sequence sampled with
+//! its own parameters and seed.
+//!
+//! A request's tokens are the same bits as the same request run alone wherever the backend's
+//! kernels are batch-invariant (the CPU's: `ember-models`' batch test), so concurrent = alone.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use ember_models::{BlockTable, Logits, SequencePass};
+
+use super::Engine;
+use super::generate::{FinishReason, GenerateParams, Generation};
+use crate::error::{Error, Result};
+use crate::kv::{BlockManager, Transfer};
+use crate::sampler::Sampler;
+use crate::scheduler::{KvBudget, Scheduled, Scheduler, SchedulerConfig, SeqId};
+
+/// What a step tells about one request.
+pub enum BatchEvent<'a> {
+    /// Before its first token: how many prompt tokens came from the prompt cache.
+    Prompt { cached_tokens: usize },
+    /// A token, with the logits it was sampled from.
+    Token {
+        token: u32,
+        logits: &'a [f32],
+        is_eos: bool,
+    },
+    /// It ended (its blocks are back in the pool, its prefix in the cache).
+    Finished(Generation),
+    /// It failed; the others go on.
+    Failed(Error),
+}
+
+/// One request in the batched loop.
+struct Active {
+    /// The prompt, then every token sampled.
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    params: GenerateParams,
+    sampler: Sampler,
+    table: BlockTable,
+    /// The tokens the sequence may make: `max_tokens`, within the context.
+    limit: usize,
+    /// Prompt tokens its last admission found cached (0 until admitted).
+    cached: usize,
+    announced: bool,
+    submitted: Instant,
+    first_token: Option<Instant>,
+}
+
+/// The batched loop's state: the scheduler and its requests.
+pub(super) struct Batch {
+    scheduler: Scheduler,
+    active: HashMap<SeqId, Active>,
+}
+
+impl Batch {
+    pub(super) fn new(max_running: usize, token_budget: usize) -> Self {
+        Batch {
+            scheduler: Scheduler::new(SchedulerConfig {
+                max_running,
+                token_budget,
+            }),
+            active: HashMap::new(),
+        }
+    }
+}
+
+/// The scheduler's view of the pool: the block manager over the requests' tables.
+struct Pool<'a> {
+    blocks: &'a mut BlockManager,
+    active: &'a mut HashMap<SeqId, Active>,
+    transfers: &'a mut Vec<Transfer>,
+    cache_enabled: bool,
+}
+
+impl KvBudget for Pool<'_> {
+    fn admit(&mut self, id: SeqId) -> Option<usize> {
+        let a = self
+            .active
+            .get_mut(&id)
+            .expect("admitted requests are active");
+        let cache = a.params.cache_prompt && self.cache_enabled;
+        // A host-tier hit that the pool cannot take back now waits like a full pool.
+        let table = self.blocks.start(&a.tokens, cache, self.transfers).ok()?;
+        a.table = table;
+        if !a.announced {
+            a.cached = a.table.len();
+        }
+        Some(a.table.len())
+    }
+
+    fn reserve(&mut self, id: SeqId, positions: usize) -> bool {
+        let a = self
+            .active
+            .get_mut(&id)
+            .expect("running requests are active");
+        self.blocks
+            .reserve(&mut a.table, positions, self.transfers)
+            .is_ok()
+    }
+
+    fn preempt(&mut self, id: SeqId) {
+        let a = self
+            .active
+            .get_mut(&id)
+            .expect("running requests are active");
+        let cache = a.params.cache_prompt && self.cache_enabled;
+        let filled = a.table.len().min(a.tokens.len());
+        self.blocks.finish(&mut a.table, &a.tokens[..filled], cache);
+    }
+}
+
+impl Engine {
+    /// Queues a request for the batched loop under `id` (unique among those not finished);
+    /// [`Self::step_batch`] runs it. Fails, queuing nothing, on an empty prompt, one that leaves no
+    /// room in the context, or bad sampling parameters.
+    pub fn submit(&mut self, id: SeqId, prompt: &[u32], params: GenerateParams) -> Result<()> {
+        params.sampling.validate()?;
+        if prompt.is_empty() {
+            return Err(Error::EmptyPrompt);
+        }
+        if prompt.len() >= self.context() {
+            return Err(Error::PromptTooLong {
+                prompt_tokens: prompt.len(),
+                context: self.context(),
+            });
+        }
+        assert!(
+            !self.batch.active.contains_key(&id),
+            "request {id} is already running"
+        );
+        let limit = params.max_tokens.min(self.context() - prompt.len());
+        let mut tokens = Vec::with_capacity(prompt.len() + limit);
+        tokens.extend_from_slice(prompt);
+        self.batch.active.insert(
+            id,
+            Active {
+                tokens,
+                prompt_len: prompt.len(),
+                params,
+                sampler: Sampler::new(params.sampling),
+                table: BlockTable::new(),
+                limit,
+                cached: 0,
+                announced: false,
+                submitted: Instant::now(),
+                first_token: None,
+            },
+        );
+        self.batch.scheduler.add(id, prompt.len());
+        Ok(())
+    }
+
+    /// Stops request `id` (a client gone): its blocks go back, its computed prefix stays in the
+    /// cache. Returns whether it was running or queued.
+    pub fn cancel(&mut self, id: SeqId) -> bool {
+        let known = self.batch.scheduler.remove(id);
+        if let Some(mut a) = self.batch.active.remove(&id) {
+            self.release(&mut a, true);
+        }
+        known
+    }
+
+    /// Requests the batched loop runs at once (`--parallel`; 1 on CUDA for now).
+    pub fn parallel(&self) -> usize {
+        self.batch.scheduler.max_running()
+    }
+
+    /// Requests submitted and not yet finished.
+    pub fn pending_requests(&self) -> usize {
+        self.batch.active.len()
+    }
+
+    /// Runs one step of the batched loop: one forward pass over what the scheduler picks,
+    /// then a token for each sequence whose prompt (or last token) it completed. `on_event`
+    /// hears each request's news in order. Returns false when nothing is left to run.
+    pub fn step_batch(&mut self, on_event: &mut dyn FnMut(SeqId, BatchEvent<'_>)) -> Result<bool> {
+        if self.batch.scheduler.is_idle() {
+            return Ok(false);
+        }
+        let plan = {
+            let Engine {
+                blocks,
+                batch,
+                transfers,
+                cache_enabled,
+                ..
+            } = self;
+            let mut pool = Pool {
+                blocks,
+                active: &mut batch.active,
+                transfers,
+                cache_enabled: *cache_enabled,
+            };
+            batch.scheduler.schedule(&mut pool)
+        };
+        self.run_transfers()?;
+        if plan.runs.is_empty() {
+            // Nothing fits beside nothing: the pool cannot hold the head of the queue alone.
+            self.fail_unfittable(on_event);
+            return Ok(!self.batch.scheduler.is_idle());
+        }
+        for run in &plan.runs {
+            let a = self.batch.active.get_mut(&run.id).expect("scheduled");
+            if !a.announced {
+                a.announced = true;
+                if a.params.cache_prompt && self.cache_enabled {
+                    self.cache_stats.record_lookup(a.cached);
+                }
+                let cached_tokens = a.cached;
+                on_event(run.id, BatchEvent::Prompt { cached_tokens });
+            }
+        }
+        if let Err(e) = self.run_pass(&plan.runs, on_event) {
+            // A failed pass may have written anything into its sequences' blocks: they all
+            // end, caching nothing.
+            let message = e.to_string();
+            for run in &plan.runs {
+                self.batch.scheduler.remove(run.id);
+                if let Some(mut a) = self.batch.active.remove(&run.id) {
+                    self.release(&mut a, false);
+                    let error = Error::BatchFailed(message.clone());
+                    on_event(run.id, BatchEvent::Failed(error));
+                }
+            }
+            self.publish_cache_stats();
+            return Err(e);
+        }
+        self.publish_cache_stats();
+        Ok(!self.batch.scheduler.is_idle())
+    }
+
+    /// The forward pass of `runs` and the tokens it gives.
+    fn run_pass(
+        &mut self,
+        runs: &[Scheduled],
+        on_event: &mut dyn FnMut(SeqId, BatchEvent<'_>),
+    ) -> Result<()> {
+        // The tables travel with the pass and come back after it.
+        let mut tables: Vec<BlockTable> = runs
+            .iter()
+            .map(|r| std::mem::take(&mut self.batch.active.get_mut(&r.id).expect("run").table))
+            .collect();
+        let result = {
+            let active = &self.batch.active;
+            let mut passes: Vec<SequencePass<'_, '_>> = runs
+                .iter()
+                .zip(tables.iter_mut())
+                .map(|(r, seq)| SequencePass {
+                    seq,
+                    tokens: &active[&r.id].tokens[r.start..r.start + r.tokens],
+                    logits: if r.samples {
+                        Logits::Last
+                    } else {
+                        Logits::None
+                    },
+                })
+                .collect();
+            self.runner.forward_batch(&mut passes).map(|l| l.to_vec())
+        };
+        for (r, table) in runs.iter().zip(tables) {
+            self.batch.active.get_mut(&r.id).expect("run").table = table;
+        }
+        let logits = result?;
+        let vocab = self.config().vocab_size;
+        let mut rows = logits.chunks(vocab);
+        for run in runs {
+            self.batch.scheduler.ran(run);
+            if !run.samples {
+                continue;
+            }
+            let row = rows.next().expect("a row of logits for each sampling run");
+            let a = self.batch.active.get_mut(&run.id).expect("run");
+            let token = a.sampler.sample(row);
+            let is_eos = self.eos_ids.contains(&token);
+            a.first_token.get_or_insert_with(Instant::now);
+            a.tokens.push(token);
+            on_event(
+                run.id,
+                BatchEvent::Token {
+                    token,
+                    logits: row,
+                    is_eos,
+                },
+            );
+            let made = a.tokens.len() - a.prompt_len;
+            let finish = if is_eos && !a.params.ignore_eos {
+                Some(FinishReason::Stop)
+            } else if made >= a.limit {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            if let Some(reason) = finish {
+                self.batch.scheduler.remove(run.id);
+                let mut a = self.batch.active.remove(&run.id).expect("run");
+                self.release(&mut a, true);
+                on_event(run.id, BatchEvent::Finished(a.generation(reason)));
+            }
+        }
+        Ok(())
+    }
+
+    /// Ends the request at the head of the queue, which cannot run even alone.
+    fn fail_unfittable(&mut self, on_event: &mut dyn FnMut(SeqId, BatchEvent<'_>)) {
+        let Some(id) = self.batch.scheduler.first_waiting() else {
+            return;
+        };
+        self.batch.scheduler.remove(id);
+        if let Some(mut a) = self.batch.active.remove(&id) {
+            self.release(&mut a, false);
+            let positions = a.tokens.len();
+            on_event(id, BatchEvent::Failed(Error::PoolTooSmall { positions }));
+        }
+    }
+
+    /// Gives a request's blocks back; with `cache` (and its `cache_prompt`), its filled full
+    /// blocks stay in the prompt cache.
+    fn release(&mut self, a: &mut Active, cache: bool) {
+        let keep = cache && a.params.cache_prompt && self.cache_enabled;
+        let filled = a.table.len().min(a.tokens.len());
+        self.blocks.finish(&mut a.table, &a.tokens[..filled], keep);
+    }
+}
+
+impl Active {
+    fn generation(&self, finish_reason: FinishReason) -> Generation {
+        let first = self.first_token.unwrap_or_else(Instant::now);
+        Generation {
+            tokens: self.tokens[self.prompt_len..].to_vec(),
+            finish_reason,
+            prompt_tokens: self.prompt_len,
+            cached_tokens: self.cached,
+            prefill_time: first - self.submitted,
+            decode_time: first.elapsed(),
+        }
+    }
+}

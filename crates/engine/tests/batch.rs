@@ -1,0 +1,253 @@
+//! The batched loop (`Engine::submit` / `Engine::step_batch`) gives every request the tokens,
+//! and the logits bit for bit, that the same request gets alone (`Engine::generate` on an
+//! engine of one sequence and no prompt cache): many at once, prompts in chunks beside other
+//! requests' decode tokens, greedy and seeded, with and without a prompt cache, and with a
+//! request cancelled midway.
+
+use std::collections::HashMap;
+use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
+
+use ember_engine::prompt_cache::CacheBudget;
+use ember_engine::sampler::SamplingParams;
+use ember_engine::{BatchEvent, Engine, EngineOptions, FinishReason, GenerateParams};
+
+fn golden(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/golden")
+        .join(name)
+}
+
+fn load(path: &Path, parallel: usize, chunk: usize, cache: CacheBudget) -> Engine {
+    let options = EngineOptions {
+        threads: Some(2),
+        context: Some(256),
+        parallel: Some(parallel),
+        prefill_chunk: Some(chunk),
+        prompt_cache: cache,
+        ..EngineOptions::default()
+    };
+    Engine::load(path, &options).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+struct Request {
+    prompt: Vec<u32>,
+    params: GenerateParams,
+}
+
+/// Requests of several lengths, greedy and seeded, three of them sharing a 40-token history
+/// (so a prompt cache has something to give).
+fn requests(vocab: usize) -> Vec<Request> {
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = |n: usize| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % n as u64) as usize
+    };
+    let history: Vec<u32> = (0..40).map(|_| next(vocab) as u32).collect();
+    (0..8)
+        .map(|i| {
+            let mut prompt = if i % 3 == 0 {
+                history.clone()
+            } else {
+                Vec::new()
+            };
+            let own = 1 + next(30);
+            prompt.extend((0..own).map(|_| next(vocab) as u32));
+            let sampling = if i % 2 == 0 {
+                SamplingParams::default()
+            } else {
+                SamplingParams {
+                    temperature: 0.9,
+                    top_k: 40,
+                    seed: Some(100 + i as u64),
+                    ..SamplingParams::default()
+                }
+            };
+            Request {
+                prompt,
+                params: GenerateParams {
+                    max_tokens: 3 + next(10),
+                    sampling,
+                    ignore_eos: true,
+                    step_logits: true,
+                    cache_prompt: true,
+                },
+            }
+        })
+        .collect()
+}
+
+/// Tokens and each token's logits' bits.
+type Reply = (Vec<u32>, Vec<Vec<u32>>);
+
+fn bits(logits: &[f32]) -> Vec<u32> {
+    logits.iter().map(|x| x.to_bits()).collect()
+}
+
+fn alone(engine: &mut Engine, r: &Request) -> Reply {
+    let mut logits = Vec::new();
+    let generation = engine
+        .generate(&r.prompt, &r.params, |step| {
+            logits.push(bits(step.logits.expect("step logits asked for")));
+            ControlFlow::Continue(())
+        })
+        .unwrap();
+    (generation.tokens, logits)
+}
+
+/// Runs `requests` through the batched loop, all submitted at once, and `cancel` after its
+/// second token; returns each finished request's reply and how many prompt tokens it found
+/// cached, and the most requests one step advanced.
+fn batched(
+    engine: &mut Engine,
+    requests: &[Request],
+    cancel: Option<u64>,
+) -> (HashMap<u64, (Reply, usize)>, usize) {
+    for (id, r) in requests.iter().enumerate() {
+        engine.submit(id as u64, &r.prompt, r.params).unwrap();
+    }
+    let mut replies: HashMap<u64, Reply> = HashMap::new();
+    let mut cached = HashMap::new();
+    let mut finished = HashMap::new();
+    let mut widest = 0;
+    loop {
+        let mut stepped = std::collections::HashSet::new();
+        let mut to_cancel = None;
+        let more = engine
+            .step_batch(&mut |id, event| match event {
+                BatchEvent::Prompt { cached_tokens } => {
+                    assert!(
+                        cached.insert(id, cached_tokens).is_none(),
+                        "two Prompt events"
+                    );
+                }
+                BatchEvent::Token { token, logits, .. } => {
+                    stepped.insert(id);
+                    let reply = replies.entry(id).or_default();
+                    reply.0.push(token);
+                    reply.1.push(bits(logits));
+                    if Some(id) == cancel && reply.0.len() == 2 {
+                        to_cancel = Some(id);
+                    }
+                }
+                BatchEvent::Finished(generation) => {
+                    assert_eq!(generation.finish_reason, FinishReason::Length);
+                    assert_eq!(generation.tokens, replies[&id].0);
+                    finished.insert(id, ());
+                }
+                BatchEvent::Failed(e) => panic!("request {id} failed: {e}"),
+            })
+            .unwrap();
+        widest = widest.max(stepped.len());
+        if let Some(id) = to_cancel {
+            assert!(engine.cancel(id));
+        }
+        if !more {
+            break;
+        }
+    }
+    assert_eq!(engine.pending_requests(), 0);
+    let out = replies
+        .into_iter()
+        .filter(|(id, _)| finished.contains_key(id))
+        .map(|(id, reply)| (id, (reply, cached[&id])))
+        .collect();
+    (out, widest)
+}
+
+fn check(name: &str) {
+    let path = golden(name);
+    let mut reference = load(&path, 1, 512, CacheBudget::Off);
+    let vocab = reference.config().vocab_size;
+    let requests = requests(vocab);
+    let want: Vec<Reply> = requests.iter().map(|r| alone(&mut reference, r)).collect();
+
+    // Four at a time in passes of 16 tokens: prompts run in chunks beside decode tokens.
+    let mut engine = load(&path, 4, 16, CacheBudget::Off);
+    let (got, widest) = batched(&mut engine, &requests, None);
+    assert!(
+        widest >= 3,
+        "{name}: at most {widest} requests sampled in one step"
+    );
+    for (id, want) in want.iter().enumerate() {
+        let ((tokens, logits), cached) = &got[&(id as u64)];
+        assert_eq!(*cached, 0, "{name}: no cache, nothing cached");
+        assert_eq!(tokens, &want.0, "{name}: request {id}'s tokens");
+        assert!(logits == &want.1, "{name}: request {id}'s logits' bits");
+    }
+
+    // With a prompt cache, run twice: the second time each prompt's whole blocks come from
+    // the cache, and the replies stay the same bits. One request
+    // is cancelled midway; the others do not notice.
+    let mut engine = load(&path, 3, 16, CacheBudget::Gib(0.01));
+    batched(&mut engine, &requests, None);
+    let (got, _) = batched(&mut engine, &requests, Some(4));
+    assert!(
+        !got.contains_key(&4),
+        "{name}: the cancelled request finished"
+    );
+    for (id, want) in want.iter().enumerate().filter(|&(id, _)| id != 4) {
+        let ((tokens, logits), cached) = &got[&(id as u64)];
+        // Every whole block of the prompt but its last token's ran the first time.
+        let whole = (requests[id].prompt.len() - 1) / 16 * 16;
+        assert_eq!(*cached, whole, "{name}: request {id}'s cached tokens");
+        assert_eq!(
+            tokens, &want.0,
+            "{name}: request {id}'s tokens, from the cache"
+        );
+        assert!(
+            logits == &want.1,
+            "{name}: request {id}'s logits' bits, from the cache"
+        );
+    }
+}
+
+#[test]
+fn concurrent_equals_alone_on_every_golden_fixture() {
+    for name in [
+        "qwen3-f32",
+        "qwen2-f32",
+        "llama-f32",
+        "qwen3moe-f32",
+        "qwen3-bf16",
+    ] {
+        check(name);
+    }
+}
+
+#[test]
+fn bad_requests_are_refused_at_submit_and_the_loop_goes_on() {
+    let mut engine = load(&golden("qwen3-f32"), 2, 16, CacheBudget::Off);
+    let params = GenerateParams {
+        max_tokens: 2,
+        sampling: SamplingParams::default(),
+        ignore_eos: true,
+        step_logits: false,
+        cache_prompt: false,
+    };
+    assert!(engine.submit(1, &[], params).is_err());
+    let err = engine.submit(2, &vec![1; 256], params).unwrap_err();
+    assert!(err.to_string().contains("context"), "{err}");
+    let bad = GenerateParams {
+        sampling: SamplingParams {
+            temperature: -1.0,
+            ..SamplingParams::default()
+        },
+        ..params
+    };
+    assert!(engine.submit(3, &[1, 2], bad).is_err());
+    assert_eq!(engine.pending_requests(), 0);
+    engine.submit(4, &[1, 2, 3], params).unwrap();
+    let mut tokens = 0;
+    while engine
+        .step_batch(&mut |_, event| {
+            if let BatchEvent::Token { .. } = event {
+                tokens += 1;
+            }
+        })
+        .unwrap()
+    {}
+    assert_eq!(tokens, 2);
+}

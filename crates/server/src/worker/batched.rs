@@ -1,0 +1,133 @@
+//! Many jobs at once through the engine's batched loop: each step takes the jobs that have
+//! arrived, drops the cancelled, runs one forward pass over what the scheduler picks, and
+//! routes each request's tokens to its stream.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use ember_engine::{BatchEvent, Engine};
+use ember_residency::Keepalive;
+use tokio::sync::mpsc;
+use tokio::sync::mpsc::error::TryRecvError;
+
+use super::{Job, Stream};
+use crate::metrics::Metrics;
+
+pub(super) fn run(
+    mut engine: Engine,
+    mut queue: mpsc::Receiver<Job>,
+    metrics: Arc<Metrics>,
+    keepalive: Option<Arc<Keepalive>>,
+    abort: Arc<AtomicBool>,
+) {
+    let tokenizer = engine.tokenizer().clone();
+    let parallel = engine.parallel();
+    let mut streams: HashMap<u64, Stream> = HashMap::new();
+    let mut next_id = 0u64;
+    // Held while any job runs: the keepalive neither ticks nor leaves staged buffers
+    // uncommitted under a request.
+    let mut request = None;
+    let mut open = true;
+    while open || !streams.is_empty() {
+        // New jobs: wait for one when idle, else take what has arrived, up to `--parallel`
+        // running; the rest wait in the queue, whose bound (`--max-queue`) turns more away.
+        let mut arrived = Vec::new();
+        if streams.is_empty() {
+            match queue.blocking_recv() {
+                Some(job) => arrived.push(job),
+                None => break,
+            }
+        }
+        while open && streams.len() + arrived.len() < parallel {
+            match queue.try_recv() {
+                Ok(job) => arrived.push(job),
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
+                    open = false;
+                    break;
+                }
+            }
+        }
+        for job in arrived {
+            metrics.queued.fetch_sub(1, Ordering::Relaxed);
+            let Some(mut stream) = Stream::start(job, &tokenizer, &abort) else {
+                continue;
+            };
+            if request.is_none() {
+                request = keepalive.as_ref().map(|k| k.request());
+            }
+            stream.committed = Instant::now();
+            stream.started = stream.committed;
+            let (prompt, params) = (&stream.job.prompt, stream.job.params);
+            if let Err(e) = engine.submit(next_id, prompt, params) {
+                stream.fail(&e.to_string(), &metrics);
+                continue;
+            }
+            metrics
+                .prompt_tokens
+                .fetch_add(prompt.len() as u64, Ordering::Relaxed);
+            // Counted from here until its last event, which a client may answer at once.
+            metrics.running.fetch_add(1, Ordering::Relaxed);
+            streams.insert(next_id, stream);
+            next_id += 1;
+        }
+        // Clients gone, or the server stopping: their sequences end before the next pass.
+        let cancelled: Vec<u64> = streams
+            .iter()
+            .filter(|(_, s)| s.cancelled(&abort))
+            .map(|(&id, _)| id)
+            .collect();
+        for id in cancelled {
+            engine.cancel(id);
+            if let Some(stream) = streams.remove(&id) {
+                metrics.running.fetch_sub(1, Ordering::Relaxed);
+                stream.fail(Stream::cancellation(&abort), &metrics);
+            }
+        }
+        if streams.is_empty() {
+            request = None;
+            continue;
+        }
+        let result = engine.step_batch(&mut |id, event| {
+            let Some(stream) = streams.get_mut(&id) else {
+                return;
+            };
+            match event {
+                BatchEvent::Prompt { cached_tokens } => {
+                    stream.prompt(cached_tokens);
+                }
+                BatchEvent::Token {
+                    token,
+                    logits,
+                    is_eos,
+                } => {
+                    stream.token(token, Some(logits), is_eos);
+                }
+                BatchEvent::Finished(generation) => {
+                    if let Some(stream) = streams.remove(&id) {
+                        metrics.running.fetch_sub(1, Ordering::Relaxed);
+                        stream.finish(&generation, &metrics, &abort);
+                    }
+                }
+                BatchEvent::Failed(e) => {
+                    tracing::warn!("generation failed: {e}");
+                    if let Some(stream) = streams.remove(&id) {
+                        metrics.running.fetch_sub(1, Ordering::Relaxed);
+                        stream.fail(&e.to_string(), &metrics);
+                    }
+                }
+            }
+        });
+        if let Err(e) = result {
+            // Its requests have failed with it (their Failed events); the rest go on.
+            tracing::warn!("a batched step failed: {e}");
+        }
+        if streams.is_empty() {
+            // Idle: the keepalive ticks again.
+            request = None;
+        }
+    }
+    drop(request);
+}
