@@ -40,6 +40,8 @@ pub enum Error {
     Io(#[from] std::io::Error),
     #[error(transparent)]
     Kv(#[from] crate::kv::KvError),
+    #[error("max_tokens is 0: a request must ask for at least one token")]
+    NothingToGenerate,
     /// A batched pass failed; every request in it ends with this.
     #[error("a forward pass of this and other requests failed: {0}")]
     BatchFailed(String),

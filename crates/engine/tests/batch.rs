@@ -238,6 +238,11 @@ fn bad_requests_are_refused_at_submit_and_the_loop_goes_on() {
         ..params
     };
     assert!(engine.submit(3, &[1, 2], bad).is_err());
+    let nothing = GenerateParams {
+        max_tokens: 0,
+        ..params
+    };
+    assert!(engine.submit(5, &[1, 2], nothing).is_err());
     assert_eq!(engine.pending_requests(), 0);
     engine.submit(4, &[1, 2, 3], params).unwrap();
     let mut tokens = 0;

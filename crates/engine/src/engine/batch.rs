@@ -116,11 +116,14 @@ impl KvBudget for Pool<'_> {
 impl Engine {
     /// Queues a request for the batched loop under `id` (unique among those not finished);
     /// [`Self::step_batch`] runs it. Fails, queuing nothing, on an empty prompt, one that leaves no
-    /// room in the context, or bad sampling parameters.
+    /// room in the context, `max_tokens` 0, or bad sampling parameters.
     pub fn submit(&mut self, id: SeqId, prompt: &[u32], params: GenerateParams) -> Result<()> {
         params.sampling.validate()?;
         if prompt.is_empty() {
             return Err(Error::EmptyPrompt);
+        }
+        if params.max_tokens == 0 {
+            return Err(Error::NothingToGenerate);
         }
         if prompt.len() >= self.context() {
             return Err(Error::PromptTooLong {
