@@ -120,7 +120,7 @@ fn a_chats_next_turn_comes_from_the_cache_with_the_same_text() {
     }
 }
 
-/// A cache that passes the residency bound: the one load line names the flag to lower.
+/// A cache that passes the residency bound: the one load line names the flags to lower.
 #[test]
 fn a_cache_over_the_bound_is_named_in_the_load_line() {
     let server = Server::start(
@@ -133,6 +133,8 @@ fn a_cache_over_the_bound_is_named_in_the_load_line() {
         .find(|l| l.contains("residency: none"))
         .unwrap_or_else(|| panic!("no refusal line:\n{log}"));
     assert!(line.contains("--prompt-cache-gib"), "{line}");
+    // serve runs 4 sequences on the CPU, each holding a context of the pool: that flag too.
+    assert!(line.contains("--parallel"), "{line}");
     // It still serves, without the set.
     let response = post(
         &server,

@@ -215,7 +215,8 @@ impl Engine {
                 }
             };
         plan.log();
-        let residency = establish_residency(&owner, options, residency_device, plan.caching())?;
+        let residency =
+            establish_residency(&owner, options, residency_device, plan.caching(), parallel)?;
         let encoder = PromptEncoder {
             dir: dir.to_path_buf(),
             tokenizer,
@@ -253,6 +254,7 @@ fn establish_residency(
     options: &EngineOptions,
     cuda: Option<CudaDevice>,
     caching: bool,
+    parallel: usize,
 ) -> Result<Arc<ResidencySet>> {
     let (set, report) = match options.residency {
         ResidencyMode::Off => ResidencySet::disabled(),
@@ -270,11 +272,20 @@ fn establish_residency(
                     .map(|(i, r)| (CODE_ID_BASE + i as u64, r)),
             );
             let mut bound = Bound::from_system(options.load_limit_gib);
+            // The KV pool is the part an operator sizes most freely: the prompt cache's share,
+            // and a context for each parallel sequence.
+            let mut flags: Vec<&str> = Vec::new();
             if caching {
-                // The prompt cache is the part an operator sizes most freely.
+                flags.push("--prompt-cache-gib");
+            }
+            if parallel > 1 {
+                flags.push("--parallel");
+            }
+            if !flags.is_empty() {
+                let flags = format!("{} or --context", flags.join(", "));
                 bound = bound
-                    .with_advice("lower --prompt-cache-gib or --context, or set --load-limit-gib")
-                    .with_device_advice("lower --prompt-cache-gib or --context");
+                    .with_advice(format!("lower {flags}, or set --load-limit-gib"))
+                    .with_device_advice(format!("lower {flags}"));
             }
             match cuda {
                 // Device buffers are resident by nature; the bound keeps later joins (KV
