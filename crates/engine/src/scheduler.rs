@@ -77,6 +77,16 @@ impl Sequence {
     fn pending(&self) -> usize {
         self.tokens - self.computed
     }
+
+    /// Its next `tokens` tokens, as a step's run.
+    fn run(&self, tokens: usize) -> Scheduled {
+        Scheduled {
+            id: self.id,
+            start: self.computed,
+            tokens,
+            samples: self.computed + tokens == self.tokens,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -181,12 +191,7 @@ impl Scheduler {
                 }
                 let tokens = s.pending().min(budget);
                 if self.reserve_or_preempt(kv, i, s.computed + tokens, &mut plan, &mut budget) {
-                    plan.runs.push(Scheduled {
-                        id: s.id,
-                        start: s.computed,
-                        tokens,
-                        samples: s.computed + tokens == s.tokens,
-                    });
+                    plan.runs.push(s.run(tokens));
                     budget -= tokens;
                     i += 1;
                 }
@@ -210,12 +215,7 @@ impl Scheduler {
             }
             self.waiting.pop_front();
             self.running.push(s);
-            plan.runs.push(Scheduled {
-                id: s.id,
-                start: s.computed,
-                tokens,
-                samples: s.computed + tokens == s.tokens,
-            });
+            plan.runs.push(s.run(tokens));
             budget -= tokens;
         }
         plan

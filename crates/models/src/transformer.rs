@@ -366,20 +366,7 @@ impl<B: Backend> Transformer<B> {
         seq: &mut BlockTable,
         tokens: &[u32],
     ) -> Result<u32> {
-        let logits = Logits::Last;
-        if self.run(
-            b,
-            kv,
-            &mut [SequencePass {
-                seq,
-                tokens,
-                logits,
-            }],
-            false,
-        )? == 0
-        {
-            return Err(Error::NoTokens);
-        }
+        self.run_for_last_token(b, kv, seq, tokens, false)?;
         b.greedy_token(self.config.vocab_size)
     }
 
@@ -398,21 +385,30 @@ impl<B: Backend> Transformer<B> {
             PassInput::Tokens(tokens) => (tokens, false),
             PassInput::Fed => (&[][..], true),
         };
+        self.run_for_last_token(b, kv, seq, tokens, fed)?;
+        b.pick_ahead(self.config.vocab_size)
+    }
+
+    /// A pass of one sequence that leaves its last token's logits on the backend; an empty
+    /// pass (nothing to pick from) is an error.
+    fn run_for_last_token(
+        &self,
+        b: &mut B,
+        kv: &mut B::Kv,
+        seq: &mut BlockTable,
+        tokens: &[u32],
+        fed: bool,
+    ) -> Result<()> {
         let logits = Logits::Last;
-        if self.run(
-            b,
-            kv,
-            &mut [SequencePass {
-                seq,
-                tokens,
-                logits,
-            }],
-            fed,
-        )? == 0
-        {
+        let pass = SequencePass {
+            seq,
+            tokens,
+            logits,
+        };
+        if self.run(b, kv, &mut [pass], fed)? == 0 {
             return Err(Error::NoTokens);
         }
-        b.pick_ahead(self.config.vocab_size)
+        Ok(())
     }
 
     /// The work of [`Self::forward_batch`], the logits left on the backend; returns their

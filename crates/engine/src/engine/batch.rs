@@ -107,9 +107,7 @@ impl KvBudget for Pool<'_> {
             .active
             .get_mut(&id)
             .expect("running requests are active");
-        let cache = a.params.cache_prompt && self.cache_enabled;
-        let filled = a.table.len().min(a.tokens.len());
-        self.blocks.finish(&mut a.table, &a.tokens[..filled], cache);
+        release(self.blocks, self.cache_enabled, a, true);
     }
 }
 
@@ -236,19 +234,29 @@ impl Engine {
         Ok(!self.batch.scheduler.is_idle())
     }
 
-    /// The forward pass of `runs` and the tokens it gives.
+    /// The forward pass of `runs` and the tokens it gives, sampled from the logits where the
+    /// runner left them.
     fn run_pass(
         &mut self,
         runs: &[Scheduled],
         on_event: &mut dyn FnMut(SeqId, BatchEvent<'_>),
     ) -> Result<()> {
+        let vocab = self.config().vocab_size;
+        let Engine {
+            runner,
+            batch,
+            blocks,
+            eos_ids,
+            cache_enabled,
+            ..
+        } = self;
         // The tables travel with the pass and come back after it.
         let mut tables: Vec<BlockTable> = runs
             .iter()
-            .map(|r| std::mem::take(&mut self.batch.active.get_mut(&r.id).expect("run").table))
+            .map(|r| std::mem::take(&mut batch.active.get_mut(&r.id).expect("run").table))
             .collect();
         let result = {
-            let active = &self.batch.active;
+            let active = &batch.active;
             let mut passes: Vec<SequencePass<'_, '_>> = runs
                 .iter()
                 .zip(tables.iter_mut())
@@ -262,23 +270,21 @@ impl Engine {
                     },
                 })
                 .collect();
-            self.runner.forward_batch(&mut passes).map(|l| l.to_vec())
+            runner.forward_batch(&mut passes)
         };
         for (r, table) in runs.iter().zip(tables) {
-            self.batch.active.get_mut(&r.id).expect("run").table = table;
+            batch.active.get_mut(&r.id).expect("run").table = table;
         }
-        let logits = result?;
-        let vocab = self.config().vocab_size;
-        let mut rows = logits.chunks(vocab);
+        let mut rows = result?.chunks(vocab);
         for run in runs {
-            self.batch.scheduler.ran(run);
+            batch.scheduler.ran(run);
             if !run.samples {
                 continue;
             }
             let row = rows.next().expect("a row of logits for each sampling run");
-            let a = self.batch.active.get_mut(&run.id).expect("run");
+            let a = batch.active.get_mut(&run.id).expect("run");
             let token = a.sampler.sample(row);
-            let is_eos = self.eos_ids.contains(&token);
+            let is_eos = eos_ids.contains(&token);
             a.first_token.get_or_insert_with(Instant::now);
             a.tokens.push(token);
             on_event(
@@ -298,9 +304,9 @@ impl Engine {
                 None
             };
             if let Some(reason) = finish {
-                self.batch.scheduler.remove(run.id);
-                let mut a = self.batch.active.remove(&run.id).expect("run");
-                self.release(&mut a, true);
+                batch.scheduler.remove(run.id);
+                let mut a = batch.active.remove(&run.id).expect("run");
+                release(blocks, *cache_enabled, &mut a, true);
                 on_event(run.id, BatchEvent::Finished(a.generation(reason)));
             }
         }
@@ -320,13 +326,18 @@ impl Engine {
         }
     }
 
-    /// Gives a request's blocks back; with `cache` (and its `cache_prompt`), its filled full
-    /// blocks stay in the prompt cache.
+    /// [`release`] of the engine's pool.
     fn release(&mut self, a: &mut Active, cache: bool) {
-        let keep = cache && a.params.cache_prompt && self.cache_enabled;
-        let filled = a.table.len().min(a.tokens.len());
-        self.blocks.finish(&mut a.table, &a.tokens[..filled], keep);
+        release(&mut self.blocks, self.cache_enabled, a, cache);
     }
+}
+
+/// Gives a request's blocks back; with `cache` (and its `cache_prompt`, and a cache), its
+/// filled full blocks stay in the prompt cache.
+fn release(blocks: &mut BlockManager, cache_enabled: bool, a: &mut Active, cache: bool) {
+    let keep = cache && a.params.cache_prompt && cache_enabled;
+    let filled = a.table.len().min(a.tokens.len());
+    blocks.finish(&mut a.table, &a.tokens[..filled], keep);
 }
 
 impl Active {
