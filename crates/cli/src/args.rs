@@ -127,8 +127,7 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 5.0)]
     pub shutdown_timeout: f64,
     /// Requests generated at once, sharing each forward pass (continuous batching); the KV
-    /// pool holds a whole --context for each [default: 4 on the CPU; 1 on CUDA, whose passes
-    /// serve one sequence for now].
+    /// pool holds a whole --context for each [default: 4 on the CPU, 16 on CUDA].
     #[arg(long, env = "EMBER_PARALLEL", value_parser = clap::value_parser!(u64).range(1..=1024))]
     pub parallel: Option<u64>,
     /// Requests that may wait beyond the --parallel running ones; more get 503.
@@ -176,6 +175,29 @@ pub enum BenchCommand {
     /// requests arriving at a rate; one JSON line per setting with throughput, time to first
     /// token and inter-token latency percentiles.
     Serve(BenchServeArgs),
+    /// Many sequences at once in the engine alone (no HTTP), as llama.cpp's
+    /// llama-batched-bench: aggregate prefill and decode speed per count of sequences, one
+    /// JSON line each, against the bound of one batched step.
+    Batch(BenchBatchArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct BenchBatchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Each sequence's prompt, distinct from the others'.
+    #[arg(long, default_value_t = 512)]
+    pub prompt_tokens: usize,
+    /// Tokens each sequence generates.
+    #[arg(long, default_value_t = 128)]
+    pub decode_tokens: usize,
+    /// Sequences at once, one setting each, comma-separated (the engine runs with --parallel
+    /// set to the largest).
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,64")]
+    pub sequences: Vec<usize>,
+    /// Size of the memory read probe in MiB (well past the last-level cache).
+    #[arg(long, default_value_t = 1024)]
+    pub probe_mib: usize,
 }
 
 #[derive(Args, Debug)]

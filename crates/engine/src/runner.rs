@@ -19,9 +19,15 @@ pub(crate) trait Runner: Send {
     /// Runs `tokens` after `seq`'s positions (its blocks must cover them) and returns the
     /// requested logits.
     fn forward(&mut self, seq: &mut BlockTable, tokens: &[u32], logits: Logits) -> Result<&[f32]>;
-    /// One pass over several sequences ([`Transformer::forward_batch`]): their logits one
-    /// after another, each as its [`Logits`] asks.
-    fn forward_batch(&mut self, seqs: &mut [SequencePass<'_, '_>]) -> Result<&[f32]>;
+    /// One pass over several sequences ([`Transformer::run_batch`]), its logits (one after
+    /// another, each sequence's as its [`Logits`] asks) left where they were made; returns
+    /// their rows.
+    fn forward_batch(&mut self, seqs: &mut [SequencePass<'_, '_>]) -> Result<usize>;
+    /// The first `rows` rows of the last pass's logits, on the host.
+    fn logits(&mut self, rows: usize) -> Result<&[f32]>;
+    /// The greedy pick of each of the first `rows` rows of the last pass's logits, made where
+    /// they are.
+    fn greedy_tokens(&mut self, rows: usize) -> Result<Vec<u32>>;
     /// A forward pass of a non-empty `tokens` that returns the greedy choice after the last,
     /// leaving its logits where they are (on the device, for a GPU).
     fn forward_greedy(&mut self, seq: &mut BlockTable, tokens: &[u32]) -> Result<u32>;
@@ -80,10 +86,20 @@ macro_rules! shared_runner_methods {
             self.forward_pass(seq, tokens, logits)
         }
 
-        fn forward_batch(&mut self, seqs: &mut [SequencePass<'_, '_>]) -> Result<&[f32]> {
+        fn forward_batch(&mut self, seqs: &mut [SequencePass<'_, '_>]) -> Result<usize> {
             Ok(self
                 .model
-                .forward_batch(&mut self.backend, &mut self.kv, seqs)?)
+                .run_batch(&mut self.backend, &mut self.kv, seqs)?)
+        }
+
+        fn logits(&mut self, rows: usize) -> Result<&[f32]> {
+            let vocab = self.model.config.vocab_size;
+            Ok(self.backend.logits(rows * vocab)?)
+        }
+
+        fn greedy_tokens(&mut self, rows: usize) -> Result<Vec<u32>> {
+            let vocab = self.model.config.vocab_size;
+            Ok(self.backend.greedy_tokens(rows, vocab)?)
         }
 
         fn forward_greedy(&mut self, seq: &mut BlockTable, tokens: &[u32]) -> Result<u32> {

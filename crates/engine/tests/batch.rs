@@ -127,7 +127,9 @@ fn batched(
                     stepped.insert(id);
                     let reply = replies.entry(id).or_default();
                     reply.0.push(token);
-                    reply.1.push(bits(logits));
+                    reply
+                        .1
+                        .push(bits(logits.expect("the requests ask for step logits")));
                     if Some(id) == cancel && reply.0.len() == 2 {
                         to_cancel = Some(id);
                     }

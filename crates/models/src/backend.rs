@@ -111,8 +111,16 @@ pub struct AttentionParams {
     pub pos0: usize,
     /// Which of the pass's sequences ([`Backend::begin_batch`]'s segments, in order).
     pub segment: usize,
-    /// The slots' row of the sequence's first token in this pass.
+    /// The slots' row of the sequence's first token in this pass, and its tokens (rows).
     pub first_row: usize,
+    pub rows: usize,
+}
+
+impl AttentionParams {
+    /// The slots' rows of the sequence's tokens.
+    pub fn row_range(&self) -> Range<usize> {
+        self.first_row..self.first_row + self.rows
+    }
 }
 
 /// One sequence's part of a forward pass over several ([`Backend::begin_batch`]): its block
@@ -129,8 +137,18 @@ pub struct PassSegment<'a> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct PassShape {
     pub tokens: usize,
+    /// Sequences the tokens belong to.
+    pub sequences: usize,
     /// Rows of logits projected.
     pub logit_rows: usize,
+}
+
+impl PassShape {
+    /// A decode step: one token of each sequence, each giving logits (so every row's work,
+    /// the logits' included, is the same whatever the sequences).
+    pub fn is_decode(&self) -> bool {
+        self.tokens == self.sequences && self.logit_rows == self.tokens
+    }
 }
 
 /// One projection of a group that reads the same input: its weight, bias and output slot.
@@ -212,9 +230,9 @@ pub trait Backend {
     fn begin_pass(&mut self, tokens: &[u32], table: &BlockTable) -> Result<()>;
     /// Takes the inputs of a pass over several sequences: `tokens` are the segments' tokens
     /// one after another, each segment's at the positions after its table's. The model runs
-    /// the products over every row at once and the attention segment by segment; a row's
-    /// result must not depend on the other rows of the pass (batch invariance). A backend that
-    /// result must not depend on the other rows of the pass (batch invariance).
+    /// the products over every row at once and the attention per segment
+    /// ([`Backend::rope_attention_segments`]); a row's result must not depend on the other
+    /// rows of the pass (batch invariance).
     fn begin_batch(&mut self, tokens: &[u32], segments: &[PassSegment<'_>]) -> Result<()>;
     /// Runs `pass`, the device work of one forward pass from [`Backend::embed`] to
     /// [`Backend::project_logits`]. A backend may instead replay a recording of an earlier
@@ -317,20 +335,18 @@ pub trait Backend {
         norm: Option<(&Self::Vector, f32)>,
     ) -> Result<()>;
     /// [`Backend::rope`] of `Queries` (`p.n_heads` heads, normalised by `q_norm`) and `Keys`
-    /// (`p.n_kv_heads`, by `k_norm`) of the segment's `rows` tokens, from row `p.first_row`,
+    /// (`p.n_kv_heads`, by `k_norm`) of the segment's `p.rows` tokens, from row `p.first_row`,
     /// at `p.pos0..`; a backend may do both in one launch.
-    #[allow(clippy::too_many_arguments)]
     fn rope_qk(
         &mut self,
         tables: &Self::Rope,
         style: RopeStyle,
         p: &AttentionParams,
-        rows: usize,
         q_norm: Option<(&Self::Vector, f32)>,
         k_norm: Option<(&Self::Vector, f32)>,
     ) -> Result<()> {
         let (d, pos0) = (p.head_dim, p.pos0);
-        let rows = p.first_row..p.first_row + rows;
+        let rows = p.row_range();
         self.rope(
             tables,
             style,
@@ -352,26 +368,42 @@ pub trait Backend {
             k_norm,
         )
     }
-    /// Stores `Keys`/`Values` of the segment's `rows` tokens (from row `p.first_row`) in its
+    /// Stores `Keys`/`Values` of the segment's `p.rows` tokens (from row `p.first_row`) in its
     /// sequence's blocks at `p.pos0..`, then causal attention of their `Queries` over the
     /// sequence into the same rows of `AttentionOut`.
-    fn attention(&mut self, kv: &mut Self::Kv, params: AttentionParams, rows: usize) -> Result<()>;
+    fn attention(&mut self, kv: &mut Self::Kv, p: AttentionParams) -> Result<()>;
     /// [`Backend::rope_qk`] then [`Backend::attention`]: a backend may do both in fewer passes
     /// (the CUDA decode step rotates and stores inside its attention kernel). `Queries` and
     /// `Keys` are not read afterwards, so they may be left unrotated.
-    #[allow(clippy::too_many_arguments)]
     fn rope_attention(
         &mut self,
         kv: &mut Self::Kv,
         tables: &Self::Rope,
         style: RopeStyle,
         params: AttentionParams,
-        rows: usize,
         q_norm: Option<(&Self::Vector, f32)>,
         k_norm: Option<(&Self::Vector, f32)>,
     ) -> Result<()> {
-        self.rope_qk(tables, style, &params, rows, q_norm, k_norm)?;
-        self.attention(kv, params, rows)
+        self.rope_qk(tables, style, &params, q_norm, k_norm)?;
+        self.attention(kv, params)
+    }
+    /// One layer's [`Backend::rope_attention`] for every sequence of the pass, `segments` in
+    /// pass order. The default takes them one by one; a backend may take several at once (the
+    /// CUDA backend: every sequence's decode row in one launch), each row's result still the
+    /// one it gets alone.
+    fn rope_attention_segments(
+        &mut self,
+        kv: &mut Self::Kv,
+        tables: &Self::Rope,
+        style: RopeStyle,
+        segments: &[AttentionParams],
+        q_norm: Option<(&Self::Vector, f32)>,
+        k_norm: Option<(&Self::Vector, f32)>,
+    ) -> Result<()> {
+        for &p in segments {
+            self.rope_attention(kv, tables, style, p, q_norm, k_norm)?;
+        }
+        Ok(())
     }
     /// `Gate[..len] = silu(Gate[..len]) · Up[..len]`.
     fn silu_mul(&mut self, len: usize) -> Result<()>;
@@ -406,6 +438,16 @@ pub trait Backend {
     /// are and brings back the index alone, not the row.
     fn greedy_token(&mut self, vocab: usize) -> Result<u32> {
         Ok(cpu::argmax(self.logits(vocab)?))
+    }
+
+    /// [`Backend::greedy_token`] of each of the first `rows` rows of the last pass's logits:
+    /// a device backend picks them all where the logits are and brings back only the picks.
+    fn greedy_tokens(&mut self, rows: usize, vocab: usize) -> Result<Vec<u32>> {
+        Ok(self
+            .logits(rows * vocab)?
+            .chunks(vocab)
+            .map(cpu::argmax)
+            .collect())
     }
 
     /// Enqueues the greedy choice after the last pass ([`Backend::greedy_token`]'s), to be

@@ -250,9 +250,9 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn attention(&mut self, kv: &mut KvPool, p: AttentionParams, rows: usize) -> Result<()> {
+    fn attention(&mut self, kv: &mut KvPool, p: AttentionParams) -> Result<()> {
         let (q_width, kv_width) = (p.n_heads * p.head_dim, p.n_kv_heads * p.head_dim);
-        let rows = p.first_row..p.first_row + rows;
+        let rows = p.row_range();
         let q_values = rows.start * q_width..rows.end * q_width;
         let kv_values = rows.start * kv_width..rows.end * kv_width;
         let pool = &self.pool;

@@ -350,11 +350,22 @@ impl<B: Backend> Transformer<B> {
         kv: &mut B::Kv,
         seqs: &mut [SequencePass<'_, '_>],
     ) -> Result<&'b [f32]> {
-        let rows = self.run(b, kv, seqs, false)?;
+        let rows = self.run_batch(b, kv, seqs)?;
         if rows == 0 {
             return Ok(&[]);
         }
         b.logits(rows * self.config.vocab_size)
+    }
+
+    /// [`Self::forward_batch`] with the logits left on the backend: returns their rows, for
+    /// [`Backend::logits`] or [`Backend::greedy_tokens`] to take.
+    pub fn run_batch(
+        &self,
+        b: &mut B,
+        kv: &mut B::Kv,
+        seqs: &mut [SequencePass<'_, '_>],
+    ) -> Result<usize> {
+        self.run(b, kv, seqs, false)
     }
 
     /// [`Self::forward`] of a non-empty `tokens` with the last token's logits, returning the
@@ -490,6 +501,7 @@ impl<B: Backend> Transformer<B> {
         }
         let shape = PassShape {
             tokens: n,
+            sequences: plan.segments.len(),
             logit_rows: m,
         };
         b.run_pass(kv, shape, &mut |b, kv| self.pass(b, kv, &plan))?;
@@ -535,9 +547,10 @@ impl<B: Backend> Transformer<B> {
         let c = &self.config;
         let (eps, n) = (c.rms_norm_eps, plan.rows);
         b.embed(&self.embed_tokens, n)?;
+        let mut segments = self.attention_segments(plan);
         let mut logit_rows = 0..0;
         for (index, layer) in self.layers.iter().enumerate() {
-            self.attention(b, kv, index, layer, plan)?;
+            self.attention(b, kv, index, layer, n, &mut segments)?;
 
             // The last layer's MLP runs only on the rows that give logits (llama.cpp's
             // `inp_out_ids`): less work, and its products see the batch llama.cpp's do.
@@ -564,6 +577,24 @@ impl<B: Backend> Transformer<B> {
         b.project_logits(self.lm_head(), m)
     }
 
+    /// Each sequence's attention in a pass, for layer 0.
+    fn attention_segments(&self, plan: &PassPlan) -> Vec<AttentionParams> {
+        let c = &self.config;
+        let scale = 1.0 / (c.head_dim as f32).sqrt();
+        let segment = |(segment, rows): (usize, &SegmentRows)| AttentionParams {
+            layer: 0,
+            n_heads: c.num_attention_heads,
+            n_kv_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+            scale,
+            pos0: rows.pos0,
+            segment,
+            first_row: rows.first_row,
+            rows: rows.rows,
+        };
+        plan.segments.iter().enumerate().map(segment).collect()
+    }
+
     /// A layer's attention: q, k and v over every row, then each sequence's rotation, cache
     /// store and attention over its own blocks, then the output projection over every row.
     fn attention(
@@ -572,10 +603,11 @@ impl<B: Backend> Transformer<B> {
         kv: &mut B::Kv,
         index: usize,
         layer: &Layer<B>,
-        plan: &PassPlan,
+        n: usize,
+        segments: &mut [AttentionParams],
     ) -> Result<()> {
         let c = &self.config;
-        let (a, eps, n) = (&layer.attention, c.rms_norm_eps, plan.rows);
+        let (a, eps) = (&layer.attention, c.rms_norm_eps);
         let qkv = [
             a.q.writing(Slot::Queries),
             a.k.writing(Slot::Keys),
@@ -591,20 +623,10 @@ impl<B: Backend> Transformer<B> {
         } else {
             RopeStyle::Halves
         };
-        let head_dim = c.head_dim;
-        for (segment, rows) in plan.segments.iter().enumerate() {
-            let params = AttentionParams {
-                layer: index,
-                n_heads: c.num_attention_heads,
-                n_kv_heads: c.num_key_value_heads,
-                head_dim,
-                scale: 1.0 / (head_dim as f32).sqrt(),
-                pos0: rows.pos0,
-                segment,
-                first_row: rows.first_row,
-            };
-            b.rope_attention(kv, &self.rope, style, params, rows.rows, q_norm, k_norm)?;
+        for p in segments.iter_mut() {
+            p.layer = index;
         }
+        b.rope_attention_segments(kv, &self.rope, style, segments, q_norm, k_norm)?;
         a.o.apply_to_residual(b, Slot::AttentionOut, n, 0)
     }
 }

@@ -2078,3 +2078,273 @@ fn moe_routes_on_the_device_and_matches_the_reference() {
         }
     }
 }
+
+/// Several sequences in one pool, each over its own blocks: a table of `stride` entries per
+/// sequence, laid end to end, and the pool's blocks dealt out to them in reverse.
+struct PagedSequences {
+    pool: DeviceBuffer,
+    tables: DeviceBuffer,
+    kv_row: usize,
+    stride: usize,
+}
+
+impl PagedSequences {
+    /// Sequence `s` holds `keys[s]` and `values[s]` (`[positions, kv_row]`) at `0..`.
+    fn new<T: Elem>(
+        ctx: &Ctx,
+        keys: &[Vec<T>],
+        values: &[Vec<T>],
+        kv_row: usize,
+        stride: usize,
+    ) -> Self {
+        let per_block = 2 * BLOCK * kv_row;
+        let total = keys.len() * stride;
+        let mut pool = vec![T::from_f32(f32::NAN); (total + 1) * per_block];
+        let tables: Vec<i32> = (0..total).map(|i| (total - i) as i32).collect();
+        for (s, (k, v)) in keys.iter().zip(values).enumerate() {
+            for t in 0..k.len() / kv_row {
+                let block = tables[s * stride + t / BLOCK] as usize;
+                let at = block * per_block + (t % BLOCK) * kv_row;
+                pool[at..at + kv_row].copy_from_slice(&k[t * kv_row..(t + 1) * kv_row]);
+                let at = at + BLOCK * kv_row;
+                pool[at..at + kv_row].copy_from_slice(&v[t * kv_row..(t + 1) * kv_row]);
+            }
+        }
+        PagedSequences {
+            pool: ctx.upload(&pool),
+            tables: ctx.upload(&tables),
+            kv_row,
+            stride,
+        }
+    }
+
+    /// Sequence `seq`'s cache alone, or every sequence's (`None`: all the tables).
+    fn cache_mut<T: Elem>(&mut self, seq: Option<usize>) -> PagedCacheMut<'_, T> {
+        let tables = match seq {
+            Some(s) => self
+                .tables
+                .as_slice()
+                .slice(s * self.stride..(s + 1) * self.stride),
+            None => self.tables.as_slice(),
+        };
+        PagedCacheMut {
+            pool: self.pool.as_mut_slice(),
+            keys_offset: 0,
+            values_offset: BLOCK * self.kv_row,
+            table: tables,
+            block_size: BLOCK,
+            block_stride: 2 * BLOCK * self.kv_row,
+        }
+    }
+}
+
+/// A decode launch over many sequences' rows (`DecodeRows`: each row its own context and
+/// blocks, read on the device; blocks then take several chunks each) gives every row the
+/// bits of its own launch, plain and fused (the new key rotated and stored by the kernel),
+/// on the CUDA cores and the tensor cores, for contexts from one key to thousands.
+#[test]
+fn attention_decode_over_many_rows_gives_each_its_bits_alone() {
+    let Some(ctx) = Ctx::new() else { return };
+    let mut rng = Rng(23);
+    fn check<T: Elem + Default>(
+        ctx: &Ctx,
+        rng: &mut Rng,
+        contexts: &[usize],
+        precision: AttentionPrecision,
+        fused: bool,
+    ) {
+        let shape = AttentionShape {
+            n_heads: 32,
+            n_kv_heads: 8,
+            head_dim: 128,
+        };
+        let (q_dim, kv_dim) = (
+            shape.n_heads * shape.head_dim,
+            shape.n_kv_heads * shape.head_dim,
+        );
+        let seqs = contexts.len();
+        let stride = contexts.iter().max().unwrap().div_ceil(BLOCK) + 1;
+        let keys: Vec<Vec<T>> = contexts
+            .iter()
+            .map(|&c| {
+                round::<T>(
+                    &rng.vec(c * kv_dim)
+                        .iter()
+                        .map(|x| x * 3.0)
+                        .collect::<Vec<_>>(),
+                )
+            })
+            .collect();
+        let values: Vec<Vec<T>> = contexts
+            .iter()
+            .map(|&c| round::<T>(&rng.vec(c * kv_dim)))
+            .collect();
+        // The pass's rows: sequence s's decode row at row 2s + 1 (the even rows another
+        // sequence's prompt would hold), at position context - 1.
+        let rows = 2 * seqs + 1;
+        let q = rng.vec(rows * q_dim);
+        let k_new: Vec<f32> = rng.vec(rows * kv_dim).iter().map(|x| x * 3.0).collect();
+        let v_new = rng.vec(rows * kv_dim);
+        let mut row_pos = vec![0i32; rows];
+        let mut row_seq = vec![0i32; rows];
+        let decode: Vec<i32> = (0..seqs).map(|s| 2 * s as i32 + 1).collect();
+        for (s, &c) in contexts.iter().enumerate() {
+            row_pos[2 * s + 1] = c as i32 - 1;
+            row_seq[2 * s + 1] = s as i32;
+        }
+        let (qb, kb, vb) = (ctx.upload(&q), ctx.upload(&k_new), ctx.upload(&v_new));
+        let (pos_b, seq_b, rows_b) = (
+            ctx.upload(&row_pos),
+            ctx.upload(&row_seq),
+            ctx.upload(&decode),
+        );
+        let max_context = contexts.iter().max().unwrap() + 1;
+        let (cos, sin) = rope_tables(max_context, shape.head_dim, 1e4);
+        let (cbuf, sbuf) = (ctx.upload(&cos), ctx.upload(&sin));
+        let rope = |k, v| decode_rope(k, v, cbuf.as_slice(), sbuf.as_slice());
+        let scale = 1.0 / (shape.head_dim as f32).sqrt();
+        let what = format!(
+            "{} cache, {contexts:?}, {precision:?}, fused {fused}",
+            T::FLOAT
+        );
+        // A fused step's cache: the step's own position not written yet.
+        let (keys, values): (Vec<Vec<T>>, Vec<Vec<T>>) = if fused {
+            let cut = |x: &Vec<T>| x[..x.len() - kv_dim].to_vec();
+            (
+                keys.iter().map(cut).collect(),
+                values.iter().map(cut).collect(),
+            )
+        } else {
+            (keys, values)
+        };
+
+        let slab = cuda::attention_decode_scratch_len(shape);
+        let mut scratch = ctx.poisoned::<f32>(slab * seqs);
+        cuda::attention_decode_scratch_reset(&ctx.device, shape, &mut scratch.as_mut_slice())
+            .unwrap();
+        let mut together = PagedSequences::new(ctx, &keys, &values, kv_dim, stride);
+        let mut out = ctx.poisoned::<f32>(rows * q_dim);
+        let many = cuda::DecodeRows {
+            rows: rows_b.as_slice(),
+            row_pos: pos_b.as_slice(),
+            row_seq: seq_b.as_slice(),
+            table_stride: stride,
+        };
+        if fused {
+            cuda::attention_decode_rope(
+                &ctx.device,
+                qb.as_slice(),
+                rope(kb.as_slice(), vb.as_slice()),
+                &mut together.cache_mut::<T>(None),
+                many,
+                shape,
+                scale,
+                precision,
+                &mut scratch.as_mut_slice(),
+                &mut out.as_mut_slice(),
+            )
+            .unwrap();
+        } else {
+            cuda::attention_decode(
+                &ctx.device,
+                qb.as_slice(),
+                together.cache_mut::<T>(None).as_ref(),
+                many,
+                shape,
+                scale,
+                precision,
+                &mut scratch.as_mut_slice(),
+                &mut out.as_mut_slice(),
+            )
+            .unwrap();
+        }
+        let got = ctx.download::<f32>(&out);
+        let got_pool = bits(&widen(&ctx.download::<T>(&together.pool)));
+
+        let mut alone = PagedSequences::new(ctx, &keys, &values, kv_dim, stride);
+        for (s, &c) in contexts.iter().enumerate() {
+            let row = 2 * s + 1;
+            let (qs, ks, vs) = (
+                row * q_dim..(row + 1) * q_dim,
+                row * kv_dim..(row + 1) * kv_dim,
+                row * kv_dim..(row + 1) * kv_dim,
+            );
+            let mut one = ctx.poisoned::<f32>(q_dim);
+            let q_row = qb.as_slice().slice(qs.clone());
+            if fused {
+                let r = rope(kb.as_slice().slice(ks), vb.as_slice().slice(vs));
+                cuda::attention_decode_rope(
+                    &ctx.device,
+                    q_row,
+                    r,
+                    &mut alone.cache_mut::<T>(Some(s)),
+                    Position::Host(c),
+                    shape,
+                    scale,
+                    precision,
+                    &mut scratch.as_mut_slice(),
+                    &mut one.as_mut_slice(),
+                )
+                .unwrap();
+            } else {
+                cuda::attention_decode(
+                    &ctx.device,
+                    q_row,
+                    alone.cache_mut::<T>(Some(s)).as_ref(),
+                    Position::Host(c),
+                    shape,
+                    scale,
+                    precision,
+                    &mut scratch.as_mut_slice(),
+                    &mut one.as_mut_slice(),
+                )
+                .unwrap();
+            }
+            let want = ctx.download::<f32>(&one);
+            assert!(
+                bits(&got[qs]) == bits(&want),
+                "{what}: sequence {s} (context {c}) differs from its launch alone"
+            );
+        }
+        // The rows between were left alone; the stored keys and values are the same.
+        assert!(
+            got[..q_dim].iter().all(|x| x.is_nan()),
+            "{what}: wrote a row not asked for"
+        );
+        let alone_pool = bits(&widen(&ctx.download::<T>(&alone.pool)));
+        assert!(
+            got_pool == alone_pool,
+            "{what}: the pools differ after the step"
+        );
+    }
+    // Few rows (a block a chunk, as alone) and many (blocks taking several chunks each).
+    let few = [1, 700];
+    let many: Vec<usize> = (0..24)
+        .map(|i| [1, 31, 33, 97, 600, 2100, 5000][i % 7] + i)
+        .collect();
+    for contexts in [&few[..], &many[..]] {
+        for fused in [false, true] {
+            check::<bf16>(&ctx, &mut rng, contexts, AttentionPrecision::Bf16, fused);
+            check::<bf16>(&ctx, &mut rng, contexts, AttentionPrecision::F32, fused);
+            check::<f32>(&ctx, &mut rng, contexts, AttentionPrecision::F32, fused);
+        }
+    }
+}
+
+/// The step's keys and values with the tables that rotate them (no norms).
+fn decode_rope<'a>(
+    k_new: cuda::DevSlice<'a, f32>,
+    v_new: cuda::DevSlice<'a, f32>,
+    cos: cuda::DevSlice<'a, f32>,
+    sin: cuda::DevSlice<'a, f32>,
+) -> cuda::DecodeRope<'a> {
+    cuda::DecodeRope {
+        k_new,
+        v_new,
+        q_norm: None,
+        k_norm: None,
+        cos,
+        sin,
+        layout: RopeLayout::Halves,
+    }
+}

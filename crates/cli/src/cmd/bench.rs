@@ -1,9 +1,11 @@
 use std::process::ExitCode;
 
 use ember_engine::EngineOptions;
-use ember_engine::bench::{DecodeBenchOptions, TurnBenchOptions, bench_decode, bench_turn};
+use ember_engine::bench::{
+    BatchBenchOptions, DecodeBenchOptions, TurnBenchOptions, bench_batch, bench_decode, bench_turn,
+};
 
-use crate::args::{BenchCommand, BenchDecodeArgs, BenchTurnArgs};
+use crate::args::{BenchBatchArgs, BenchCommand, BenchDecodeArgs, BenchTurnArgs};
 
 pub fn run(command: BenchCommand) -> anyhow::Result<ExitCode> {
     match command {
@@ -11,7 +13,33 @@ pub fn run(command: BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::Idle(args) => super::bench_idle::run(args),
         BenchCommand::Turn(args) => turn(args),
         BenchCommand::Serve(args) => super::bench_serve::run(args),
+        BenchCommand::Batch(args) => batch(args),
     }
+}
+
+fn batch(args: BenchBatchArgs) -> anyhow::Result<ExitCode> {
+    let most = args.sequences.iter().copied().max().unwrap_or(1);
+    if args.sequences.contains(&0) {
+        anyhow::bail!("--sequences: every setting needs at least 1 sequence");
+    }
+    let options = EngineOptions {
+        parallel: Some(most),
+        ..super::engine_options(&args.model)
+    };
+    let mut engine = super::load_engine_with(&args.model, &options)?;
+    let lines = bench_batch(
+        &mut engine,
+        &BatchBenchOptions {
+            prompt_tokens: args.prompt_tokens,
+            decode_tokens: args.decode_tokens,
+            sequences: args.sequences,
+            probe_bytes: args.probe_mib << 20,
+        },
+    )?;
+    for line in lines {
+        println!("{}", line.to_json());
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn turn(args: BenchTurnArgs) -> anyhow::Result<ExitCode> {

@@ -6,7 +6,7 @@
 //! kernels are batch-invariant (the CPU's: `ember-models`' batch test), so concurrent = alone.
 
 use std::collections::HashMap;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use ember_models::{BlockTable, Logits, SequencePass};
 
@@ -21,10 +21,11 @@ use crate::scheduler::{KvBudget, Scheduled, Scheduler, SchedulerConfig, SeqId};
 pub enum BatchEvent<'a> {
     /// Before its first token: how many prompt tokens came from the prompt cache.
     Prompt { cached_tokens: usize },
-    /// A token, with the logits it was sampled from.
+    /// A token, with the logits it was sampled from; `None` when they stayed where they were
+    /// made (a greedy request without [`GenerateParams::step_logits`], picked on the device).
     Token {
         token: u32,
-        logits: &'a [f32],
+        logits: Option<&'a [f32]>,
         is_eos: bool,
     },
     /// It ended (its blocks are back in the pool, its prefix in the cache).
@@ -54,6 +55,21 @@ struct Active {
 pub(super) struct Batch {
     scheduler: Scheduler,
     active: HashMap<SeqId, Active>,
+    timing: StepTiming,
+}
+
+/// Where the batched loop's steps spent their time, summed since the engine was made.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StepTiming {
+    /// Steps that ran a forward pass.
+    pub passes: usize,
+    /// Rows (tokens) those passes computed.
+    pub rows: usize,
+    /// Scheduling; the forward passes, until their picks or logits are on the host; and
+    /// sampling on the host with the events it sends.
+    pub schedule: Duration,
+    pub pass: Duration,
+    pub sample: Duration,
 }
 
 impl Batch {
@@ -64,6 +80,7 @@ impl Batch {
                 token_budget,
             }),
             active: HashMap::new(),
+            timing: StepTiming::default(),
         }
     }
 }
@@ -165,7 +182,7 @@ impl Engine {
         known
     }
 
-    /// Requests the batched loop runs at once (`--parallel`; 1 on CUDA for now).
+    /// Requests the batched loop runs at once (`--parallel`).
     pub fn parallel(&self) -> usize {
         self.batch.scheduler.max_running()
     }
@@ -175,6 +192,11 @@ impl Engine {
         self.batch.active.len()
     }
 
+    /// Where the batched loop's steps have spent their time so far.
+    pub fn step_timing(&self) -> StepTiming {
+        self.batch.timing
+    }
+
     /// Runs one step of the batched loop: one forward pass over what the scheduler picks,
     /// then a token for each sequence whose prompt (or last token) it completed. `on_event`
     /// hears each request's news in order. Returns false when nothing is left to run.
@@ -182,6 +204,7 @@ impl Engine {
         if self.batch.scheduler.is_idle() {
             return Ok(false);
         }
+        let started = Instant::now();
         let plan = {
             let Engine {
                 blocks,
@@ -199,6 +222,7 @@ impl Engine {
             batch.scheduler.schedule(&mut pool)
         };
         self.run_transfers()?;
+        self.batch.timing.schedule += started.elapsed();
         if plan.runs.is_empty() {
             // Nothing fits beside nothing: the pool cannot hold the head of the queue alone.
             self.fail_unfittable(on_event);
@@ -234,8 +258,9 @@ impl Engine {
         Ok(!self.batch.scheduler.is_idle())
     }
 
-    /// The forward pass of `runs` and the tokens it gives, sampled from the logits where the
-    /// runner left them.
+    /// The forward pass of `runs` and the tokens it gives: greedy picks made where the logits
+    /// are, and the logits brought to the host only when a request samples from them or
+    /// asks for them.
     fn run_pass(
         &mut self,
         runs: &[Scheduled],
@@ -250,6 +275,7 @@ impl Engine {
             cache_enabled,
             ..
         } = self;
+        let started = Instant::now();
         // The tables travel with the pass and come back after it.
         let mut tables: Vec<BlockTable> = runs
             .iter()
@@ -275,15 +301,44 @@ impl Engine {
         for (r, table) in runs.iter().zip(tables) {
             batch.active.get_mut(&r.id).expect("run").table = table;
         }
-        let mut rows = result?.chunks(vocab);
+        let rows = result?;
+        let needs_logits = |r: &Scheduled| {
+            let p = &batch.active[&r.id].params;
+            !p.sampling.is_greedy() || p.step_logits
+        };
+        let sampling = || runs.iter().filter(|r| r.samples);
+        let greedy = match sampling().all(needs_logits) {
+            true => None,
+            false => Some(runner.greedy_tokens(rows)?),
+        };
+        let logits = match sampling().any(needs_logits) {
+            true => Some(runner.logits(rows)?),
+            false => None,
+        };
+        // The pass's time: until its picks or logits are on the host (a device runs it
+        // asynchronously).
+        batch.timing.pass += started.elapsed();
+        batch.timing.passes += 1;
+        batch.timing.rows += runs.iter().map(|r| r.tokens).sum::<usize>();
+        let started = Instant::now();
+        let mut row = 0;
         for run in runs {
             batch.scheduler.ran(run);
             if !run.samples {
                 continue;
             }
-            let row = rows.next().expect("a row of logits for each sampling run");
             let a = batch.active.get_mut(&run.id).expect("run");
-            let token = a.sampler.sample(row);
+            let step_logits = logits.map(|l| &l[row * vocab..(row + 1) * vocab]);
+            let (token, step_logits) = match (&greedy, step_logits) {
+                (Some(picks), _) if a.params.sampling.is_greedy() && !a.params.step_logits => {
+                    (picks[row], None)
+                }
+                (_, Some(l)) => (a.sampler.sample(l), Some(l)),
+                (_, None) => {
+                    unreachable!("logits are on the host for every request that needs them")
+                }
+            };
+            row += 1;
             let is_eos = eos_ids.contains(&token);
             a.first_token.get_or_insert_with(Instant::now);
             a.tokens.push(token);
@@ -291,7 +346,7 @@ impl Engine {
                 run.id,
                 BatchEvent::Token {
                     token,
-                    logits: row,
+                    logits: step_logits,
                     is_eos,
                 },
             );
@@ -310,6 +365,7 @@ impl Engine {
                 on_event(run.id, BatchEvent::Finished(a.generation(reason)));
             }
         }
+        batch.timing.sample += started.elapsed();
         Ok(())
     }
 

@@ -17,9 +17,9 @@ use ember_tensor::{BufferKind, BufferOwner, ThreadPool};
 use serde_json::Value;
 
 use super::{
-    DEFAULT_CONTEXT, DEFAULT_PARALLEL_CPU, DEFAULT_PREFILL_CHUNK_CPU, DEFAULT_PREFILL_CHUNK_CUDA,
-    Device, Engine, EngineOptions, KEEPALIVE_SCRATCH_BYTES, KeepaliveScratch, PromptEncoder,
-    ResidencyMode,
+    DEFAULT_CONTEXT, DEFAULT_PARALLEL_CPU, DEFAULT_PARALLEL_CUDA, DEFAULT_PREFILL_CHUNK_CPU,
+    DEFAULT_PREFILL_CHUNK_CUDA, Device, Engine, EngineOptions, KEEPALIVE_SCRATCH_BYTES,
+    KeepaliveScratch, PromptEncoder, ResidencyMode,
 };
 use crate::chat_template::ChatTemplate;
 use crate::error::{Error, Result};
@@ -110,14 +110,12 @@ impl Engine {
             .prefill_chunk
             .unwrap_or(default_chunk)
             .clamp(1, context);
-        let parallel = match (&cuda, options.parallel) {
-            (Some(_), Some(n)) if n > 1 => {
-                tracing::warn!("--parallel {n}: CUDA passes run one sequence for now; running 1");
-                1
-            }
-            (Some(_), _) => 1,
-            (None, n) => n.unwrap_or(DEFAULT_PARALLEL_CPU).max(1),
-        };
+        let parallel = match &cuda {
+            Some(_) => options.parallel.unwrap_or(DEFAULT_PARALLEL_CUDA),
+            None => options.parallel.unwrap_or(DEFAULT_PARALLEL_CPU),
+        }
+        // A pass holds a row for each sequence in it.
+        .clamp(1, max_batch);
         let (runner, keepalive_scratch, weights, plan): (Box<dyn Runner>, _, _, PoolPlan) =
             match cuda {
                 None => {
@@ -173,7 +171,7 @@ impl Engine {
                         &owner,
                         max_batch,
                         context.div_ceil(KV_BLOCK_SIZE),
-                        1,
+                        parallel,
                         options.cuda_graphs,
                     )?;
                     let model = Transformer::load(&backend, config, source, context)?;

@@ -25,7 +25,7 @@ use crate::prompt_cache::PromptCacheStats;
 use crate::runner::Runner;
 use crate::tokenizer::Tokenizer;
 
-pub use batch::BatchEvent;
+pub use batch::{BatchEvent, StepTiming};
 pub use generate::{FinishReason, GenerateParams, Generation, Step};
 use load::WeightFiles;
 pub use options::{Device, EngineOptions, ResidencyMode};
@@ -44,6 +44,9 @@ pub const DEFAULT_PREFILL_CHUNK_CUDA: usize = 2048;
 /// Requests a CPU engine runs at once by default (`--parallel`): a few streams share each
 /// pass's reading of the weights; more would slow every stream's tokens on a few cores.
 pub const DEFAULT_PARALLEL_CPU: usize = 4;
+/// On CUDA: a decode step reads the weights once for every sequence in it, so tens of
+/// streams cost little more than one; each holds a whole context of KV blocks.
+pub const DEFAULT_PARALLEL_CUDA: usize = 16;
 
 /// The keepalive scratch: a source and a destination of 16 bytes.
 const KEEPALIVE_SCRATCH_BYTES: usize = 32;

@@ -15,8 +15,8 @@ pub struct EngineOptions {
     /// Sequences that may run at once in the batched loop ([`Engine::submit`](super::Engine::submit)):
     /// the KV pool holds a whole context for each, and the CPU backend a row of logits.
     /// `None` takes the device's default: [`DEFAULT_PARALLEL_CPU`](super::DEFAULT_PARALLEL_CPU)
-    /// on the CPU, 1 on CUDA, whose passes serve one sequence for now (more asked for are
-    /// refused there with a warning). The library's default is `Some(1)`: embedders opt in.
+    /// on the CPU, [`DEFAULT_PARALLEL_CUDA`](super::DEFAULT_PARALLEL_CUDA) on CUDA. The
+    /// library's default is `Some(1)`: embedders opt in.
     pub parallel: Option<usize>,
     /// Tokens per forward pass in prefill; longer prompts run in chunks of this size. `None`
     /// takes [`DEFAULT_PREFILL_CHUNK_CPU`](super::DEFAULT_PREFILL_CHUNK_CPU) or

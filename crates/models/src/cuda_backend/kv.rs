@@ -142,7 +142,7 @@ pub(super) fn attention_shape(p: &AttentionParams) -> AttentionShape {
     }
 }
 
-/// A layer's attention inputs and output for `rows` tokens, in their slots.
+/// A layer's attention inputs and output for the tokens in `rows`, in their slots.
 struct AttentionIo<'a> {
     q: DevSlice<'a, f32>,
     k: DevSlice<'a, f32>,
@@ -153,7 +153,7 @@ struct AttentionIo<'a> {
 fn attention_io<'a>(
     slots: &'a mut [DeviceBuffer; Slot::COUNT],
     p: &AttentionParams,
-    rows: usize,
+    rows: Range<usize>,
     kv_dim: usize,
 ) -> AttentionIo<'a> {
     let [q, k, v, out] = slots
@@ -164,12 +164,17 @@ fn attention_io<'a>(
             Slot::AttentionOut.index(),
         ])
         .expect("distinct slots");
-    let q_len = rows * p.n_heads * p.head_dim;
+    let q_dim = p.n_heads * p.head_dim;
+    let (q_rows, kv_rows) = (
+        rows.start * q_dim..rows.end * q_dim,
+        rows.start * kv_dim..rows.end * kv_dim,
+    );
+    let out = out.as_mut_slice::<f32>().split_at_mut(q_rows.end).0;
     AttentionIo {
-        q: q.as_slice::<f32>().slice(0..q_len),
-        k: k.as_slice::<f32>().slice(0..rows * kv_dim),
-        v: v.as_slice::<f32>().slice(0..rows * kv_dim),
-        out: out.as_mut_slice::<f32>().split_at_mut(q_len).0,
+        q: q.as_slice::<f32>().slice(q_rows.clone()),
+        k: k.as_slice::<f32>().slice(kv_rows.clone()),
+        v: v.as_slice::<f32>().slice(kv_rows),
+        out: out.split_at_mut(q_rows.start).1,
     }
 }
 
@@ -182,27 +187,35 @@ pub(super) fn rope_norm(n: Option<(&CudaVector, f32)>) -> Option<RopeNorm<'_>> {
 }
 
 impl CudaBackend {
-    /// [`crate::Backend::attention`]: the keys and values stored into the sequence's blocks,
-    /// then flash-decoding for a step or tiled attention for a prompt chunk.
+    /// [`crate::Backend::attention`] of a pass of one sequence, or of a prompt chunk in a
+    /// pass of several: the keys and values stored into the sequence's blocks, then
+    /// flash-decoding for a step or tiled attention for a prompt chunk.
     pub(super) fn store_and_attend(
         &mut self,
         kv: &mut CudaKvPool,
         p: AttentionParams,
-        rows: usize,
     ) -> Result<()> {
         let kv_dim = kv.layout.kv_dim;
         let shape = attention_shape(&p);
-        let AttentionIo { q, k, v, mut out } = attention_io(&mut self.slots, &p, rows, kv_dim);
-        let pos0 = self.inputs.pos0();
+        let (pos0, table) = self.inputs.segment(p.first_row, p.segment);
         let end = self.inputs.end();
-        let table = self.inputs.table();
+        // Prompt rows take 16-bit operands only where the pass's products already round the
+        // activations to bf16 (the GEMMs); a pass short enough for the matrix-vector products
+        // keeps f32 throughout.
+        let precision = if self.inputs.rows() > cuda::MAX_BATCH {
+            self.attention_precision
+        } else {
+            AttentionPrecision::F32
+        };
+        let AttentionIo { q, k, v, mut out } =
+            attention_io(&mut self.slots, &p, p.row_range(), kv_dim);
         let dev = &self.device;
         macro_rules! run {
             ($t:ty) => {{
                 let mut cache = kv.layer::<$t>(p.layer, table);
                 cuda::kv_store(dev, k, v, &mut cache, kv_dim, pos0)?;
                 let cache = cache.as_ref();
-                if rows == 1 {
+                if p.rows == 1 {
                     let mut scratch = self.attention_scratch.as_mut_slice::<f32>();
                     cuda::attention_decode(
                         dev,
@@ -216,22 +229,14 @@ impl CudaBackend {
                         &mut out,
                     )?;
                 } else {
-                    // Prompts are never recorded: the host's position is the step's. Chunks
-                    // short enough for the matrix-vector products keep f32 activations
-                    // throughout, attention included; 16-bit operands only where the GEMMs
-                    // already round the activations to bf16.
-                    let precision = if rows > cuda::MAX_BATCH {
-                        self.attention_precision
-                    } else {
-                        AttentionPrecision::F32
-                    };
+                    // Prompts are never recorded: the host's position is the pass's.
                     let mut scratch = self.prompt_attention_scratch.as_mut_slice::<f32>();
                     cuda::attention_prefill(
                         dev,
                         q,
                         cache,
                         p.pos0,
-                        rows,
+                        p.rows,
                         shape,
                         p.scale,
                         precision,
@@ -249,37 +254,52 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// [`crate::Backend::rope_attention`]: a decode step rotates and stores its key inside
-    /// the attention kernel; prompts, and head shapes that kernel cannot rotate, take the two
-    /// ops.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn rope_store_and_attend(
+    /// Stores segment `p`'s keys and values into its blocks.
+    fn store_segment(&mut self, kv: &mut CudaKvPool, p: &AttentionParams) -> Result<()> {
+        let kv_dim = kv.layout.kv_dim;
+        let (pos0, table) = self.inputs.segment(p.first_row, p.segment);
+        let AttentionIo { k, v, .. } = attention_io(&mut self.slots, p, p.row_range(), kv_dim);
+        macro_rules! run {
+            ($t:ty) => {
+                cuda::kv_store(
+                    &self.device,
+                    k,
+                    v,
+                    &mut kv.layer::<$t>(p.layer, table),
+                    kv_dim,
+                    pos0,
+                )?
+            };
+        }
+        match kv.dtype() {
+            KvDtype::F32 => run!(f32),
+            KvDtype::F16 => run!(f16),
+            KvDtype::Bf16 => run!(bf16),
+        }
+        Ok(())
+    }
+
+    /// [`crate::Backend::rope_attention`] of a pass of one sequence, or of a prompt chunk in
+    /// a pass of several: a decode step rotates and stores its key inside the attention
+    /// kernel; prompts, and head shapes that kernel cannot rotate, take the two ops.
+    fn rope_store_and_attend(
         &mut self,
         kv: &mut CudaKvPool,
         tables: &CudaRope,
         style: RopeStyle,
         p: AttentionParams,
-        rows: usize,
         q_norm: Option<(&CudaVector, f32)>,
         k_norm: Option<(&CudaVector, f32)>,
     ) -> Result<()> {
         let layout = RopeLayout::from(style);
-        if rows != 1 || !cuda::attention_decode_rope_fits(p.head_dim, layout) {
-            crate::Backend::rope_qk(self, tables, style, &p, rows, q_norm, k_norm)?;
-            return self.store_and_attend(kv, p, rows);
+        if p.rows != 1 || !cuda::attention_decode_rope_fits(p.head_dim, layout) {
+            crate::Backend::rope_qk(self, tables, style, &p, q_norm, k_norm)?;
+            return self.store_and_attend(kv, p);
         }
         let kv_dim = kv.layout.kv_dim;
         let shape = attention_shape(&p);
-        let AttentionIo { q, k, v, mut out } = attention_io(&mut self.slots, &p, rows, kv_dim);
-        let rope = cuda::DecodeRope {
-            k_new: k,
-            v_new: v,
-            q_norm: rope_norm(q_norm),
-            k_norm: rope_norm(k_norm),
-            cos: tables.cos.as_slice(),
-            sin: tables.sin.as_slice(),
-            layout,
-        };
+        let AttentionIo { q, k, v, mut out } = attention_io(&mut self.slots, &p, 0..1, kv_dim);
+        let rope = decode_rope(k, v, (tables, style, q_norm, k_norm));
         let end: Position<'_> = self.inputs.end();
         let table = self.inputs.table();
         let mut scratch = self.attention_scratch.as_mut_slice::<f32>();
@@ -305,5 +325,163 @@ impl CudaBackend {
             KvDtype::Bf16 => run!(bf16),
         }
         Ok(())
+    }
+
+    /// [`crate::Backend::attention`]: in a pass of several sequences, a decode row is stored
+    /// and attends on its own (the batched kernel over one row).
+    pub(super) fn attention_of_segment(
+        &mut self,
+        kv: &mut CudaKvPool,
+        p: AttentionParams,
+    ) -> Result<()> {
+        if !(self.inputs.is_batch() && p.rows == 1) {
+            return self.store_and_attend(kv, p);
+        }
+        self.store_segment(kv, &p)?;
+        self.attend_decode_rows(kv, &p, DecodeRowsOf::One(p.first_row), None)
+    }
+
+    /// [`crate::Backend::rope_attention_segments`]: in a pass of several sequences, each
+    /// prompt chunk on its own, then every decode row in one launch, each over its own
+    /// blocks ([`Self::attend_decode_rows`]); a pass of one sequence as it comes.
+    pub(super) fn rope_attention_of_segments(
+        &mut self,
+        kv: &mut CudaKvPool,
+        tables: &CudaRope,
+        style: RopeStyle,
+        segments: &[AttentionParams],
+        q_norm: Option<(&CudaVector, f32)>,
+        k_norm: Option<(&CudaVector, f32)>,
+    ) -> Result<()> {
+        if !self.inputs.is_batch() {
+            for &p in segments {
+                self.rope_store_and_attend(kv, tables, style, p, q_norm, k_norm)?;
+            }
+            return Ok(());
+        }
+        let Some(&first) = segments.iter().find(|p| p.rows == 1) else {
+            for &p in segments {
+                self.rope_store_and_attend(kv, tables, style, p, q_norm, k_norm)?;
+            }
+            return Ok(());
+        };
+        // The decode kernel rotates and stores its rows itself where it can.
+        let fused = cuda::attention_decode_rope_fits(first.head_dim, RopeLayout::from(style));
+        let mut decode_rows = 0;
+        for &p in segments {
+            if p.rows != 1 {
+                self.rope_store_and_attend(kv, tables, style, p, q_norm, k_norm)?;
+                continue;
+            }
+            decode_rows += 1;
+            if !fused {
+                crate::Backend::rope_qk(self, tables, style, &p, q_norm, k_norm)?;
+                self.store_segment(kv, &p)?;
+            }
+        }
+        let rope = fused.then_some((tables, style, q_norm, k_norm));
+        if decode_rows == self.inputs.decode_row_count() {
+            return self.attend_decode_rows(kv, &first, DecodeRowsOf::All, rope);
+        }
+        // Some of the pass's segments only: each of their rows on its own.
+        for p in segments.iter().filter(|p| p.rows == 1) {
+            self.attend_decode_rows(kv, p, DecodeRowsOf::One(p.first_row), rope)?;
+        }
+        Ok(())
+    }
+
+    /// The attention of decode rows of a pass over several sequences (`which`), in one
+    /// launch: with `rope`, rotating each row's queries and key and storing its key and value
+    /// as it goes (else that was done). `p`: any of the rows' segments (the layer and the
+    /// shape). Each row's bits are those of its sequence's decode step alone.
+    fn attend_decode_rows(
+        &mut self,
+        kv: &mut CudaKvPool,
+        p: &AttentionParams,
+        which: DecodeRowsOf,
+        rope: Option<DecodeRopeInputs<'_>>,
+    ) -> Result<()> {
+        let kv_dim = kv.layout.kv_dim;
+        let shape = attention_shape(p);
+        let rows = self.inputs.rows();
+        let AttentionIo { q, k, v, mut out } = attention_io(&mut self.slots, p, 0..rows, kv_dim);
+        let decode = match which {
+            DecodeRowsOf::All => self.inputs.decode_rows(),
+            DecodeRowsOf::One(row) => self.inputs.one_decode_row(row),
+        };
+        let tables = self.inputs.tables();
+        let mut scratch = self.attention_scratch.as_mut_slice::<f32>();
+        let (dev, precision) = (&self.device, self.attention_precision);
+        macro_rules! run {
+            ($t:ty) => {{
+                let mut cache = kv.layer::<$t>(p.layer, tables);
+                match rope {
+                    Some(inputs) => cuda::attention_decode_rope(
+                        dev,
+                        q,
+                        decode_rope(k, v, inputs),
+                        &mut cache,
+                        decode,
+                        shape,
+                        p.scale,
+                        precision,
+                        &mut scratch,
+                        &mut out,
+                    )?,
+                    None => cuda::attention_decode(
+                        dev,
+                        q,
+                        cache.as_ref(),
+                        decode,
+                        shape,
+                        p.scale,
+                        precision,
+                        &mut scratch,
+                        &mut out,
+                    )?,
+                }
+            }};
+        }
+        match kv.dtype() {
+            KvDtype::F32 => run!(f32),
+            KvDtype::F16 => run!(f16),
+            KvDtype::Bf16 => run!(bf16),
+        }
+        Ok(())
+    }
+}
+
+/// Which decode rows of a pass over several sequences a launch takes.
+#[derive(Clone, Copy)]
+enum DecodeRowsOf {
+    /// Every sequence's that decodes one token.
+    All,
+    /// The one at this row.
+    One(usize),
+}
+
+/// What the decode kernel needs to rotate its rows itself: the tables, their layout, and
+/// Qwen3's q and k norms.
+type DecodeRopeInputs<'a> = (
+    &'a CudaRope,
+    RopeStyle,
+    Option<(&'a CudaVector, f32)>,
+    Option<(&'a CudaVector, f32)>,
+);
+
+/// The step's keys and values as projected, with what rotates them.
+fn decode_rope<'a>(
+    k_new: DevSlice<'a, f32>,
+    v_new: DevSlice<'a, f32>,
+    (tables, style, q_norm, k_norm): DecodeRopeInputs<'a>,
+) -> cuda::DecodeRope<'a> {
+    cuda::DecodeRope {
+        k_new,
+        v_new,
+        q_norm: rope_norm(q_norm),
+        k_norm: rope_norm(k_norm),
+        cos: tables.cos.as_slice(),
+        sin: tables.sin.as_slice(),
+        layout: RopeLayout::from(style),
     }
 }

@@ -23,7 +23,7 @@ use std::ops::Range;
 use ember_checkpoint::TensorSource;
 use ember_tensor::cpu::{AttentionShape, RopeLayout};
 use ember_tensor::cuda::{
-    self, AttentionPrecision, CudaDevice, DeviceBuffer, Epilogue, Gemm, Position, RopeHeads,
+    self, AttentionPrecision, CudaDevice, DeviceBuffer, Epilogue, Gemm, RopeHeads,
 };
 use ember_tensor::quant::dequantize_row;
 use ember_tensor::{Buffer, BufferKind, BufferOwner, DType};
@@ -66,9 +66,9 @@ pub struct CudaBackend {
     /// The host side of `logits`: a staging buffer, page-locked with the driver while the
     /// residency set holds it.
     logits_host: Buffer,
-    /// The greedy token of the last pass (u32), and its host side: [`Backend::greedy_token`]
-    /// brings back 4 bytes, not a row of logits; [`Backend::pick_ahead`] one slot per pick
-    /// that may wait unread.
+    /// The greedy token of each row of the last pass's logits (u32), and its host side:
+    /// [`Backend::greedy_token`] brings back 4 bytes, not a row of logits;
+    /// [`Backend::pick_ahead`] one slot per pick that may wait unread.
     greedy: DeviceBuffer,
     greedy_host: Buffer,
     /// The argmax's chunk bests and ticket (`cuda::argmax_scratch_len`).
@@ -95,20 +95,22 @@ impl Drop for CudaBackend {
 }
 
 impl CudaBackend {
-    /// Activations for passes of up to `max_batch` tokens over sequences of up to
-    /// `max_blocks` KV blocks. `graphs`: record one-token passes and replay them (off, every
-    /// pass is launched op by op: for comparing the two, and for debugging).
+    /// Activations for passes of up to `max_batch` tokens of up to `max_sequences`
+    /// sequences (a row of logits each) of up to `max_blocks` KV blocks. `graphs`: record
+    /// decode passes and replay them (off, every pass is launched op by op: for comparing the
+    /// two, and for debugging).
     pub fn new(
         device: CudaDevice,
         config: &ModelConfig,
         owner: &BufferOwner,
         max_batch: usize,
         max_blocks: usize,
-        logit_rows: usize,
+        max_sequences: usize,
         graphs: bool,
     ) -> Result<Self> {
         let b = max_batch.max(1);
-        let logit_rows = logit_rows.max(1);
+        let max_sequences = max_sequences.clamp(1, b);
+        let logit_rows = max_sequences;
         let f32s = |label: &str, n: usize| {
             owner.alloc_device(BufferKind::Activations, label, &device, n * 4)
         };
@@ -131,10 +133,11 @@ impl CudaBackend {
             &device,
             b * widest * 2,
         )?;
-        let inputs = PassInputs::new(&device, owner, b, max_blocks)?;
+        let inputs = PassInputs::new(&device, owner, b, max_sequences, max_blocks)?;
+        // Each sequence's decode row has its own splits in a batched launch.
         let mut attention_scratch = f32s(
             "attention splits",
-            cuda::attention_decode_scratch_len(shape),
+            cuda::attention_decode_scratch_len(shape) * max_sequences,
         )?;
         cuda::attention_decode_scratch_reset(
             &device,
@@ -146,7 +149,7 @@ impl CudaBackend {
             cuda::attention_prefill_scratch_len(shape),
         )?;
         let logits = f32s("logits", logit_rows * config.vocab_size)?;
-        let mut argmax_scratch = f32s("argmax chunks", cuda::argmax_scratch_len(1))?;
+        let mut argmax_scratch = f32s("argmax chunks", cuda::argmax_scratch_len(logit_rows))?;
         device.fill_bytes(&mut argmax_scratch.as_mut_slice::<u32>(), 0)?;
         let gemm = Gemm::new(&device, owner)?;
         let moe = MoeWorkspace::new(&device, owner, config, b)?;
@@ -166,11 +169,16 @@ impl CudaBackend {
                 "logits (host)",
                 logit_rows * config.vocab_size * 4,
             )?,
-            greedy: owner.alloc_device(BufferKind::Activations, "greedy token", &device, 4)?,
+            greedy: owner.alloc_device(
+                BufferKind::Activations,
+                "greedy tokens",
+                &device,
+                logit_rows * 4,
+            )?,
             greedy_host: owner.alloc_staging(
                 BufferKind::Activations,
-                "greedy token (host)",
-                PICKS_AHEAD * 4,
+                "greedy tokens (host)",
+                logit_rows.max(PICKS_AHEAD) * 4,
             )?,
             argmax_scratch,
             ahead: pass::picks_ahead(&device)?,
@@ -249,14 +257,13 @@ impl Backend for CudaBackend {
         self.begin_host_pass(tokens, table)
     }
 
-    /// One sequence a pass, for now: the pass inputs hold one table and one position.
     fn begin_batch(&mut self, tokens: &[u32], segments: &[PassSegment<'_>]) -> Result<()> {
         match segments {
             [one] => self.begin_host_pass(tokens, one.table),
-            _ => Err(one_sequence_only(format!(
-                "a pass over {} sequences",
-                segments.len()
-            ))),
+            _ => {
+                self.forget_picks_ahead()?;
+                self.inputs.set_batch(tokens, segments)
+            }
         }
     }
 
@@ -421,19 +428,24 @@ impl Backend for CudaBackend {
         rows: Range<usize>,
         norm: Option<(&CudaVector, f32)>,
     ) -> Result<()> {
-        if rows.start != 0 {
-            return Err(one_sequence_only(format!(
-                "rotating from row {}",
-                rows.start
-            )));
-        }
-        let rows = rows.end;
+        // The kernels take positions from the pass inputs: a pass of one sequence has its
+        // first row's, a pass of several every row's.
+        let pos0 = if self.inputs.is_batch() {
+            self.inputs.row_position(rows.start)
+        } else if rows.start == 0 {
+            self.inputs.pos0()
+        } else {
+            return Err(Error::Unsupported {
+                what: format!("rotating a pass of one sequence from row {}", rows.start),
+                backend: "CUDA",
+            });
+        };
         let norm = rope_norm(norm);
         let layout = RopeLayout::from(style);
+        let width = n_heads * head_dim;
         let mut x = self.slots[slot.index()].as_mut_slice::<f32>();
-        let mut x = x.slice_mut(0..rows * n_heads * head_dim);
+        let mut x = x.slice_mut(rows.start * width..rows.end * width);
         let (cos, sin) = (tables.cos.as_slice(), tables.sin.as_slice());
-        let pos0 = self.inputs.pos0();
         cuda::rope(
             &self.device,
             &mut x,
@@ -453,39 +465,32 @@ impl Backend for CudaBackend {
         tables: &CudaRope,
         style: RopeStyle,
         p: &AttentionParams,
-        rows: usize,
         q_norm: Option<(&CudaVector, f32)>,
         k_norm: Option<(&CudaVector, f32)>,
     ) -> Result<()> {
-        check_one_sequence(p)?;
+        let (pos0, _) = self.inputs.segment(p.first_row, p.segment);
         let [q, k] = self
             .slots
             .get_disjoint_mut([Slot::Queries.index(), Slot::Keys.index()])
             .expect("distinct slots");
         let q = RopeHeads {
-            x: q.as_mut_slice::<f32>()
-                .split_at_mut(rows * p.n_heads * p.head_dim)
-                .0,
+            x: segment_rows(q, p, p.n_heads),
             n_heads: p.n_heads,
             norm: rope_norm(q_norm),
         };
         let k = RopeHeads {
-            x: k.as_mut_slice::<f32>()
-                .split_at_mut(rows * p.n_kv_heads * p.head_dim)
-                .0,
+            x: segment_rows(k, p, p.n_kv_heads),
             n_heads: p.n_kv_heads,
             norm: rope_norm(k_norm),
         };
-        let pos0: Position<'_> = self.inputs.pos0();
         let (cos, sin) = (tables.cos.as_slice(), tables.sin.as_slice());
         let layout = RopeLayout::from(style);
         cuda::rope_qk(&self.device, q, Some(k), p.head_dim, pos0, cos, sin, layout)?;
         Ok(())
     }
 
-    fn attention(&mut self, kv: &mut CudaKvPool, p: AttentionParams, rows: usize) -> Result<()> {
-        check_one_sequence(&p)?;
-        self.store_and_attend(kv, p, rows)
+    fn attention(&mut self, kv: &mut CudaKvPool, p: AttentionParams) -> Result<()> {
+        self.attention_of_segment(kv, p)
     }
 
     fn rope_attention(
@@ -494,12 +499,22 @@ impl Backend for CudaBackend {
         tables: &CudaRope,
         style: RopeStyle,
         params: AttentionParams,
-        rows: usize,
         q_norm: Option<(&CudaVector, f32)>,
         k_norm: Option<(&CudaVector, f32)>,
     ) -> Result<()> {
-        check_one_sequence(&params)?;
-        self.rope_store_and_attend(kv, tables, style, params, rows, q_norm, k_norm)
+        self.rope_attention_segments(kv, tables, style, &[params], q_norm, k_norm)
+    }
+
+    fn rope_attention_segments(
+        &mut self,
+        kv: &mut CudaKvPool,
+        tables: &CudaRope,
+        style: RopeStyle,
+        segments: &[AttentionParams],
+        q_norm: Option<(&CudaVector, f32)>,
+        k_norm: Option<(&CudaVector, f32)>,
+    ) -> Result<()> {
+        self.rope_attention_of_segments(kv, tables, style, segments, q_norm, k_norm)
     }
 
     fn silu_mul(&mut self, len: usize) -> Result<()> {
@@ -545,6 +560,10 @@ impl Backend for CudaBackend {
         Ok(&self.logits_host.as_slice::<f32>()[..len])
     }
 
+    fn greedy_tokens(&mut self, rows: usize, vocab: usize) -> Result<Vec<u32>> {
+        self.pick_rows(rows, vocab)
+    }
+
     fn greedy_token(&mut self, vocab: usize) -> Result<u32> {
         self.pick_now(vocab)
     }
@@ -561,37 +580,36 @@ impl Backend for CudaBackend {
         self.begin_fed(table)
     }
 
-    fn gather_rows(&mut self, _slot: Slot, _width: usize, rows: &[usize]) -> Result<()> {
-        // A pass of one sequence gives logits of one run of rows, which needs no gathering.
-        Err(one_sequence_only(format!("gathering {} rows", rows.len())))
-    }
-    /// `logits[..rows] = Normed[..rows] · headᵀ` (matrix-vector: at most a few rows).
-    fn project_logits(&mut self, head: &CudaMatrix, rows: usize) -> Result<()> {
-        let mat = head.as_mat()?;
-        let x = self.slots[Slot::Normed.index()]
-            .as_slice::<f32>()
-            .slice(0..rows * head.cols);
-        let mut y = self.logits.as_mut_slice::<f32>();
-        let mut y = y.slice_mut(0..rows * head.rows);
-        cuda::matvec(&self.device, &mat, x, rows, &mut y, false)?;
+    fn gather_rows(&mut self, slot: Slot, width: usize, rows: &[usize]) -> Result<()> {
+        // Row rows[j] to row j, in order: rows[j] >= j, and no row is read after a copy
+        // before it wrote it (rows ascend), so the copies never overlap.
+        let mut values = self.slots[slot.index()].as_mut_slice::<f32>();
+        for (j, &row) in rows.iter().enumerate() {
+            if row == j {
+                continue;
+            }
+            debug_assert!(row > j, "rows ascend");
+            let (mut to, from) = values.reborrow().split_at_mut(row * width);
+            let from = from.as_slice().slice(0..width);
+            self.device
+                .copy(from, &mut to.slice_mut(j * width..(j + 1) * width))?;
+        }
         Ok(())
     }
-}
 
-/// What the CUDA backend refuses until its passes serve several sequences (issue 22).
-fn one_sequence_only(what: String) -> Error {
-    Error::Unsupported {
-        what: format!("{what} (CUDA passes run one sequence)"),
-        backend: "CUDA",
+    fn project_logits(&mut self, head: &CudaMatrix, rows: usize) -> Result<()> {
+        self.logits_product(head, rows)
     }
 }
 
-fn check_one_sequence(p: &AttentionParams) -> Result<()> {
-    if p.segment != 0 || p.first_row != 0 {
-        return Err(one_sequence_only(format!(
-            "attention of sequence {} from row {}",
-            p.segment, p.first_row
-        )));
-    }
-    Ok(())
+/// The rows of segment `p` in a slot of `heads` heads a row.
+fn segment_rows<'a>(
+    slot: &'a mut DeviceBuffer,
+    p: &AttentionParams,
+    heads: usize,
+) -> cuda::DevSliceMut<'a, f32> {
+    let width = heads * p.head_dim;
+    let rows = p.row_range();
+    let x = slot.as_mut_slice::<f32>().split_at_mut(rows.end * width).0;
+    x.split_at_mut(rows.start * width).1
 }

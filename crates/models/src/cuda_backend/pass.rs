@@ -1,22 +1,28 @@
-//! A pass's inputs on the device (positions, token ids, the sequence's block table), the
+//! A pass's inputs on the device (positions, token ids, the sequences' block tables), the
 //! greedy picks that run ahead of the host, and the recorded decode graphs.
 //!
-//! The kernels read a pass's positions, tokens and block table from device memory, never
-//! from launch arguments, so a one-token pass is recorded as a CUDA graph the second time its
-//! shape and pool are seen and replayed from then on, each replay reading its own inputs.
+//! The kernels read a pass's positions, tokens and block tables from device memory, never
+//! from launch arguments, so a decode pass (one token, or one token of each of several
+//! sequences) is recorded as a CUDA graph the second time its shape and pool are seen and
+//! replayed from then on, each replay reading its own inputs.
 
 use ember_tensor::cuda::{
-    self, CudaDevice, DevSlice, DevSliceMut, DeviceBuffer, Graph, Position, StreamEvent,
+    self, CudaDevice, DecodeRows, DevSlice, DevSliceMut, DeviceBuffer, Graph, Position, StreamEvent,
 };
 use ember_tensor::{Buffer, BufferId, BufferKind, BufferOwner};
 
 use super::CudaBackend;
 use super::kv::CudaKvPool;
-use crate::backend::{PICKS_AHEAD, PassShape};
+use crate::backend::{PICKS_AHEAD, PassSegment, PassShape};
 use crate::error::{Error, Result};
 use crate::kv_cache::BlockTable;
 
-/// Offsets in the step buffer: `[pos0, pos0 + n, token ids (max_batch), block table]`.
+/// Offsets in the step buffer: `[pos0, pos0 + n, token ids (max_batch), each row's position
+/// (max_batch), each row's sequence (max_batch), the row indices 0, 1, .. (max_batch, set
+/// once), the rows of the sequences that decode one token (max_sequences), block tables
+/// (max_sequences · max_blocks)]`. A pass of one sequence
+/// reads its positions from the first two (which a fed pass's pick advances on the device),
+/// a pass of several from the rows'.
 const STEP_POS0: usize = 0;
 const STEP_END: usize = 1;
 const STEP_TOKENS: usize = 2;
@@ -28,8 +34,13 @@ pub(super) struct PassInputs {
     /// A staging buffer, page-locked with the driver while the residency set holds it.
     host: Buffer,
     max_batch: usize,
-    /// Entries of the block table: the blocks of the longest sequence.
+    max_sequences: usize,
+    /// Entries of a block table: the blocks of the longest sequence.
     max_blocks: usize,
+    /// The last pass's rows, sequences, and sequences of one row (decode rows).
+    rows: usize,
+    sequences: usize,
+    decode_rows: usize,
     /// The blocks of the table on the device: a fed pass uploads only those added since.
     table: Vec<u32>,
     /// Whether a fed pass's upload from `host` may still be in flight.
@@ -41,22 +52,53 @@ impl PassInputs {
         device: &CudaDevice,
         owner: &BufferOwner,
         max_batch: usize,
+        max_sequences: usize,
         max_blocks: usize,
     ) -> Result<Self> {
-        let len = (STEP_TOKENS + max_batch + max_blocks) * 4;
+        let len = (STEP_TOKENS + 4 * max_batch + max_sequences * (1 + max_blocks)) * 4;
+        let mut step = owner.alloc_device(BufferKind::Activations, "pass inputs", device, len)?;
+        let mut host = owner.alloc_staging(BufferKind::Activations, "pass inputs (host)", len)?;
+        // The row indices: the host side keeps them, since every upload copies its range.
+        let ids = STEP_TOKENS + 3 * max_batch..STEP_TOKENS + 4 * max_batch;
+        let host_ids = &mut host.as_mut_slice::<i32>()[ids.clone()];
+        for (i, id) in host_ids.iter_mut().enumerate() {
+            *id = int(i);
+        }
+        device.upload(&mut step.as_mut_slice::<i32>().slice_mut(ids), host_ids)?;
         Ok(PassInputs {
             device: device.clone(),
-            step: owner.alloc_device(BufferKind::Activations, "pass inputs", device, len)?,
-            host: owner.alloc_staging(BufferKind::Activations, "pass inputs (host)", len)?,
+            step,
+            host,
             max_batch,
+            max_sequences,
             max_blocks,
+            rows: 0,
+            sequences: 0,
+            decode_rows: 0,
             table: Vec::with_capacity(max_blocks),
             upload_in_flight: false,
         })
     }
 
-    fn table_at(&self) -> usize {
+    fn row_pos_at(&self) -> usize {
         STEP_TOKENS + self.max_batch
+    }
+
+    fn row_seq_at(&self) -> usize {
+        STEP_TOKENS + 2 * self.max_batch
+    }
+
+    fn row_ids_at(&self) -> usize {
+        STEP_TOKENS + 3 * self.max_batch
+    }
+
+    fn decode_rows_at(&self) -> usize {
+        STEP_TOKENS + 4 * self.max_batch
+    }
+
+    /// Where sequence 0's block table starts; sequence `s`'s is `s · max_blocks` after.
+    fn table_at(&self) -> usize {
+        self.decode_rows_at() + self.max_sequences
     }
 
     fn check_table(&self, table: &BlockTable) -> Result<()> {
@@ -73,16 +115,20 @@ impl PassInputs {
         Ok(())
     }
 
+    /// Waits for a fed pass's table upload, which may still be reading the staging buffer.
+    fn finish_upload(&mut self) -> Result<()> {
+        if self.upload_in_flight {
+            self.device.synchronize()?;
+            self.upload_in_flight = false;
+        }
+        Ok(())
+    }
+
     /// Uploads a pass of host tokens after `table`'s positions: positions, ids and the whole
     /// table, in one copy, and waits for it.
     pub(super) fn set(&mut self, tokens: &[u32], table: &BlockTable) -> Result<()> {
         self.check_table(table)?;
-        if self.upload_in_flight {
-            // A fed pass's table may still be on its way out of the staging buffer.
-            self.device.synchronize()?;
-            self.upload_in_flight = false;
-        }
-        let int = |v: usize| i32::try_from(v).expect("positions fit the kernels' int");
+        self.finish_upload()?;
         let (pos0, table_at, blocks) = (table.len(), self.table_at(), table.blocks());
         let len = table_at + blocks.len();
         let host = &mut self.host.as_mut_slice::<i32>()[..len];
@@ -98,7 +144,79 @@ impl PassInputs {
         self.device.upload(&mut step.slice_mut(0..len), host)?;
         self.table.clear();
         self.table.extend_from_slice(blocks);
+        (self.rows, self.sequences) = (tokens.len(), 1);
+        self.decode_rows = usize::from(tokens.len() == 1);
         Ok(())
+    }
+
+    /// Uploads a pass over several sequences: `tokens` are the segments' one after another,
+    /// each at the positions after its table's. Each row's position and sequence, the rows
+    /// of the sequences that decode one token, and every table go up in one copy, waited for.
+    pub(super) fn set_batch(&mut self, tokens: &[u32], segments: &[PassSegment<'_>]) -> Result<()> {
+        if segments.len() > self.max_sequences {
+            return Err(Error::Unsupported {
+                what: format!(
+                    "a pass over {} sequences (the backend was made for {})",
+                    segments.len(),
+                    self.max_sequences
+                ),
+                backend: "CUDA",
+            });
+        }
+        for s in segments {
+            self.check_table(s.table)?;
+        }
+        self.finish_upload()?;
+        let (pos_at, seq_at, decode_at, table_at) = (
+            self.row_pos_at(),
+            self.row_seq_at(),
+            self.decode_rows_at(),
+            self.table_at(),
+        );
+        let len = table_at + segments.len() * self.max_blocks;
+        let host = &mut self.host.as_mut_slice::<i32>()[..len];
+        for (slot, &t) in host[STEP_TOKENS..].iter_mut().zip(tokens) {
+            *slot = t as i32;
+        }
+        let (mut row, mut decode) = (0, 0);
+        for (seq, s) in segments.iter().enumerate() {
+            let pos0 = s.table.len();
+            for i in 0..s.rows {
+                host[pos_at + row + i] = int(pos0 + i);
+                host[seq_at + row + i] = int(seq);
+            }
+            if s.rows == 1 {
+                host[decode_at + decode] = int(row);
+                decode += 1;
+            }
+            let at = table_at + seq * self.max_blocks;
+            for (slot, &b) in host[at..].iter_mut().zip(s.table.blocks()) {
+                *slot = b as i32;
+            }
+            row += s.rows;
+        }
+        debug_assert_eq!(row, tokens.len());
+        let mut step = self.step.as_mut_slice::<i32>();
+        self.device.upload(&mut step.slice_mut(0..len), host)?;
+        // A fed pass continues one sequence's pass, never a batch's.
+        self.table.clear();
+        (self.rows, self.sequences, self.decode_rows) = (row, segments.len(), decode);
+        Ok(())
+    }
+
+    /// Whether the last pass set was over several sequences ([`Self::set_batch`]).
+    pub(super) fn is_batch(&self) -> bool {
+        self.sequences > 1
+    }
+
+    /// Rows of the last pass set.
+    pub(super) fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Sequences of the last pass set that decode one token.
+    pub(super) fn decode_row_count(&self) -> usize {
+        self.decode_rows
     }
 
     /// A fed pass: its token and positions were advanced on the device by the pick before
@@ -149,10 +267,66 @@ impl PassInputs {
         self.step.as_slice().slice(STEP_TOKENS..STEP_TOKENS + n)
     }
 
+    /// Where the first position (row `first_row`'s) and the blocks of the pass's sequence
+    /// `seq` are: a pass of one sequence keeps them apart (a fed pass's pick advances its
+    /// position on the device), a pass of several has every row's.
+    pub(super) fn segment(
+        &self,
+        first_row: usize,
+        seq: usize,
+    ) -> (Position<'_>, DevSlice<'_, i32>) {
+        if self.is_batch() {
+            (self.row_position(first_row), self.sequence_table(seq))
+        } else {
+            (self.pos0(), self.table())
+        }
+    }
+
     /// The sequence's blocks, as many entries as the longest sequence has.
     pub(super) fn table(&self) -> DevSlice<'_, i32> {
-        let at = self.table_at();
+        self.sequence_table(0)
+    }
+
+    /// Sequence `seq`'s blocks in a pass over several.
+    pub(super) fn sequence_table(&self, seq: usize) -> DevSlice<'_, i32> {
+        let at = self.table_at() + seq * self.max_blocks;
         self.step.as_slice().slice(at..at + self.max_blocks)
+    }
+
+    /// Every sequence's table, `max_blocks` entries apart.
+    pub(super) fn tables(&self) -> DevSlice<'_, i32> {
+        let at = self.table_at();
+        let len = self.max_sequences * self.max_blocks;
+        self.step.as_slice().slice(at..at + len)
+    }
+
+    /// The position of row `row` in a pass over several sequences.
+    pub(super) fn row_position(&self, row: usize) -> Position<'_> {
+        let at = self.row_pos_at() + row;
+        Position::Device(self.step.as_slice().slice(at..at + 1))
+    }
+
+    /// The decode rows of a pass over several sequences, as the decode kernels take them.
+    pub(super) fn decode_rows(&self) -> DecodeRows<'_> {
+        let at = self.decode_rows_at();
+        self.rows_at(at..at + self.decode_rows)
+    }
+
+    /// Row `row` alone, as [`Self::decode_rows`].
+    pub(super) fn one_decode_row(&self, row: usize) -> DecodeRows<'_> {
+        let at = self.row_ids_at() + row;
+        self.rows_at(at..at + 1)
+    }
+
+    fn rows_at(&self, rows: std::ops::Range<usize>) -> DecodeRows<'_> {
+        let step = self.step.as_slice::<i32>();
+        let (pos, seq) = (self.row_pos_at(), self.row_seq_at());
+        DecodeRows {
+            rows: step.slice(rows),
+            row_pos: step.slice(pos..pos + self.max_batch),
+            row_seq: step.slice(seq..seq + self.max_batch),
+            table_stride: self.max_blocks,
+        }
     }
 
     /// All of them, for the pick that advances them (`cuda::argmax`'s feed).
@@ -195,8 +369,13 @@ pub(super) enum Recording {
     Failed,
 }
 
-/// Graphs kept at most: one per pass shape and pool.
-const MAX_GRAPHS: usize = 16;
+/// Graphs kept at most: one per pass shape (a decode batch's size) and pool.
+const MAX_GRAPHS: usize = 160;
+
+/// `v` as the kernels' int: positions and rows are bounded by the context and the batch.
+fn int(v: usize) -> i32 {
+    i32::try_from(v).expect("positions fit the kernels' int")
+}
 
 impl CudaBackend {
     /// Enqueues the greedy pick of the last pass's first row of logits into `greedy`; with
@@ -208,7 +387,7 @@ impl CudaBackend {
             &self.device,
             logits,
             vocab,
-            &mut self.greedy.as_mut_slice::<u32>(),
+            &mut self.greedy.as_mut_slice::<u32>().slice_mut(0..1),
             feed.then_some(&mut step),
             &mut self.argmax_scratch.as_mut_slice::<u32>(),
         )?;
@@ -237,8 +416,9 @@ impl CudaBackend {
             shape,
             pool: kv.pool_id(),
         };
-        // Only decode steps: they are launch-bound, and their kernels never wait on the host.
-        let Some(graphs) = self.graphs.as_mut().filter(|_| shape.tokens == 1) else {
+        // Only decode steps (a token a sequence): they are launch-bound, and their kernels
+        // never wait on the host.
+        let Some(graphs) = self.graphs.as_mut().filter(|_| shape.is_decode()) else {
             return pass(self, kv);
         };
         match graphs.get(&key) {
@@ -295,8 +475,28 @@ impl CudaBackend {
         self.pick_greedy(vocab, false)?;
         // Staging buffers are whole pages: the token is the first 4 bytes of this one.
         let host = &mut self.greedy_host.as_mut_slice::<u32>()[..1];
-        self.device.download(self.greedy.as_slice::<u32>(), host)?;
+        self.device
+            .download(self.greedy.as_slice::<u32>().slice(0..1), host)?;
         Ok(host[0])
+    }
+
+    /// [`crate::Backend::greedy_tokens`]: every row's pick in one launch, then only the picks
+    /// to the host.
+    pub(super) fn pick_rows(&mut self, rows: usize, vocab: usize) -> Result<Vec<u32>> {
+        self.forget_picks_ahead()?;
+        let logits = self.logits.as_slice::<f32>().slice(0..rows * vocab);
+        cuda::argmax(
+            &self.device,
+            logits,
+            vocab,
+            &mut self.greedy.as_mut_slice::<u32>().slice_mut(0..rows),
+            None,
+            &mut self.argmax_scratch.as_mut_slice::<u32>(),
+        )?;
+        let host = &mut self.greedy_host.as_mut_slice::<u32>()[..rows];
+        self.device
+            .download(self.greedy.as_slice::<u32>().slice(0..rows), host)?;
+        Ok(host.to_vec())
     }
 
     /// [`crate::Backend::pick_ahead`].
@@ -316,7 +516,7 @@ impl CudaBackend {
         // staging buffer synchronises the stream first (`forget_picks_ahead`, Drop).
         unsafe {
             self.device
-                .download_async(self.greedy.as_slice::<u32>(), host)?;
+                .download_async(self.greedy.as_slice::<u32>().slice(0..1), host)?;
         }
         self.device.mark(&self.ahead.landed[slot])?;
         self.ahead.enqueued += 1;

@@ -35,34 +35,59 @@ impl CudaBackend {
         let x = s.as_slice::<f32>().slice(0..rows * n_in);
         let mut y = d.as_mut_slice::<f32>();
         let mut y = y.slice_mut(offset..offset + rows * n_out);
-        if rows <= cuda::MAX_BATCH || mat.dtype == Float::F32 {
-            return Ok(cuda::matvec(
-                &self.device,
-                &mat,
-                x,
-                rows,
-                &mut y,
-                accumulate,
-            )?);
-        }
-        match mat.dtype {
-            Float::Bf16 => {
-                let mut a = self.gemm_input.as_mut_slice::<bf16>();
-                let mut a = a.slice_mut(0..rows * n_in);
-                cuda::convert(&self.device, x, &mut a)?;
-                self.gemm.matmul(a.as_slice(), &mat, &mut y, accumulate)?;
-            }
-            Float::F16 => {
-                let mut a = self.gemm_input.as_mut_slice::<f16>();
-                let mut a = a.slice_mut(0..rows * n_in);
-                cuda::convert(&self.device, x, &mut a)?;
-                self.gemm.matmul(a.as_slice(), &mat, &mut y, accumulate)?;
-            }
-            Float::F32 => unreachable!("f32 weights take the matrix-vector path"),
-        }
-        Ok(())
+        let (device, gemm, staging) = (&self.device, &mut self.gemm, &mut self.gemm_input);
+        product(device, gemm, staging, &mat, x, rows, &mut y, accumulate)
     }
 
+    /// [`crate::Backend::project_logits`]: `logits[..rows] = Normed[..rows] · headᵀ`, the
+    /// same roads as [`Self::project`].
+    pub(super) fn logits_product(&mut self, head: &CudaMatrix, rows: usize) -> Result<()> {
+        let mat = head.as_mat()?;
+        let x = self.slots[Slot::Normed.index()]
+            .as_slice::<f32>()
+            .slice(0..rows * head.cols);
+        let mut y = self.logits.as_mut_slice::<f32>();
+        let mut y = y.slice_mut(0..rows * head.rows);
+        let (device, gemm, staging) = (&self.device, &mut self.gemm, &mut self.gemm_input);
+        product(device, gemm, staging, &mat, x, rows, &mut y, false)
+    }
+}
+
+/// `y (+)= x · Wᵀ` for `rows` rows of f32 `x`: matrix-vector kernels for a decode batch (and
+/// f32 weights), else a GEMM on a copy of `x` in the weights' 16-bit type (`staging`).
+#[allow(clippy::too_many_arguments)]
+fn product(
+    device: &cuda::CudaDevice,
+    gemm: &mut cuda::Gemm,
+    staging: &mut DeviceBuffer,
+    mat: &cuda::DevMat<'_>,
+    x: cuda::DevSlice<'_, f32>,
+    rows: usize,
+    y: &mut DevSliceMut<'_, f32>,
+    accumulate: bool,
+) -> Result<()> {
+    if rows <= cuda::MAX_BATCH || mat.dtype == Float::F32 {
+        return Ok(cuda::matvec(device, mat, x, rows, y, accumulate)?);
+    }
+    match mat.dtype {
+        Float::Bf16 => {
+            let mut a = staging.as_mut_slice::<bf16>();
+            let mut a = a.slice_mut(0..x.len());
+            cuda::convert(device, x, &mut a)?;
+            gemm.matmul(a.as_slice(), mat, y, accumulate)?;
+        }
+        Float::F16 => {
+            let mut a = staging.as_mut_slice::<f16>();
+            let mut a = a.slice_mut(0..x.len());
+            cuda::convert(device, x, &mut a)?;
+            gemm.matmul(a.as_slice(), mat, y, accumulate)?;
+        }
+        Float::F32 => unreachable!("f32 weights take the matrix-vector path"),
+    }
+    Ok(())
+}
+
+impl CudaBackend {
     /// `gemm_input[..rows.len()] = rms_norm(src[rows])` in bf16: a prefill GEMM's input made
     /// by the norm itself.
     pub(super) fn norm_into_gemm_input(

@@ -103,7 +103,7 @@ pub(super) fn run(
                     logits,
                     is_eos,
                 } => {
-                    stream.token(token, Some(logits), is_eos);
+                    stream.token(token, logits, is_eos);
                 }
                 BatchEvent::Finished(generation) => {
                     if let Some(stream) = streams.remove(&id) {

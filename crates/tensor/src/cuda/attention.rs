@@ -31,18 +31,20 @@ const DECODE_BLOCKS_PER_SM: usize = 3;
 const ROWS: usize = 16;
 const THREADS: u32 = 128;
 
-/// f32 elements of scratch [`attention_decode`] needs for a shape (any context length): the
-/// chunks' partial results, then one ticket per block row of the grid (at most one a head).
+/// f32 elements of scratch [`attention_decode`] needs for a shape (any context length), for
+/// each query row a launch takes ([`DecodeRows`]): the chunks' partial results, then one
+/// ticket per block row of the grid (at most one a head), rounded up to 16 bytes.
 pub fn attention_decode_scratch_len(shape: AttentionShape) -> usize {
-    tickets_at(shape) + shape.n_heads
+    (tickets_at(shape) + shape.n_heads).next_multiple_of(4)
 }
 
 fn tickets_at(shape: AttentionShape) -> usize {
     MAX_SPLITS * shape.n_heads * (shape.head_dim + 2)
 }
 
-/// Zeroes the tickets of a new decode scratch ([`attention_decode_scratch_len`] values). The
-/// decode kernels leave them zero, so once, before the scratch's first use, is enough.
+/// Zeroes the tickets of a new decode scratch ([`attention_decode_scratch_len`] values for
+/// each row it serves). The decode kernels leave them zero, so once, before the scratch's
+/// first use, is enough.
 pub fn attention_decode_scratch_reset(
     device: &CudaDevice,
     shape: AttentionShape,
@@ -55,7 +57,7 @@ pub fn attention_decode_scratch_reset(
         "scratch of {} values, {len} needed",
         scratch.len()
     );
-    device.fill_bytes(&mut scratch.slice_mut(tickets_at(shape)..len), 0)
+    device.fill_bytes(scratch, 0)
 }
 
 fn check_shape(op: &'static str, shape: AttentionShape) -> Result<u8, CudaError> {
@@ -211,8 +213,71 @@ impl<T: FloatElem> PagedCache<'_, T> {
     }
 }
 
+/// Several sequences' decode rows in one launch of [`attention_decode`] or
+/// [`attention_decode_rope`], each row over its own sequence's blocks and positions, all read
+/// from device memory (a pass's inputs): row `rows[i]` of the pass's queries (and of the step's
+/// keys and values, and of the output) is at position `row_pos[row]` of sequence
+/// `row_seq[row]`, whose block table is entries `row_seq · table_stride ..` of the cache's
+/// table. A row's result is the bits it gets in a launch of its own: its chunks depend on its
+/// context alone.
+#[derive(Clone, Copy)]
+pub struct DecodeRows<'a> {
+    /// One entry per query row the launch takes (its grid's z).
+    pub rows: DevSlice<'a, i32>,
+    /// Every pass row's position and sequence.
+    pub row_pos: DevSlice<'a, i32>,
+    pub row_seq: DevSlice<'a, i32>,
+    /// Entries from one sequence's block table to the next's; a sequence's table covers
+    /// `table_stride · block_size` positions.
+    pub table_stride: usize,
+}
+
+/// Which queries a decode launch takes, and how many keys each sees.
+#[derive(Clone, Copy)]
+pub enum DecodeContext<'a> {
+    /// One sequence's one new token, over this many positions (its own included).
+    One(Position<'a>),
+    /// Several sequences' new tokens.
+    Rows(DecodeRows<'a>),
+}
+
+impl<'a> From<Position<'a>> for DecodeContext<'a> {
+    fn from(context: Position<'a>) -> Self {
+        DecodeContext::One(context)
+    }
+}
+
+impl<'a> From<DecodeRows<'a>> for DecodeContext<'a> {
+    fn from(rows: DecodeRows<'a>) -> Self {
+        DecodeContext::Rows(rows)
+    }
+}
+
+impl DecodeContext<'_> {
+    /// Query rows the launch takes.
+    fn count(&self) -> usize {
+        match self {
+            DecodeContext::One(_) => 1,
+            DecodeContext::Rows(r) => r.rows.len(),
+        }
+    }
+}
+
+/// `DecodeBatch` in attention_decode.cu, field for field; all zero for one sequence.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct DecodeBatch {
+    rows: u64,
+    row_pos: u64,
+    row_seq: u64,
+    table_stride: i64,
+    scratch_stride: i64,
+}
+const _: () = assert!(size_of::<DecodeBatch>() == 40);
+
 /// Attention of one new token's queries `q` (`[n_heads · head_dim]`) over the first `context`
-/// positions of the sequence's cache (the token's own included), into `out`.
+/// positions of the sequence's cache (the token's own included), into `out`; or of several
+/// sequences' new tokens ([`DecodeRows`]: `q` and `out` then hold the pass's rows).
 ///
 /// The context is split into up to 64 chunks, each taken by its own blocks, and the last
 /// block of each group of heads to finish merges them, in one launch. The kernel works the
@@ -220,17 +285,17 @@ impl<T: FloatElem> PagedCache<'_, T> {
 /// at most the positions the table covers: checked on the host only for [`Position::Host`]) gives the
 /// same bits as the same context known on the host. `scratch` holds
 /// [`attention_decode_scratch_len`] values, its tickets zeroed once by
-/// [`attention_decode_scratch_reset`].
+/// [`attention_decode_scratch_reset`] (that many for each row of [`DecodeRows`]).
 ///
 /// With [`AttentionPrecision::Bf16`], a 16-bit cache and heads of 64 or 128, the products run
 /// on the tensor cores (compute capability 8.0 on) with the queries and probabilities rounded
 /// to the cache's type; otherwise in f32.
 #[allow(clippy::too_many_arguments)]
-pub fn attention_decode<T: FloatElem>(
+pub fn attention_decode<'a, T: FloatElem>(
     device: &CudaDevice,
     q: DevSlice<'_, f32>,
     cache: PagedCache<'_, T>,
-    context: Position<'_>,
+    context: impl Into<DecodeContext<'a>>,
     shape: AttentionShape,
     scale: f32,
     precision: AttentionPrecision,
@@ -241,7 +306,7 @@ pub fn attention_decode<T: FloatElem>(
         device,
         q,
         cache,
-        context,
+        context.into(),
         shape,
         scale,
         precision,
@@ -256,7 +321,7 @@ pub fn attention_decode<T: FloatElem>(
 /// [`kv_store`] would) itself.
 #[derive(Clone, Copy, Debug)]
 pub struct DecodeRope<'a> {
-    /// `n_kv_heads · head_dim` each.
+    /// `n_kv_heads · head_dim` each (a row of that each for [`DecodeRows`]).
     pub k_new: DevSlice<'a, f32>,
     pub v_new: DevSlice<'a, f32>,
     /// Qwen3's per-head norms, sharing one epsilon.
@@ -288,12 +353,12 @@ pub fn attention_decode_rope_fits(head_dim: usize, layout: RopeLayout) -> bool {
 /// norms' sums. The rope's tables and norm weights are read before the kernel waits on the one
 /// launched before it (programmatic dependent launch): no kernel in flight may write them.
 #[allow(clippy::too_many_arguments)]
-pub fn attention_decode_rope<T: FloatElem>(
+pub fn attention_decode_rope<'a, T: FloatElem>(
     device: &CudaDevice,
     q: DevSlice<'_, f32>,
     rope: DecodeRope<'_>,
     cache: &mut PagedCacheMut<'_, T>,
-    context: Position<'_>,
+    context: impl Into<DecodeContext<'a>>,
     shape: AttentionShape,
     scale: f32,
     precision: AttentionPrecision,
@@ -301,6 +366,7 @@ pub fn attention_decode_rope<T: FloatElem>(
     out: &mut DevSliceMut<'_, f32>,
 ) -> Result<(), CudaError> {
     const OP: &str = "attention_decode_rope";
+    let context = context.into();
     let AttentionShape {
         n_kv_heads,
         head_dim,
@@ -313,8 +379,13 @@ pub fn attention_decode_rope<T: FloatElem>(
         rope.layout
     );
     let kv_dim = n_kv_heads * head_dim;
+    let kv_len = match context {
+        DecodeContext::One(_) => kv_dim,
+        // As many rows as the queries: checked against them below.
+        DecodeContext::Rows(_) => kv_dim * (q.len() / (shape.n_heads * head_dim)),
+    };
     ensure!(
-        rope.k_new.len() == kv_dim && rope.v_new.len() == kv_dim,
+        rope.k_new.len() == kv_len && rope.v_new.len() == kv_len,
         OP,
         "{} keys and {} values for {n_kv_heads} heads of {head_dim}",
         rope.k_new.len(),
@@ -386,7 +457,7 @@ fn launch_decode<T: FloatElem>(
     device: &CudaDevice,
     q: DevSlice<'_, f32>,
     cache: PagedCache<'_, T>,
-    context: Position<'_>,
+    context: DecodeContext<'_>,
     shape: AttentionShape,
     scale: f32,
     precision: AttentionPrecision,
@@ -402,24 +473,71 @@ fn launch_decode<T: FloatElem>(
         head_dim,
     } = shape;
     let kv_row = n_kv_heads * head_dim;
-    let pages = cache.pages(OP, context.host(), kv_row)?;
-    if let Some(context) = context.host() {
-        ensure!(context > 0, OP, "no keys to attend to");
-    }
     let q_len = n_heads * head_dim;
+    let count = context.count();
+    let slab = attention_decode_scratch_len(shape);
+    let (mut pages, batch) = match context {
+        DecodeContext::One(position) => {
+            if let Some(context) = position.host() {
+                ensure!(context > 0, OP, "no keys to attend to");
+            }
+            ensure!(
+                q.len() == q_len && out.len() == q_len,
+                OP,
+                "q {} and out {} for {n_heads} heads of {head_dim}",
+                q.len(),
+                out.len()
+            );
+            (
+                cache.pages(OP, position.host(), kv_row)?,
+                DecodeBatch::default(),
+            )
+        }
+        DecodeContext::Rows(r) => {
+            // The rows' indices are the kernel's to trust: the host checks the shapes.
+            ensure!(
+                q.len() == out.len() && q.len().is_multiple_of(q_len) && q.len() >= q_len * count,
+                OP,
+                "q {} and out {} for {count} rows of {n_heads} heads of {head_dim}",
+                q.len(),
+                out.len()
+            );
+            let pass_rows = q.len() / q_len;
+            ensure!(
+                r.row_pos.len() >= pass_rows
+                    && r.row_seq.len() >= pass_rows
+                    && r.table_stride > 0
+                    && cache.table.len() >= r.table_stride,
+                OP,
+                "positions {} and sequences {} of {pass_rows} rows, tables of {} in {}",
+                r.row_pos.len(),
+                r.row_seq.len(),
+                r.table_stride,
+                cache.table.len()
+            );
+            let batch = DecodeBatch {
+                rows: r.rows.device_ptr(),
+                row_pos: r.row_pos.device_ptr(),
+                row_seq: r.row_seq.device_ptr(),
+                table_stride: r.table_stride as i64,
+                scratch_stride: slab as i64,
+            };
+            (cache.pages(OP, None, kv_row)?, batch)
+        }
+    };
+    if let DecodeContext::Rows(r) = context {
+        // A store past a sequence's own table is dropped, as for one sequence.
+        pages.capacity = int(OP, "positions", r.table_stride * cache.block_size)?;
+    }
+    if count == 0 {
+        return Ok(());
+    }
     ensure!(
-        q.len() == q_len && out.len() == q_len,
-        OP,
-        "q {} and out {} for {n_heads} heads of {head_dim}",
-        q.len(),
-        out.len()
-    );
-    ensure!(
-        scratch.len() >= attention_decode_scratch_len(shape),
+        scratch.len() >= slab * count,
         OP,
         "scratch of {} values, {} needed",
         scratch.len(),
-        attention_decode_scratch_len(shape)
+        slab * count
     );
     // The merge reads the partial results 16 bytes at a time.
     ensure!(
@@ -449,9 +567,16 @@ fn launch_decode<T: FloatElem>(
     // `decode_keys_per_split` in attention_decode.cu turns this into chunks.
     let target_splits =
         (DECODE_BLOCKS_PER_SM * device.info().multiprocessors).div_ceil(blocks_per_split);
-    let grid_splits = match context.host() {
-        Some(context) => context.div_ceil(keys_per_split(context, target_splits)),
-        None => MAX_SPLITS,
+    let grid_splits = match context {
+        DecodeContext::One(Position::Host(context)) => {
+            context.div_ceil(keys_per_split(context, target_splits))
+        }
+        DecodeContext::One(Position::Device(_)) => MAX_SPLITS,
+        // Many rows fill the device with fewer blocks a row, each taking several chunks in
+        // turn (each chunk's arithmetic as alone): the blocks of one wave in all.
+        DecodeContext::Rows(_) => (DECODE_BLOCKS_PER_SM * device.info().multiprocessors)
+            .div_ceil(blocks_per_split * count)
+            .clamp(1, MAX_SPLITS),
     };
 
     let tickets = scratch
@@ -464,7 +589,10 @@ fn launch_decode<T: FloatElem>(
         part_acc.device_ptr(),
         out.device_ptr(),
     );
-    let (ctx, ctx_dev) = context.args(OP, "context")?;
+    let (ctx, ctx_dev) = match context {
+        DecodeContext::One(position) => position.args(OP, "context")?,
+        DecodeContext::Rows(_) => (0, 0),
+    };
     let (heads, kv_heads, d) = (
         int(OP, "n_heads", n_heads)?,
         int(OP, "n_kv_heads", n_kv_heads)?,
@@ -488,10 +616,11 @@ fn launch_decode<T: FloatElem>(
     let grid = (
         grid_splits as u32,
         int(OP, "blocks", blocks_per_split)? as u32,
+        int(OP, "rows", count)? as u32,
     );
-    launch!(device, kernel, config(grid, THREADS, 0);
+    launch!(device, kernel, config3(grid, THREADS, 0);
         qp, kp, vp, mlp, accp, tickets, outp, ctx, ctx_dev, heads, kv_heads, d, scale, target, vec,
-        pages, rope)
+        pages, rope, batch)
 }
 
 /// Keys per decode chunk: `decode_keys_per_split` in attention_decode.cu, for the grid.

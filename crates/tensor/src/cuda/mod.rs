@@ -45,9 +45,10 @@ mod rope;
 
 pub use argmax::{argmax, argmax_scratch_len};
 pub use attention::{
-    AttentionPrecision, DecodeRope, MAX_HEAD_DIM, PagedCache, PagedCacheMut, attention_decode,
-    attention_decode_rope, attention_decode_rope_fits, attention_decode_scratch_len,
-    attention_decode_scratch_reset, attention_prefill, attention_prefill_scratch_len, kv_store,
+    AttentionPrecision, DecodeContext, DecodeRope, DecodeRows, MAX_HEAD_DIM, PagedCache,
+    PagedCacheMut, attention_decode, attention_decode_rope, attention_decode_rope_fits,
+    attention_decode_scratch_len, attention_decode_scratch_reset, attention_prefill,
+    attention_prefill_scratch_len, kv_store,
 };
 pub use device::{CudaDevice, DeviceInfo, StreamEvent};
 pub use elementwise::{add, convert, silu_mul, silu_mul_in_place};

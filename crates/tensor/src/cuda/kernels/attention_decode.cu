@@ -20,6 +20,11 @@
 // of a (kv head, rows) to finish (an atomic ticket) merges every chunk in chunk order, so the
 // bits do not depend on which block ends last, and resets the ticket for the next launch.
 //
+// The chunks depend on the context alone (and the device: `target_splits`), never on the
+// grid: a launch over many sequences' rows (DecodeBatch) has fewer blocks a row than chunks,
+// and a block then takes chunks blockIdx.x, + gridDim.x, ... in turn, each exactly as a block
+// of its own would, so a row's bits are the same in a batch of any size.
+//
 // The context may be read from device memory (a recorded graph's step), so the chunking is
 // worked out on the device from it alone: the grid may have more chunks than there are, and
 // those blocks leave at once.
@@ -228,20 +233,15 @@ __device__ __forceinline__ void norm_rotate(float* x, const LaneRope<E>& lr, con
     }
 }
 
-// The end of a block's work, once its warps have put their rows' running maximum, sum and
-// unnormalised values in shared memory (a warp that saw no key: maximum -inf, all zero):
-// merges the warps, then writes the output (a context of one chunk) or this chunk's partial
-// result, and the last block of a (kv head, rows) to finish (an atomic ticket) merges every
-// chunk in chunk order, so the bits do not depend on which block ends last, and resets the
-// ticket for the next launch. Shared by both decode kernels.
+// The end of a chunk's work, once the block's warps have put their rows' running maximum,
+// sum and unnormalised values in shared memory (a warp that saw no key: maximum -inf, all
+// zero): merges the warps, then writes the output (a context of one chunk) or the chunk's
+// partial result. Shared by both decode kernels.
 template <int ROWS, int DMAX>
-__device__ __forceinline__ void decode_finish(
+__device__ __forceinline__ void decode_chunk_done(
     const float (*warp_m)[ROWS], const float (*warp_l)[ROWS], const float (*warp_acc)[ROWS][DMAX],
     int rows, int d, int head0, int split, int splits, int n_heads, float* __restrict__ part_ml,
-    float* __restrict__ part_acc, unsigned* __restrict__ tickets, float* __restrict__ out) {
-    __shared__ float merge_w[DEC_MAX_SPLITS][ROWS];
-    __shared__ bool last;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    float* __restrict__ part_acc, float* __restrict__ out) {
     const bool alone = splits == 1;
     for (int i = threadIdx.x; i < rows * d; i += DEC_THREADS) {
         const int r = i / d, e = i - r * d;
@@ -267,12 +267,26 @@ __device__ __forceinline__ void decode_finish(
             part_ml[2 * part + 1] = sum;
         }
     }
-    if (alone) return;
+}
 
-    // The last block of this (kv head, rows) merges every chunk.
+// After a block's chunks (`done` of them) are written: the last block of a (kv head, rows) to
+// finish (an atomic ticket counting chunks) merges every chunk in chunk order, so the bits do
+// not depend on which block ends last or on how many chunks each block took, and resets the
+// ticket for the next launch. Shared by both decode kernels.
+template <int ROWS>
+__device__ __forceinline__ void decode_merge(int rows, int d, int head0, int splits, int done,
+                                             int n_heads, const float* __restrict__ part_ml,
+                                             const float* __restrict__ part_acc,
+                                             unsigned* __restrict__ tickets,
+                                             float* __restrict__ out) {
+    __shared__ float merge_w[DEC_MAX_SPLITS][ROWS];
+    __shared__ bool last;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (splits == 1 || done == 0) return;
     __threadfence();  // this block's partials are visible before its ticket is
     __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(&tickets[blockIdx.y], 1u) == (unsigned)splits - 1;
+    if (threadIdx.x == 0)
+        last = atomicAdd(&tickets[blockIdx.y], (unsigned)done) + (unsigned)done == (unsigned)splits;
     __syncthreads();
     if (!last) return;
     __threadfence();
@@ -339,7 +353,8 @@ __device__ __forceinline__ void decode_finish(
     if (threadIdx.x == 0) tickets[blockIdx.y] = 0;
 }
 
-// grid: (chunks, n_kv_heads · ceil(group / ROWS)). Scratch: part_ml [chunks, n_heads, 2],
+// grid: (chunks or fewer, n_kv_heads · ceil(group / ROWS), rows of a DecodeBatch). Scratch
+// (each row's): part_ml [chunks, n_heads, 2],
 // part_acc [chunks, n_heads, d], tickets [gridDim.y] (zero before the first launch; left zero).
 // FUSED: `rope` is set (the `_rope` entry points); known when compiling, so the plain form's
 // key loop holds nothing of it.
@@ -364,15 +379,15 @@ __device__ __forceinline__ void attention_decode(
     if (context_dev) context = *context_dev;
     const int keys_per_split = decode_keys_per_split(context, target_splits);
     const int splits = (context + keys_per_split - 1) / keys_per_split;
-    const int split = blockIdx.x;
-    if (split >= splits) return;  // a chunk past the context
+    if ((int)blockIdx.x >= splits) return;  // a chunk past the context
     const int group = n_heads / n_kv_heads;
     const int row_blocks = (group + ROWS - 1) / ROWS;
     const int kvh = blockIdx.y / row_blocks;
     const int head0 = kvh * group + (blockIdx.y % row_blocks) * ROWS;  // this block's first
     const int rows = min(ROWS, kvh * group + group - head0);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int t_end = min(context, (split + 1) * keys_per_split);
+    // The end of the chunk in hand: the block takes chunks blockIdx.x, + gridDim.x, ...
+    int t_end = min(context, ((int)blockIdx.x + 1) * keys_per_split);
     const int stride = n_kv_heads * d;
     const KV* kh = kc + (size_t)kvh * d;
     const KV* vh = vc + (size_t)kvh * d;
@@ -387,7 +402,8 @@ __device__ __forceinline__ void attention_decode(
         if (vec && lane < 2 * KB && t < t_end && t <= last_cached)
             prefetch_l2(((lane & 1) ? vh : kh) + kv_row(pages, t, stride), d * sizeof(KV));
     };
-    const int first = split * keys_per_split + warp * KB, step = DEC_WARPS * KB;
+    const int step = DEC_WARPS * KB;
+    int first = blockIdx.x * keys_per_split + warp * KB;
     // Before waiting on the kernel before (the projections): the cached rows and the rope's
     // tables, which it does not write (the cache's rows were written by earlier steps' kernels,
     // done before it began), so their latency overlaps its tail.
@@ -406,8 +422,9 @@ __device__ __forceinline__ void attention_decode(
             qv[r][j] = (r < rows && e < d) ? q[(size_t)(head0 + r) * d + e] : 0.0f;
         }
     }
-    // The new key and value, where this block's chunk holds them: as the cache will hold them.
-    const bool holds_new = FUSED && t_end == context;
+    // The new key and value, where one of this block's chunks (the last) holds them: as the
+    // cache will hold them.
+    const bool holds_new = FUSED && (splits - 1) % (int)gridDim.x == (int)blockIdx.x;
     float k_new[E], v_new[E];
     if (holds_new) {
 #pragma unroll
@@ -443,109 +460,168 @@ __device__ __forceinline__ void attention_decode(
     // lane of the 2^SHIFT holding it that counts it in the row's sum.
     const int my_score = lane >> SHIFT, my_row = my_score / KB, my_key = my_score % KB;
     const bool owner = (lane & ((1 << SHIFT) - 1)) == 0;
-    float m[ROWS], acc[ROWS][E];
-    float l = 0.0f;  // the owned scores' share of row my_row's sum
+    // Each chunk as a block of its own would take it (so a row's bits do not depend on how
+    // many chunks a block takes: a launch over many rows gives each block several).
+    int done = 0;
+    for (int split = blockIdx.x; split < splits; split += gridDim.x, ++done) {
+        t_end = min(context, (split + 1) * keys_per_split);
+        first = split * keys_per_split + warp * KB;
+        const bool has_new = holds_new && t_end == context;
+        if (done > 0) {
+            prefetch(first);
+            prefetch(first + step);
+        }
+        float m[ROWS], acc[ROWS][E];
+        float l = 0.0f;  // the owned scores' share of row my_row's sum
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        m[r] = NEG_INF;
+        for (int r = 0; r < ROWS; ++r) {
+            m[r] = NEG_INF;
 #pragma unroll
-        for (int j = 0; j < E; ++j) acc[r][j] = 0.0f;
-    }
+            for (int j = 0; j < E; ++j) acc[r][j] = 0.0f;
+        }
 
-    for (int t0 = first; t0 < t_end; t0 += step) {
-        prefetch(t0 + 2 * step);
-        float kf[KB][E], vf[KB][E];
+        for (int t0 = first; t0 < t_end; t0 += step) {
+            prefetch(t0 + 2 * step);
+            float kf[KB][E], vf[KB][E];
 #pragma unroll
-        for (int k = 0; k < KB; ++k) {
-            // Keys past the chunk re-read its last cached one; their scores are masked below.
-            const int tl = min(min(t0 + k, t_end - 1), last_cached);
-            if (!FUSED || tl >= 0) {  // (the plain form always has a cached key)
-                load_lane<KV, E>(kh + kv_row(pages, tl, stride), lane, d, vec, kf[k]);
-                load_lane<KV, E>(vh + kv_row(pages, tl, stride), lane, d, vec, vf[k]);
-            } else {
-                // Nothing cached yet (the step is at position 0): finite values, which a
-                // masked key's zero weight then cancels.
+            for (int k = 0; k < KB; ++k) {
+                // Keys past the chunk re-read its last cached one; their scores are masked below.
+                const int tl = min(min(t0 + k, t_end - 1), last_cached);
+                if (!FUSED || tl >= 0) {  // (the plain form always has a cached key)
+                    load_lane<KV, E>(kh + kv_row(pages, tl, stride), lane, d, vec, kf[k]);
+                    load_lane<KV, E>(vh + kv_row(pages, tl, stride), lane, d, vec, vf[k]);
+                } else {
+                    // Nothing cached yet (the step is at position 0): finite values, which a
+                    // masked key's zero weight then cancels.
 #pragma unroll
-                for (int j = 0; j < E; ++j) kf[k][j] = vf[k][j] = 0.0f;
+                    for (int j = 0; j < E; ++j) kf[k][j] = vf[k][j] = 0.0f;
+                }
+                if (has_new && t0 + k == pos) {
+#pragma unroll
+                    for (int j = 0; j < E; ++j) {
+                        kf[k][j] = k_new[j];
+                        vf[k][j] = v_new[j];
+                    }
+                }
             }
-            if (holds_new && t0 + k == pos) {
+            float s[SCORES];
 #pragma unroll
-                for (int j = 0; j < E; ++j) {
-                    kf[k][j] = k_new[j];
-                    vf[k][j] = v_new[j];
+            for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+                for (int k = 0; k < KB; ++k) {
+                    float dot = 0.0f;
+#pragma unroll
+                    for (int j = 0; j < E; ++j) dot = fmaf(qv[r][j], kf[k][j], dot);
+                    s[r * KB + k] = dot;
+                }
+            reduce_scatter<SCORES / 2>(s, lane, 16);
+#pragma unroll
+            for (int level = LEVELS; level < 5; ++level) s[0] += __shfl_xor_sync(FULL_MASK, s[0], 16 >> level);
+            const float score = t0 + my_key < t_end ? s[0] * scale : NEG_INF;
+
+            // Each row's maximum over the batch: across the lanes of its keys.
+            float batch_max = score;
+#pragma unroll
+            for (int o = 1 << SHIFT; o < (KB << SHIFT); o *= 2)
+                batch_max = fmaxf(batch_max, __shfl_xor_sync(FULL_MASK, batch_max, o));
+            float correction[ROWS], mine_m = 0.0f, mine_correction = 0.0f;
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                // Every batch holds a key of the chunk, so the new maximum is finite.
+                const float mr = fmaxf(m[r], __shfl_sync(FULL_MASK, batch_max, (r * KB) << SHIFT));
+                correction[r] = __expf(m[r] - mr);  // 0 on the first batch (m = -inf)
+                m[r] = mr;
+                if (r == my_row) {
+                    mine_m = mr;
+                    mine_correction = correction[r];
+                }
+            }
+            const float p = __expf(score - mine_m);  // 0 for a masked key
+            l = l * mine_correction + (owner ? p : 0.0f);
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+                for (int j = 0; j < E; ++j) acc[r][j] *= correction[r];
+#pragma unroll
+                for (int k = 0; k < KB; ++k) {
+                    const float pk = __shfl_sync(FULL_MASK, p, (r * KB + k) << SHIFT);
+#pragma unroll
+                    for (int j = 0; j < E; ++j) acc[r][j] = fmaf(pk, vf[k][j], acc[r][j]);
                 }
             }
         }
-        float s[SCORES];
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r)
-#pragma unroll
-            for (int k = 0; k < KB; ++k) {
-                float dot = 0.0f;
-#pragma unroll
-                for (int j = 0; j < E; ++j) dot = fmaf(qv[r][j], kf[k][j], dot);
-                s[r * KB + k] = dot;
-            }
-        reduce_scatter<SCORES / 2>(s, lane, 16);
-#pragma unroll
-        for (int level = LEVELS; level < 5; ++level) s[0] += __shfl_xor_sync(FULL_MASK, s[0], 16 >> level);
-        const float score = t0 + my_key < t_end ? s[0] * scale : NEG_INF;
 
-        // Each row's maximum over the batch: across the lanes of its keys.
-        float batch_max = score;
-#pragma unroll
-        for (int o = 1 << SHIFT; o < (KB << SHIFT); o *= 2)
-            batch_max = fmaxf(batch_max, __shfl_xor_sync(FULL_MASK, batch_max, o));
-        float correction[ROWS], mine_m = 0.0f, mine_correction = 0.0f;
+        // Each warp's rows to shared memory, for the block's merge.
+        __shared__ float warp_m[DEC_WARPS][ROWS], warp_l[DEC_WARPS][ROWS];
+        __shared__ float warp_acc[DEC_WARPS][ROWS][E * 32];
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
-            // Every batch holds a key of the chunk, so the new maximum is finite.
-            const float mr = fmaxf(m[r], __shfl_sync(FULL_MASK, batch_max, (r * KB) << SHIFT));
-            correction[r] = __expf(m[r] - mr);  // 0 on the first batch (m = -inf)
-            m[r] = mr;
-            if (r == my_row) {
-                mine_m = mr;
-                mine_correction = correction[r];
+            const float lr = warp_sum(r == my_row ? l : 0.0f);
+            if (lane == 0) {
+                warp_m[warp][r] = m[r];
+                warp_l[warp][r] = lr;
             }
+#pragma unroll
+            for (int j = 0; j < E; ++j) warp_acc[warp][r][lane * E + j] = acc[r][j];
         }
-        const float p = __expf(score - mine_m);  // 0 for a masked key
-        l = l * mine_correction + (owner ? p : 0.0f);
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-            for (int j = 0; j < E; ++j) acc[r][j] *= correction[r];
-#pragma unroll
-            for (int k = 0; k < KB; ++k) {
-                const float pk = __shfl_sync(FULL_MASK, p, (r * KB + k) << SHIFT);
-#pragma unroll
-                for (int j = 0; j < E; ++j) acc[r][j] = fmaf(pk, vf[k][j], acc[r][j]);
-            }
-        }
+        __syncthreads();
+        decode_chunk_done<ROWS, E * 32>(warp_m, warp_l, warp_acc, rows, d, head0, split, splits,
+                                        n_heads, part_ml, part_acc, out);
+        __syncthreads();  // the shared rows are the next chunk's
     }
+    decode_merge<ROWS>(rows, d, head0, splits, done, n_heads, part_ml, part_acc, tickets, out);
+}
 
-    // Each warp's rows to shared memory, for the block's merge.
-    __shared__ float warp_m[DEC_WARPS][ROWS], warp_l[DEC_WARPS][ROWS];
-    __shared__ float warp_acc[DEC_WARPS][ROWS][E * 32];
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        const float lr = warp_sum(r == my_row ? l : 0.0f);
-        if (lane == 0) {
-            warp_m[warp][r] = m[r];
-            warp_l[warp][r] = lr;
-        }
-#pragma unroll
-        for (int j = 0; j < E; ++j) warp_acc[warp][r][lane * E + j] = acc[r][j];
+// A launch over the decode rows of several sequences, one a grid z: z's query is pass row
+// `rows[z]`, at position `row_pos[row]` (so its context is that + 1), of sequence
+// `row_seq[row]`, whose block table starts `row_seq · table_stride` entries after
+// `pages.table`; z's scratch starts `z · scratch_stride` values after the first. `rows` null:
+// one sequence, as the other arguments say. A row's chunks are its context's alone, as in a
+// launch of its own, so its bits do not depend on the rows beside it. Mirrors `DecodeBatch`
+// in attention.rs field for field.
+struct DecodeBatch {
+    const int* rows;
+    const int* row_pos;
+    const int* row_seq;
+    long long table_stride;
+    long long scratch_stride;
+};
+static_assert(sizeof(DecodeBatch) == 40, "DecodeBatch in attention.rs has 40 bytes");
+
+// Points a batched launch's arguments at grid z's row, sequence and scratch (the pass inputs
+// are written before the pass, so they are read before the kernel waits).
+__device__ __forceinline__ void decode_batch_row(const DecodeBatch& b, int n_heads, int n_kv_heads,
+                                                 int d, const float*& q, float*& out,
+                                                 float*& part_ml, float*& part_acc,
+                                                 unsigned*& tickets, int& context,
+                                                 const int*& context_dev, KvPages& pages,
+                                                 DecodeRope& rope) {
+    if (!b.rows) return;
+    const int z = blockIdx.z;
+    const int row = b.rows[z];
+    context = b.row_pos[row] + 1;
+    context_dev = nullptr;
+    pages.table += (size_t)b.row_seq[row] * b.table_stride;
+    q += (size_t)row * n_heads * d;
+    out += (size_t)row * n_heads * d;
+    if (rope.k_new) {
+        rope.k_new += (size_t)row * n_kv_heads * d;
+        rope.v_new += (size_t)row * n_kv_heads * d;
     }
-    __syncthreads();
-    decode_finish<ROWS, E * 32>(warp_m, warp_l, warp_acc, rows, d, head0, split, splits, n_heads,
-                                part_ml, part_acc, tickets, out);
+    const size_t scratch = (size_t)z * b.scratch_stride;
+    part_ml += scratch;
+    part_acc += scratch;
+    tickets += scratch;
 }
 
 #define ATTENTION_DECODE_ENTRY(NAME, KV, E, ROWS, FUSED)                                      \
-    extern "C" __global__ void __launch_bounds__(DEC_THREADS) NAME(                     \
+    extern "C" __global__ void __launch_bounds__(DEC_THREADS) NAME(                           \
         const float* q, KV* kc, KV* vc, float* part_ml, float* part_acc, unsigned* tickets,     \
         float* out, int context, const int* context_dev, int n_heads, int n_kv_heads, int d,    \
-        float scale, int target_splits, int vec, const KvPages pages, const DecodeRope rope) {  \
+        float scale, int target_splits, int vec, KvPages pages, DecodeRope rope,                \
+        const DecodeBatch batch) {                                                              \
+        decode_batch_row(batch, n_heads, n_kv_heads, d, q, out, part_ml, part_acc, tickets,     \
+                         context, context_dev, pages, rope);                                    \
         attention_decode<KV, E, ROWS, FUSED>(q, kc, vc, part_ml, part_acc, tickets, out,        \
                                              context, context_dev, n_heads, n_kv_heads, d,      \
                                              scale, target_splits, vec, pages, rope,            \

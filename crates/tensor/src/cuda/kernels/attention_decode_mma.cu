@@ -57,8 +57,7 @@ __device__ __forceinline__ void attention_decode_mma(
     if (context_dev) context = *context_dev;
     const int keys_per_split = decode_keys_per_split(context, target_splits);
     const int splits = (context + keys_per_split - 1) / keys_per_split;
-    const int split = blockIdx.x;
-    if (split >= splits) return;  // a chunk past the context
+    if ((int)blockIdx.x >= splits) return;  // a chunk past the context
     const int group = n_heads / n_kv_heads;
     const int row_blocks = (group + ROWS - 1) / ROWS;
     const int kvh = blockIdx.y / row_blocks;
@@ -66,7 +65,8 @@ __device__ __forceinline__ void attention_decode_mma(
     const int rows = min(ROWS, kvh * group + group - head0);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
-    const int t_end = min(context, (split + 1) * keys_per_split);
+    // The chunk in hand: the block takes chunks blockIdx.x, + gridDim.x, ... (as attention_decode).
+    int t_end = min(context, ((int)blockIdx.x + 1) * keys_per_split);
     const int stride = n_kv_heads * D;
     const KV* kh = kc + (size_t)kvh * D;
     const KV* vh = vc + (size_t)kvh * D;
@@ -80,8 +80,12 @@ __device__ __forceinline__ void attention_decode_mma(
         if (tk < t_end && tk <= last_cached)
             prefetch_l2(((lane & 1) ? vh : kh) + kv_row(pages, tk, stride), D * sizeof(KV));
     };
-    const int first = split * keys_per_split + warp * KEYS, step = DEC_WARPS * KEYS;
-    const bool holds_new = FUSED && t_end == context;
+    const int step = DEC_WARPS * KEYS;
+    int first = blockIdx.x * keys_per_split + warp * KEYS;
+    // The block whose chunks include the last, which holds the step's own key, and whether the
+    // chunk in hand is that one.
+    const bool holds_new = FUSED && (splits - 1) % (int)gridDim.x == (int)blockIdx.x;
+    bool has_new = holds_new && t_end == context;
 
     // A step's operands as loaded: this lane's 16-byte parts of keys g and g + 8 and of values
     // 2t, 2t + 1, 2t + 8 and 2t + 9 (see the top). `fetch` takes the cached rows (zero past the
@@ -109,7 +113,7 @@ __device__ __forceinline__ void attention_decode_mma(
     };
     __shared__ __align__(16) KV new_s[2][D];  // the step's key and value as the cache holds them
     auto patch = [&](int t0) {
-        if (!holds_new || pos - t0 >= KEYS || pos < t0) return;  // uniform across the warp
+        if (!has_new || pos - t0 >= KEYS || pos < t0) return;  // uniform across the warp
 #pragma unroll
         for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -178,88 +182,100 @@ __device__ __forceinline__ void attention_decode_mma(
         qb[2 * i + 1][1] = Mma::pack(b.z, b.w);
     }
 
-    float o[SLICES][4];
+    int done = 0;
+    for (int split = blockIdx.x; split < splits; split += gridDim.x, ++done) {
+        t_end = min(context, (split + 1) * keys_per_split);
+        first = split * keys_per_split + warp * KEYS;
+        has_new = holds_new && t_end == context;
+        if (done > 0) {
+            prefetch(first);
+            prefetch(first + step);
+        }
+        float o[SLICES][4];
 #pragma unroll
-    for (int m = 0; m < SLICES; ++m) o[m][0] = o[m][1] = o[m][2] = o[m][3] = 0.0f;
-    // Heads 2t and 2t + 1: running maximum and this lane's share of the sum (keys g, g + 8).
-    float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.0f, 0.0f};
-    for (int t0 = first; t0 < t_end; t0 += step) {
-        if (!FUSED || t0 != first) fetch(t0);
-        patch(t0);
-        prefetch(t0 + 2 * step);
+        for (int m = 0; m < SLICES; ++m) o[m][0] = o[m][1] = o[m][2] = o[m][3] = 0.0f;
+        // Heads 2t and 2t + 1: running maximum and this lane's share of the sum (keys g, g + 8).
+        float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.0f, 0.0f};
+        for (int t0 = first; t0 < t_end; t0 += step) {
+            if (!FUSED || done > 0 || t0 != first) fetch(t0);
+            patch(t0);
+            prefetch(t0 + 2 * step);
 
-        // s: keys g, g + 8 × heads 2t, 2t + 1 (c0 c1, c2 c3).
-        float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            // s: keys g, g + 8 × heads 2t, 2t + 1 (c0 c1, c2 c3).
+            float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-        for (int i = 0; i < K_PARTS; ++i) {
-            const unsigned a0[4] = {kw[0][i].x, kw[1][i].x, kw[0][i].y, kw[1][i].y};
-            Mma::mma(s, a0, qb[2 * i][0], qb[2 * i][1]);
-            const unsigned a1[4] = {kw[0][i].z, kw[1][i].z, kw[0][i].w, kw[1][i].w};
-            Mma::mma(s, a1, qb[2 * i + 1][0], qb[2 * i + 1][1]);
+            for (int i = 0; i < K_PARTS; ++i) {
+                const unsigned a0[4] = {kw[0][i].x, kw[1][i].x, kw[0][i].y, kw[1][i].y};
+                Mma::mma(s, a0, qb[2 * i][0], qb[2 * i][1]);
+                const unsigned a1[4] = {kw[0][i].z, kw[1][i].z, kw[0][i].w, kw[1][i].w};
+                Mma::mma(s, a1, qb[2 * i + 1][0], qb[2 * i + 1][1]);
+            }
+            const bool in0 = t0 + g < t_end, in8 = t0 + g + 8 < t_end;
+            s[0] = in0 ? s[0] * scale : NEG_INF;
+            s[1] = in0 ? s[1] * scale : NEG_INF;
+            s[2] = in8 ? s[2] * scale : NEG_INF;
+            s[3] = in8 ? s[3] * scale : NEG_INF;
+            float correction[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float mx = fmaxf(s[r], s[r + 2]);
+#pragma unroll
+                for (int o_ = 4; o_ < 32; o_ *= 2) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o_));
+                // Key t0 is in the chunk, so the new maximum is finite.
+                const float m_new = fmaxf(m_run[r], mx);
+                correction[r] = __expf(m_run[r] - m_new);  // 0 on the first step (m = -inf)
+                m_run[r] = m_new;
+            }
+            const float p0 = __expf(s[0] - m_run[0]), p1 = __expf(s[1] - m_run[1]);
+            const float p2 = __expf(s[2] - m_run[0]), p3 = __expf(s[3] - m_run[1]);
+            l_run[0] = l_run[0] * correction[0] + (p0 + p2);
+            l_run[1] = l_run[1] * correction[1] + (p1 + p3);
+            // p^T's B fragment: keys 2t, 2t + 1 (then + 8) of head g.
+            const unsigned pb0 = transpose_8x8(Mma::pack(p0, p1));
+            const unsigned pb1 = transpose_8x8(Mma::pack(p2, p3));
+#pragma unroll
+            for (int m = 0; m < SLICES; ++m) {
+                o[m][0] *= correction[0];
+                o[m][1] *= correction[1];
+                o[m][2] *= correction[0];
+                o[m][3] *= correction[1];
+                const int p = m / 4, w = m % 4;
+                // Rows g, g + 8 of d tile m (the low and high halves) of keys 2t and 2t + 1, then
+                // of 2t + 8 and 2t + 9.
+                const unsigned k0 = word_of(vw[0][p], w), k1 = word_of(vw[1][p], w);
+                const unsigned k8 = word_of(vw[2][p], w), k9 = word_of(vw[3][p], w);
+                const unsigned a[4] = {__byte_perm(k0, k1, 0x5410), __byte_perm(k0, k1, 0x7632),
+                                       __byte_perm(k8, k9, 0x5410), __byte_perm(k8, k9, 0x7632)};
+                Mma::mma(o[m], a, pb0, pb1);
+            }
         }
-        const bool in0 = t0 + g < t_end, in8 = t0 + g + 8 < t_end;
-        s[0] = in0 ? s[0] * scale : NEG_INF;
-        s[1] = in0 ? s[1] * scale : NEG_INF;
-        s[2] = in8 ? s[2] * scale : NEG_INF;
-        s[3] = in8 ? s[3] * scale : NEG_INF;
-        float correction[2];
+
+        // Each head's sum over the 8 lanes of its t; the warp's rows to shared memory.
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = fmaxf(s[r], s[r + 2]);
+        for (int r = 0; r < 2; ++r)
 #pragma unroll
-            for (int o_ = 4; o_ < 32; o_ *= 2) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o_));
-            // Key t0 is in the chunk, so the new maximum is finite.
-            const float m_new = fmaxf(m_run[r], mx);
-            correction[r] = __expf(m_run[r] - m_new);  // 0 on the first step (m = -inf)
-            m_run[r] = m_new;
+            for (int o_ = 4; o_ < 32; o_ *= 2) l_run[r] += __shfl_xor_sync(FULL_MASK, l_run[r], o_);
+        __shared__ float warp_m[DEC_WARPS][ROWS], warp_l[DEC_WARPS][ROWS];
+        __shared__ __align__(16) float warp_acc[DEC_WARPS][ROWS][D];
+        if (g == 0) {
+            warp_m[warp][2 * t] = m_run[0];
+            warp_m[warp][2 * t + 1] = m_run[1];
+            warp_l[warp][2 * t] = l_run[0];
+            warp_l[warp][2 * t + 1] = l_run[1];
         }
-        const float p0 = __expf(s[0] - m_run[0]), p1 = __expf(s[1] - m_run[1]);
-        const float p2 = __expf(s[2] - m_run[0]), p3 = __expf(s[3] - m_run[1]);
-        l_run[0] = l_run[0] * correction[0] + (p0 + p2);
-        l_run[1] = l_run[1] * correction[1] + (p1 + p3);
-        // p^T's B fragment: keys 2t, 2t + 1 (then + 8) of head g.
-        const unsigned pb0 = transpose_8x8(Mma::pack(p0, p1));
-        const unsigned pb1 = transpose_8x8(Mma::pack(p2, p3));
 #pragma unroll
         for (int m = 0; m < SLICES; ++m) {
-            o[m][0] *= correction[0];
-            o[m][1] *= correction[1];
-            o[m][2] *= correction[0];
-            o[m][3] *= correction[1];
-            const int p = m / 4, w = m % 4;
-            // Rows g, g + 8 of d tile m (the low and high halves) of keys 2t and 2t + 1, then
-            // of 2t + 8 and 2t + 9.
-            const unsigned k0 = word_of(vw[0][p], w), k1 = word_of(vw[1][p], w);
-            const unsigned k8 = word_of(vw[2][p], w), k9 = word_of(vw[3][p], w);
-            const unsigned a[4] = {__byte_perm(k0, k1, 0x5410), __byte_perm(k0, k1, 0x7632),
-                                   __byte_perm(k8, k9, 0x5410), __byte_perm(k8, k9, 0x7632)};
-            Mma::mma(o[m], a, pb0, pb1);
+            // Values δ and δ + 1 (rows g and g + 8 of d tile m) of heads 2t and 2t + 1.
+            const int delta = 64 * (m / 4) + 8 * g + 2 * (m % 4);
+            *(float2*)&warp_acc[warp][2 * t][delta] = make_float2(o[m][0], o[m][2]);
+            *(float2*)&warp_acc[warp][2 * t + 1][delta] = make_float2(o[m][1], o[m][3]);
         }
+        __syncthreads();
+        decode_chunk_done<ROWS, D>(warp_m, warp_l, warp_acc, rows, D, head0, split, splits, n_heads,
+                                   part_ml, part_acc, out);
+        __syncthreads();  // the shared rows are the next chunk's
     }
-
-    // Each head's sum over the 8 lanes of its t; the warp's rows to shared memory.
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-#pragma unroll
-        for (int o_ = 4; o_ < 32; o_ *= 2) l_run[r] += __shfl_xor_sync(FULL_MASK, l_run[r], o_);
-    __shared__ float warp_m[DEC_WARPS][ROWS], warp_l[DEC_WARPS][ROWS];
-    __shared__ __align__(16) float warp_acc[DEC_WARPS][ROWS][D];
-    if (g == 0) {
-        warp_m[warp][2 * t] = m_run[0];
-        warp_m[warp][2 * t + 1] = m_run[1];
-        warp_l[warp][2 * t] = l_run[0];
-        warp_l[warp][2 * t + 1] = l_run[1];
-    }
-#pragma unroll
-    for (int m = 0; m < SLICES; ++m) {
-        // Values δ and δ + 1 (rows g and g + 8 of d tile m) of heads 2t and 2t + 1.
-        const int delta = 64 * (m / 4) + 8 * g + 2 * (m % 4);
-        *(float2*)&warp_acc[warp][2 * t][delta] = make_float2(o[m][0], o[m][2]);
-        *(float2*)&warp_acc[warp][2 * t + 1][delta] = make_float2(o[m][1], o[m][3]);
-    }
-    __syncthreads();
-    decode_finish<ROWS, D>(warp_m, warp_l, warp_acc, rows, D, head0, split, splits, n_heads,
-                           part_ml, part_acc, tickets, out);
+    decode_merge<ROWS>(rows, D, head0, splits, done, n_heads, part_ml, part_acc, tickets, out);
 }
 
 // The same arguments as attention_decode's entry points; `d` must be D and `vec` 1.
@@ -267,7 +283,10 @@ __device__ __forceinline__ void attention_decode_mma(
     extern "C" __global__ void __launch_bounds__(DEC_THREADS) NAME(                             \
         const float* q, KV* kc, KV* vc, float* part_ml, float* part_acc, unsigned* tickets,     \
         float* out, int context, const int* context_dev, int n_heads, int n_kv_heads, int d,    \
-        float scale, int target_splits, int vec, const KvPages pages, const DecodeRope rope) {  \
+        float scale, int target_splits, int vec, KvPages pages, DecodeRope rope,                \
+        const DecodeBatch batch) {                                                              \
+        decode_batch_row(batch, n_heads, n_kv_heads, d, q, out, part_ml, part_acc, tickets,     \
+                         context, context_dev, pages, rope);                                    \
         attention_decode_mma<KV, D, FUSED>(q, kc, vc, part_ml, part_acc, tickets, out, context, \
                                            context_dev, n_heads, n_kv_heads, scale,             \
                                            target_splits, pages, rope,                          \

@@ -1,5 +1,10 @@
 //! `ember bench decode`: prefill and decode speed against a memory-bandwidth bound measured in
-//! the same run; `ember bench turn`: a chat's next turn with the prompt cache against without.
+//! the same run; `ember bench turn`: a chat's next turn with the prompt cache against without;
+//! `ember bench batch` ([`batch`]): many sequences at once.
+
+mod batch;
+
+pub use batch::{BatchBenchLine, BatchBenchOptions, bench_batch};
 
 use std::ops::ControlFlow;
 use std::time::Instant;
