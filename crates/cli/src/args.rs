@@ -130,6 +130,12 @@ pub struct ServeArgs {
     /// pool holds a whole --context for each [default: 4 on the CPU, 16 on CUDA].
     #[arg(long, env = "EMBER_PARALLEL", value_parser = clap::value_parser!(u64).range(1..=1024))]
     pub parallel: Option<u64>,
+    /// Positions of KV cache the running requests share [default: --parallel × --context].
+    /// Fewer (at least one --context) fit more requests in less memory: a request starts when
+    /// the pool has blocks for it, and when it runs out the last one started is preempted and
+    /// later recomputes its tokens (from the prompt cache where it can).
+    #[arg(long, env = "EMBER_KV_POOL_TOKENS")]
+    pub kv_pool_tokens: Option<usize>,
     /// Requests that may wait beyond the --parallel running ones; more get 503.
     #[arg(long, default_value_t = 64)]
     pub max_queue: usize,

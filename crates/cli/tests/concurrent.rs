@@ -90,13 +90,11 @@ fn reply(addr: &str, body: &Value) -> (String, u64) {
     }
 }
 
-#[test]
-fn concurrent_requests_get_the_replies_they_get_alone() {
-    // Together, with the prompt cache (the harness's 64 MiB: it fills and evicts).
-    let server = Server::start(QWEN, &["--max-queue", "64"]);
+/// Every request at once (and a client that leaves after its first chunk), on `server`.
+fn together(server: &Server) -> Vec<(String, u64)> {
     let addr = server.addr().to_owned();
     let barrier = Arc::new(Barrier::new(REQUESTS + 1));
-    let together: Vec<(String, u64)> = std::thread::scope(|s| {
+    std::thread::scope(|s| {
         let handles: Vec<_> = (0..REQUESTS)
             .map(|i| {
                 let (addr, barrier) = (&addr, Arc::clone(&barrier));
@@ -120,21 +118,67 @@ fn concurrent_requests_get_the_replies_they_get_alone() {
             assert!(stream.next_data().unwrap().is_some());
         });
         handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    })
+}
+
+#[test]
+fn concurrent_requests_get_the_replies_they_get_alone() {
+    // Together, with the prompt cache (the harness's 64 MiB: it fills and evicts).
+    let server = Server::start(QWEN, &["--max-queue", "64"]);
+    let together_cached = together(&server);
     // The shared histories came from the cache for some of the requests.
     let metrics = server.metrics();
     let hits = metric(&metrics, "ember_prompt_cache_hits_total").unwrap_or(0.0);
     assert!(hits > 0.0, "no prompt cache hit:\n{metrics}");
+    // The batched loop's figures: its passes' tokens (some passes took several requests'),
+    // its sequences as of the last step, and preemptions (the pool holds a context each).
+    let passes = metric(&metrics, "ember_batch_tokens_count").unwrap_or(0.0);
+    let single = metric(&metrics, "ember_batch_tokens_bucket{le=\"1\"}").unwrap_or(0.0);
+    assert!(passes > single, "no pass of several tokens:\n{metrics}");
+    assert_eq!(
+        metric(&metrics, "ember_preemptions_total"),
+        Some(0.0),
+        "{metrics}"
+    );
+    assert!(
+        metric(&metrics, "ember_sequences_waiting").is_some(),
+        "{metrics}"
+    );
+    let health = server.get("/health").json();
+    assert_eq!(health["sequences"]["preemptions_total"], 0, "{health}");
+    assert!(health["sequences"]["running"].is_i64(), "{health}");
+    drop(server);
+
+    // Together in a pool of one context for all four running (no cache): requests wait for
+    // blocks, and the last started is preempted when the others need its blocks.
+    let server = Server::start(
+        QWEN,
+        &[
+            "--max-queue",
+            "64",
+            "--prompt-cache-gib",
+            "0",
+            "--kv-pool-tokens",
+            "512",
+        ],
+    );
+    let together_pooled = together(&server);
+    let preemptions = metric(&server.metrics(), "ember_preemptions_total");
+    println!("a pool of 512 positions for four: {preemptions:?} preemptions");
     drop(server);
 
     // Alone, one after another, on a server without a prompt cache.
     let alone_server = Server::start(QWEN, &["--prompt-cache-gib", "0"]);
-    for (i, got) in together.iter().enumerate() {
+    for (i, (cached, pooled)) in together_cached.iter().zip(&together_pooled).enumerate() {
         let body = body(i);
         let want = reply(alone_server.addr(), &body);
-        assert_eq!(got, &want, "request {i} ({body}): together vs alone");
+        assert_eq!(cached, &want, "request {i} ({body}): together vs alone");
+        assert_eq!(
+            pooled, &want,
+            "request {i} ({body}): in a small pool vs alone"
+        );
         if body["stream"] == false {
-            assert_eq!(got.1, body["max_tokens"].as_u64().unwrap(), "{body}");
+            assert_eq!(cached.1, body["max_tokens"].as_u64().unwrap(), "{body}");
         }
     }
 }

@@ -23,6 +23,6 @@ pub use ember_models::KvDtype;
 pub use engine::{
     BatchEvent, DEFAULT_CONTEXT, DEFAULT_PARALLEL_CPU, DEFAULT_PARALLEL_CUDA,
     DEFAULT_PREFILL_CHUNK_CPU, DEFAULT_PREFILL_CHUNK_CUDA, Device, Engine, EngineOptions,
-    FinishReason, GenerateParams, Generation, PromptEncoder, ResidencyMode, Step,
+    FinishReason, GenerateParams, Generation, PromptEncoder, ResidencyMode, Step, StepTiming,
 };
 pub use error::{Error, Result};

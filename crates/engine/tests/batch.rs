@@ -19,10 +19,22 @@ fn golden(name: &str) -> PathBuf {
 }
 
 fn load(path: &Path, parallel: usize, chunk: usize, cache: CacheBudget) -> Engine {
+    load_with(path, parallel, chunk, cache, None)
+}
+
+/// [`load`] with a KV pool of `pool_tokens` positions for the running requests.
+fn load_with(
+    path: &Path,
+    parallel: usize,
+    chunk: usize,
+    cache: CacheBudget,
+    pool_tokens: Option<usize>,
+) -> Engine {
     let options = EngineOptions {
         threads: Some(2),
         context: Some(256),
         parallel: Some(parallel),
+        kv_pool_tokens: pool_tokens,
         prefill_chunk: Some(chunk),
         prompt_cache: cache,
         ..EngineOptions::default()
@@ -257,4 +269,69 @@ fn bad_requests_are_refused_at_submit_and_the_loop_goes_on() {
         .unwrap()
     {}
     assert_eq!(tokens, 2);
+}
+
+/// A pool smaller than the running requests need: the last admitted is preempted when the
+/// others' blocks run out, and resumes later by recomputing its tokens (from the prompt cache
+/// where it has one); every reply is still the bits of the same request alone.
+#[test]
+fn preempted_requests_resume_with_the_bits_they_get_alone() {
+    let path = golden("qwen3-f32");
+    let mut reference = load(&path, 1, 512, CacheBudget::Off);
+    let vocab = reference.config().vocab_size;
+    // Four requests of about 60 prompt and 70 new tokens: 520 positions at once, in a pool
+    // of 256 (one context).
+    let requests: Vec<Request> = (0..4u64)
+        .map(|i| {
+            let mut state = 0x2545_F491_4F6C_DD1D ^ (i + 1);
+            let prompt = (0..55 + 3 * i)
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    (state % vocab as u64) as u32
+                })
+                .collect();
+            let sampling = if i % 2 == 0 {
+                SamplingParams::default()
+            } else {
+                SamplingParams {
+                    temperature: 0.8,
+                    top_k: 20,
+                    seed: Some(7 + i),
+                    ..SamplingParams::default()
+                }
+            };
+            Request {
+                prompt,
+                params: GenerateParams {
+                    max_tokens: 70,
+                    sampling,
+                    ignore_eos: true,
+                    step_logits: true,
+                    cache_prompt: true,
+                },
+            }
+        })
+        .collect();
+    let want: Vec<Reply> = requests.iter().map(|r| alone(&mut reference, r)).collect();
+    // A cache of a few blocks: the pool stays short of what the four need at once.
+    for cache in [CacheBudget::Off, CacheBudget::Gib(0.0002)] {
+        let mut engine = load_with(&path, 4, 32, cache, Some(256));
+        let (got, widest) = batched(&mut engine, &requests, None);
+        let preemptions = engine.step_timing().preemptions;
+        assert!(
+            preemptions > 0,
+            "{cache:?}: the pool never ran out ({widest} at once)"
+        );
+        for (id, want) in want.iter().enumerate() {
+            let ((tokens, logits), _) = &got[&(id as u64)];
+            assert_eq!(tokens, &want.0, "{cache:?}: request {id}'s tokens");
+            assert!(
+                logits == &want.1,
+                "{cache:?}: request {id}'s logits' bits after {preemptions} preemptions"
+            );
+        }
+        assert_eq!(engine.sequences(), (0, 0));
+    }
 }

@@ -13,11 +13,17 @@ const LATENCY_BUCKETS: &[f64] = &[
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0,
 ];
 
+/// Tokens a forward pass of the batched loop computed: a decode step of one sequence up to a
+/// full prompt chunk.
+const BATCH_BUCKETS: &[f64] = &[
+    1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0,
+];
+
 pub struct Histogram {
     buckets: &'static [f64],
     counts: Vec<AtomicU64>,
     count: AtomicU64,
-    /// Sum in microseconds, so it can be an atomic integer.
+    /// Sum in millionths (microseconds for latencies), so it can be an atomic integer.
     sum_micros: AtomicU64,
 }
 
@@ -70,6 +76,12 @@ pub struct Metrics {
     pub inter_token_latency: Histogram,
     pub running: AtomicI64,
     pub queued: AtomicI64,
+    /// The batched loop's sequences holding KV blocks and waiting for them, as of its last
+    /// step; its preemptions; the tokens of each of its forward passes.
+    pub sequences_running: AtomicI64,
+    pub sequences_waiting: AtomicI64,
+    pub preemptions: AtomicU64,
+    pub batch_tokens: Histogram,
 }
 
 impl Default for Metrics {
@@ -82,6 +94,10 @@ impl Default for Metrics {
             inter_token_latency: Histogram::new(LATENCY_BUCKETS),
             running: AtomicI64::new(0),
             queued: AtomicI64::new(0),
+            sequences_running: AtomicI64::new(0),
+            sequences_waiting: AtomicI64::new(0),
+            preemptions: AtomicU64::new(0),
+            batch_tokens: Histogram::new(BATCH_BUCKETS),
         }
     }
 }
@@ -158,6 +174,29 @@ impl Metrics {
             "ember_requests_queued",
             "Requests waiting for the engine.",
             self.queued.load(Ordering::Relaxed),
+        );
+        gauge(
+            &mut out,
+            "ember_sequences_running",
+            "Sequences of the batched loop holding KV blocks, as of its last step.",
+            self.sequences_running.load(Ordering::Relaxed),
+        );
+        gauge(
+            &mut out,
+            "ember_sequences_waiting",
+            "Sequences of the batched loop waiting for KV blocks or a place, as of its last step.",
+            self.sequences_waiting.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut out,
+            "ember_preemptions_total",
+            "Running sequences preempted to free KV blocks (each recomputes its tokens later).",
+            self.preemptions.load(Ordering::Relaxed),
+        );
+        self.batch_tokens.render(
+            &mut out,
+            "ember_batch_tokens",
+            "Tokens (decode rows and prompt chunks) each forward pass of the batched loop computed.",
         );
         render_residency(&mut out, residency);
         render_prompt_cache(&mut out, cache.unwrap_or_default());

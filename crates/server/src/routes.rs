@@ -140,6 +140,7 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
             "context": ready.context,
             "residency": residency_json(ready),
             "prompt_cache": ready.prompt_cache.snapshot(),
+            "sequences": sequences_json(&state.metrics),
         }))
         .into_response(),
         None => (
@@ -148,6 +149,15 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
         )
             .into_response(),
     }
+}
+
+/// The batched loop's sequences, as of its last step.
+fn sequences_json(metrics: &crate::metrics::Metrics) -> Value {
+    json!({
+        "running": metrics.sequences_running.load(Ordering::Relaxed),
+        "waiting": metrics.sequences_waiting.load(Ordering::Relaxed),
+        "preemptions_total": metrics.preemptions.load(Ordering::Relaxed),
+    })
 }
 
 /// The residency set's state and figures, and whether the keepalive is ticking.

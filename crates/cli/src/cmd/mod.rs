@@ -62,6 +62,7 @@ pub fn engine_options(args: &ModelArgs) -> EngineOptions {
         // One-off commands run one sequence and gain nothing from keeping prompts; `serve`
         // sets its own.
         parallel: Some(1),
+        kv_pool_tokens: None,
         prompt_cache: CacheBudget::Off,
         prompt_cache_host: CacheBudget::Off,
     }

@@ -19,6 +19,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         model: super::model_path(&args.model)?,
         engine: ember_engine::EngineOptions {
             parallel: args.parallel.map(|n| n as usize),
+            kv_pool_tokens: args.kv_pool_tokens,
             prompt_cache: args.prompt_cache_gib,
             prompt_cache_host: args.prompt_cache_host_gib,
             ..super::engine_options(&args.model)

@@ -187,6 +187,7 @@ fn run(
         decode_tokens: total - at,
         timing: StepTiming {
             passes: now.passes - timing.passes,
+            preemptions: now.preemptions - timing.preemptions,
             rows: now.rows - timing.rows,
             schedule: now.schedule - timing.schedule,
             pass: now.pass - timing.pass,

@@ -63,6 +63,8 @@ pub(super) struct Batch {
 pub struct StepTiming {
     /// Steps that ran a forward pass.
     pub passes: usize,
+    /// Running sequences preempted to free KV blocks (each recomputes its tokens later).
+    pub preemptions: usize,
     /// Rows (tokens) those passes computed.
     pub rows: usize,
     /// Scheduling; the forward passes, until their picks or logits are on the host; and
@@ -197,6 +199,12 @@ impl Engine {
         self.batch.timing
     }
 
+    /// Requests of the batched loop running now (holding KV blocks), and waiting to start.
+    pub fn sequences(&self) -> (usize, usize) {
+        let s = &self.batch.scheduler;
+        (s.running(), s.waiting())
+    }
+
     /// Runs one step of the batched loop: one forward pass over what the scheduler picks,
     /// then a token for each sequence whose prompt (or last token) it completed. `on_event`
     /// hears each request's news in order. Returns false when nothing is left to run.
@@ -223,6 +231,13 @@ impl Engine {
         };
         self.run_transfers()?;
         self.batch.timing.schedule += started.elapsed();
+        self.batch.timing.preemptions += plan.preempted.len();
+        if !plan.preempted.is_empty() {
+            tracing::debug!(
+                "preempted {:?}: the KV pool ran out of blocks (--kv-pool-tokens)",
+                plan.preempted
+            );
+        }
         if plan.runs.is_empty() {
             // Nothing fits beside nothing: the pool cannot hold the head of the queue alone.
             self.fail_unfittable(on_event);

@@ -276,7 +276,9 @@ fn establish_residency(
             if caching {
                 flags.push("--prompt-cache-gib");
             }
-            if parallel > 1 {
+            if options.kv_pool_tokens.is_some() {
+                flags.push("--kv-pool-tokens");
+            } else if parallel > 1 {
                 flags.push("--parallel");
             }
             if !flags.is_empty() {
@@ -334,8 +336,12 @@ impl PoolPlan {
         device: Option<&CudaDevice>,
     ) -> PoolPlan {
         let layout = KvLayout::new(config, kv_dtype);
-        // A whole context for each sequence that may run at once.
-        let seq_blocks = layout.blocks_for(context) * parallel;
+        // A whole context for each sequence that may run at once, or the share asked for (at
+        // least one whole context: a request of the full length must fit alone).
+        let seq_blocks = match options.kv_pool_tokens {
+            Some(tokens) => layout.blocks_for(tokens.max(context)),
+            None => layout.blocks_for(context) * parallel,
+        };
         let seq_bytes = (seq_blocks * layout.block_bytes()) as u64;
         let bound = Bound::from_system(options.load_limit_gib);
         let (mut host_listed, mut device_listed) = (0u64, 0u64);

@@ -18,6 +18,12 @@ pub struct EngineOptions {
     /// on the CPU, [`DEFAULT_PARALLEL_CUDA`](super::DEFAULT_PARALLEL_CUDA) on CUDA. The
     /// library's default is `Some(1)`: embedders opt in.
     pub parallel: Option<usize>,
+    /// Positions of KV cache the running sequences share. `None`: a whole `context` for each
+    /// of `parallel`, so none ever waits for blocks. Fewer (at least one `context`) hold more
+    /// sequences in less memory: a request is admitted when the pool has blocks for it, and
+    /// when a running one needs a block the pool lacks, the last admitted is preempted (its
+    /// blocks freed, its tokens recomputed when it resumes, through the prompt cache).
+    pub kv_pool_tokens: Option<usize>,
     /// Tokens per forward pass in prefill; longer prompts run in chunks of this size. `None`
     /// takes [`DEFAULT_PREFILL_CHUNK_CPU`](super::DEFAULT_PREFILL_CHUNK_CPU) or
     /// [`DEFAULT_PREFILL_CHUNK_CUDA`](super::DEFAULT_PREFILL_CHUNK_CUDA).
@@ -90,6 +96,7 @@ impl Default for EngineOptions {
             threads: None,
             context: None,
             parallel: Some(1),
+            kv_pool_tokens: None,
             prefill_chunk: None,
             kv_dtype: None,
             residency: ResidencyMode::Off,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use ember_engine::{BatchEvent, Engine};
+use ember_engine::{BatchEvent, Engine, StepTiming};
 use ember_residency::Keepalive;
 use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TryRecvError;
@@ -90,6 +90,7 @@ pub(super) fn run(
             request = None;
             continue;
         }
+        let before = engine.step_timing();
         let result = engine.step_batch(&mut |id, event| {
             let Some(stream) = streams.get_mut(&id) else {
                 return;
@@ -124,10 +125,33 @@ pub(super) fn run(
             // Its requests have failed with it (their Failed events); the rest go on.
             tracing::warn!("a batched step failed: {e}");
         }
+        record_step(&metrics, &engine, before);
         if streams.is_empty() {
             // Idle: the keepalive ticks again.
             request = None;
         }
     }
     drop(request);
+}
+
+/// The batched loop's figures after a step: its sequences, its preemptions, and the tokens of
+/// its pass (none when it ran none).
+fn record_step(metrics: &Metrics, engine: &Engine, before: StepTiming) {
+    let after = engine.step_timing();
+    let (running, waiting) = engine.sequences();
+    metrics
+        .sequences_running
+        .store(running as i64, Ordering::Relaxed);
+    metrics
+        .sequences_waiting
+        .store(waiting as i64, Ordering::Relaxed);
+    metrics.preemptions.fetch_add(
+        (after.preemptions - before.preemptions) as u64,
+        Ordering::Relaxed,
+    );
+    if after.passes > before.passes {
+        metrics
+            .batch_tokens
+            .observe((after.rows - before.rows) as f64);
+    }
 }
