@@ -1,7 +1,8 @@
 //! Many requests at once each get the reply the same request gets alone, to the byte: streamed
 //! and not, greedy and seeded sampling, prompts that share prefixes (so the requests take each
 //! other's blocks from a small prompt cache, and evict them, in whatever order they run), while
-//! a client leaves mid-stream. The server batches them (`--parallel`, 4 on the CPU by
+//! a client leaves mid-stream and malformed, mistyped and oversized requests arrive among them;
+//! and again in a KV pool too small for all at once (requests wait and are preempted). The server batches them (`--parallel`, 4 on the CPU by
 //! default): decode tokens and prompt chunks of several requests share each forward pass, and
 //! this holds every reply to the bits it has alone.
 
@@ -90,10 +91,22 @@ fn reply(addr: &str, body: &Value) -> (String, u64) {
     }
 }
 
-/// Every request at once (and a client that leaves after its first chunk), on `server`.
+/// Bad requests sent among the others: malformed JSON, a wrong type, a prompt past the
+/// context. Each gets a 400 naming its problem; the others' replies must not notice.
+const BAD: [(&str, &str); 3] = [
+    ("{\"prompt\": \"cut off", "JSON"),
+    (
+        "{\"prompt\": \"hi\", \"max_tokens\": \"many\"}",
+        "max_tokens",
+    ),
+    ("", "context"),
+];
+
+/// Every request at once, with a client that leaves after its first chunk and the bad
+/// requests, on `server`.
 fn together(server: &Server) -> Vec<(String, u64)> {
     let addr = server.addr().to_owned();
-    let barrier = Arc::new(Barrier::new(REQUESTS + 1));
+    let barrier = Arc::new(Barrier::new(REQUESTS + 1 + BAD.len()));
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..REQUESTS)
             .map(|i| {
@@ -117,6 +130,21 @@ fn together(server: &Server) -> Vec<(String, u64)> {
             assert_eq!(stream.status, 200);
             assert!(stream.next_data().unwrap().is_some());
         });
+        for (body, names) in BAD {
+            let (addr, barrier) = (&addr, Arc::clone(&barrier));
+            s.spawn(move || {
+                // The one past the context: 2,000 words for a context of 512.
+                let long = json!({"prompt": words(9, 2000), "max_tokens": 4}).to_string();
+                let body = if body.is_empty() { long.as_str() } else { body };
+                barrier.wait();
+                let response =
+                    common::request(addr, "POST", "/v1/completions", &[JSON], body.as_bytes())
+                        .unwrap();
+                let text = String::from_utf8_lossy(&response.body);
+                assert_eq!(response.status, 400, "{text}");
+                assert!(text.contains(names), "{names}: {text}");
+            });
+        }
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     })
 }
