@@ -335,3 +335,100 @@ fn preempted_requests_resume_with_the_bits_they_get_alone() {
         assert_eq!(engine.sequences(), (0, 0));
     }
 }
+
+/// 64 streams at once, arriving at random steps, of prompts from 1 to 200 tokens and replies
+/// from 1 to 24, greedy and seeded: each reply the bits of the same request alone.
+#[test]
+fn sixty_four_streams_joining_and_leaving_each_get_their_bits_alone() {
+    let path = golden("qwen3-bf16");
+    let mut reference = load(&path, 1, 512, CacheBudget::Off);
+    let vocab = reference.config().vocab_size as u64;
+    let mut state = 0x5DEE_CE66_D1CE_4E5Bu64;
+    let mut next = |n: u64| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state % n
+    };
+    let requests: Vec<(u64, Request)> = (0..64u64)
+        .map(|i| {
+            let len = if i % 8 == 0 { 1 } else { 1 + next(200) };
+            let prompt = (0..len).map(|_| next(vocab) as u32).collect();
+            let sampling = if i % 3 == 0 {
+                SamplingParams {
+                    temperature: 1.1,
+                    top_p: 0.9,
+                    seed: Some(i),
+                    ..SamplingParams::default()
+                }
+            } else {
+                SamplingParams::default()
+            };
+            let arrival = next(40);
+            let params = GenerateParams {
+                max_tokens: 1 + next(24) as usize,
+                sampling,
+                ignore_eos: true,
+                step_logits: i % 2 == 0,
+                cache_prompt: false,
+            };
+            (arrival, Request { prompt, params })
+        })
+        .collect();
+    // Each reply's tokens, and the bits of its logits where it asks for them.
+    let want: Vec<Reply> = requests
+        .iter()
+        .map(|(_, r)| {
+            let mut logits = Vec::new();
+            let generation = reference
+                .generate(&r.prompt, &r.params, |step| {
+                    logits.extend(step.logits.map(bits));
+                    ControlFlow::Continue(())
+                })
+                .unwrap();
+            (generation.tokens, logits)
+        })
+        .collect();
+
+    let mut engine = load(&path, 64, 128, CacheBudget::Off);
+    let mut got: HashMap<u64, Reply> = HashMap::new();
+    let mut finished = 0;
+    let mut widest = 0;
+    let mut step = 0u64;
+    while finished < requests.len() {
+        for (id, (arrival, r)) in requests.iter().enumerate() {
+            if *arrival == step {
+                engine.submit(id as u64, &r.prompt, r.params).unwrap();
+            }
+        }
+        let mut sampled = 0;
+        engine
+            .step_batch(&mut |id, event| match event {
+                BatchEvent::Token { token, logits, .. } => {
+                    sampled += 1;
+                    let reply = got.entry(id).or_default();
+                    reply.0.push(token);
+                    reply.1.extend(logits.map(bits));
+                }
+                BatchEvent::Finished(_) => finished += 1,
+                BatchEvent::Failed(e) => panic!("request {id} failed: {e}"),
+                BatchEvent::Prompt { .. } => {}
+            })
+            .unwrap();
+        widest = widest.max(sampled);
+        step += 1;
+        assert!(step < 10_000, "the loop does not finish");
+    }
+    assert!(
+        widest >= 16,
+        "at most {widest} requests sampled in one step"
+    );
+    for (id, want) in want.iter().enumerate() {
+        let got = &got[&(id as u64)];
+        assert_eq!(got.0, want.0, "request {id}'s tokens");
+        assert!(got.1 == want.1, "request {id}'s logits' bits");
+        // Logits come with a token where the request asks for them or samples from them.
+        let p = &requests[id].1.params;
+        assert_eq!(got.1.is_empty(), p.sampling.is_greedy() && !p.step_logits);
+    }
+}
