@@ -1205,19 +1205,35 @@ fn sigterm_stops_an_idle_server_cleanly() {
 }
 
 #[test]
-fn sigterm_during_a_stream_ends_it_within_the_timeout() {
-    let mut server = Server::start(LLAMA, &["--context", "4096", "--shutdown-timeout", "1"]);
-    let body = with(
-        greedy_completion(json!("Once upon a time"), 4000),
-        json!({"stream": true}),
-    );
-    let mut stream = SseStream::open(
-        server.addr(),
-        "/v1/completions",
-        &[JSON],
-        body.to_string().as_bytes(),
-    )
-    .unwrap();
+fn sigterm_during_a_stream_ends_it_with_the_error_and_nothing_after() {
+    for (path, body) in [
+        (
+            "/v1/completions",
+            with(
+                greedy_completion(json!("Once upon a time"), 4000),
+                json!({"stream": true}),
+            ),
+        ),
+        (
+            "/v1/chat/completions",
+            with(
+                greedy_chat("Tell a long story.", 4000),
+                json!({"stream": true}),
+            ),
+        ),
+    ] {
+        sigterm_during_a_stream(path, &body);
+    }
+}
+
+/// Stops a server (SIGTERM, `--shutdown-timeout 0`: in-flight requests are cut at once) while
+/// it streams `body` to `path`: the stream ends with the error event, with no `finish_reason`
+/// chunk or `[DONE]` after it (a client that ignores error events must not take a cut reply
+/// for a whole one).
+fn sigterm_during_a_stream(path: &str, body: &Value) {
+    let mut server = Server::start(LLAMA, &["--context", "4096", "--shutdown-timeout", "0"]);
+    let mut stream =
+        SseStream::open(server.addr(), path, &[JSON], body.to_string().as_bytes()).unwrap();
     assert_eq!(stream.status, 200);
     for _ in 0..2 {
         assert!(stream.next_data().unwrap().is_some());
@@ -1250,12 +1266,21 @@ fn sigterm_during_a_stream_ends_it_within_the_timeout() {
         .map(|d| d.chars().take(300).collect())
         .collect();
     eprintln!(
-        "shutdown mid-stream: exit after {exited:?}, stream ended after {ended:?} with {:?}, {} more events, last two {tail:?}",
+        "{path}: shutdown mid-stream: exit after {exited:?}, stream ended after {ended:?} with {:?}, {} more events, last two {tail:?}",
         result.as_ref().err(),
         data.len(),
     );
     assert!(
         ended < Duration::from_secs(4),
-        "the stream outlived the shutdown: {ended:?}"
+        "{path}: the stream outlived the shutdown: {ended:?}"
+    );
+    let at = data
+        .iter()
+        .position(|d| d.contains("\"error\""))
+        .unwrap_or_else(|| panic!("{path}: the stream was not cut: {tail:?}"));
+    assert_eq!(
+        at + 1,
+        data.len(),
+        "{path}: events after the error: {tail:?}"
     );
 }

@@ -609,8 +609,10 @@ async fn chat_completions(
                     Ok(Some(piece)) => piece,
                     Ok(None) => break,
                     Err(e) => {
+                        // The error ends the stream: no finish_reason and no [DONE] after it,
+                        // so a client that skips error events never takes a cut reply as whole.
                         let _ = tx.send(data(&e.body())).await;
-                        break;
+                        return;
                     }
                 };
                 let lp: Option<Vec<TokenLogprob>> = logprobs.map(|_| {
