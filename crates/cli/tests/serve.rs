@@ -243,6 +243,16 @@ fn greedy_completion_equals_ember_run_and_transformers() {
             ember_run(model, &prompt, 12),
             "{model}: server vs ember run"
         );
+        // llama-server's and vLLM's route without `/v1`, and llama.cpp's `n_predict`.
+        let bare = ok(
+            &server,
+            "/completions",
+            &json!({"prompt": prompt, "n_predict": 12, "temperature": 0}),
+        );
+        assert_eq!(bare["choices"][0]["text"], text, "{model}: /completions");
+        assert_eq!(bare["usage"]["completion_tokens"], 12, "{bare}");
+        let models = server.get("/models").json();
+        assert_eq!(models["data"][0]["id"], model, "{models}");
         assert_eq!(
             text,
             golden_text(model, 0),
@@ -939,6 +949,10 @@ fn api_keys_guard_v1_but_not_health() {
         assert_error_shape(&body);
     }
     assert_eq!(server.get("/v1/models").status, 401);
+    // The routes without `/v1` are the same routes, keys included.
+    assert_eq!(server.get("/models").status, 401);
+    let bare = server.request("POST", "/completions", &[JSON], body.as_bytes());
+    assert_eq!(bare.status, 401, "{}", bare.text());
     for key in ["sk-first-key", "sk-second-key"] {
         let response = post(Some(key));
         assert_eq!(response.status, 200, "{key}: {}", response.text());

@@ -30,10 +30,14 @@ use crate::worker::{CancelOnDrop, Event, Job};
 type AppResult<T> = Result<T, ApiError>;
 
 pub(crate) fn router(state: Arc<AppState>) -> Router {
+    // The OpenAI routes, and the same without `/v1` (as llama-server and vLLM answer them).
     let v1 = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/chat/completions", post(chat_completions))
+        .route("/completions", post(completions))
+        .route("/models", get(models))
         .route_layer(middleware::from_fn_with_state(
             Arc::clone(&state),
             require_api_key,
@@ -62,9 +66,9 @@ async fn count_requests(
         .get::<MatchedPath>()
         .map(MatchedPath::as_str)
     {
-        Some("/v1/chat/completions") => "/v1/chat/completions",
-        Some("/v1/completions") => "/v1/completions",
-        Some("/v1/models") => "/v1/models",
+        Some("/v1/chat/completions" | "/chat/completions") => "/v1/chat/completions",
+        Some("/v1/completions" | "/completions") => "/v1/completions",
+        Some("/v1/models" | "/models") => "/v1/models",
         Some("/health") => "/health",
         Some("/metrics") => "/metrics",
         _ => "other",

@@ -150,19 +150,25 @@ fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
 fn parse_common(obj: &Map<String, Value>) -> Result<CommonParams, ApiError> {
     let model = str_field(field(obj, "model"), "model")?.map(str::to_owned);
 
-    let max_tokens = max_tokens_field(obj, "max_tokens")?;
-    let max_completion_tokens = max_tokens_field(obj, "max_completion_tokens")?;
-    let max_tokens = match (max_tokens, max_completion_tokens) {
-        (Some(a), Some(b)) if a != b => {
-            return Err(ApiError::invalid(
-                "max_completion_tokens",
-                format!(
-                    "`max_tokens` ({a}) and `max_completion_tokens` ({b}) disagree; send one of them"
-                ),
-            ));
+    // OpenAI's two names and llama.cpp's `n_predict` (where -1 means no limit) for one limit.
+    let mut max_tokens = None;
+    for name in ["max_tokens", "max_completion_tokens", "n_predict"] {
+        let limit = match (name, int_field(field(obj, name), name)?) {
+            ("n_predict", Some(-1)) => None,
+            _ => max_tokens_field(obj, name)?,
+        };
+        match (max_tokens, limit) {
+            (Some((a, first)), Some(b)) if a != b => {
+                return Err(ApiError::invalid(
+                    name,
+                    format!("`{first}` ({a}) and `{name}` ({b}) disagree; send one of them"),
+                ));
+            }
+            (None, Some(b)) => max_tokens = Some((b, name)),
+            _ => {}
         }
-        (a, b) => a.or(b),
-    };
+    }
+    let max_tokens = max_tokens.map(|(n, _)| n);
 
     let sampling = parse_sampling(obj)?;
     let stop = parse_stop(field(obj, "stop"))?;
@@ -343,17 +349,39 @@ fn parse_stop(value: Option<&Value>) -> Result<Vec<String>, ApiError> {
     }
 }
 
-/// OpenAI parameters ember does not implement: an error unless neutral.
+/// Parameters ember does not implement (OpenAI's, vLLM's and llama.cpp's that change the
+/// output): an error naming the field unless its value is the neutral one.
 fn reject_unsupported(obj: &Map<String, Value>) -> Result<(), ApiError> {
     for (name, neutral) in [
         ("frequency_penalty", 0.0),
         ("presence_penalty", 0.0),
         ("repetition_penalty", 1.0),
+        ("repeat_penalty", 1.0),
+        ("mirostat", 0.0),
+        ("typical_p", 1.0),
+        ("tfs_z", 1.0),
+        ("dry_multiplier", 0.0),
+        ("xtc_probability", 0.0),
+        ("dynatemp_range", 0.0),
+        ("top_n_sigma", -1.0),
+        ("n_probs", 0.0),
     ] {
         if let Some(x) = number_field(field(obj, name), name)?
             && x != neutral
         {
             return Err(unsupported(name));
+        }
+    }
+    // llama.cpp's constraints and sampler order: nothing ember can honour yet.
+    match field(obj, "grammar") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(g)) if g.is_empty() => {}
+        Some(_) => return Err(unsupported("grammar")),
+    }
+    for name in ["json_schema", "samplers"] {
+        match field(obj, name) {
+            None | Some(Value::Null) => {}
+            Some(_) => return Err(unsupported(name)),
         }
     }
     match field(obj, "logit_bias") {

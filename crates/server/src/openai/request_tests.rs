@@ -368,6 +368,35 @@ fn max_tokens_rules() {
         Some("max_completion_tokens"),
         ">= 1",
     );
+    // llama.cpp's name, where -1 means no limit.
+    assert_eq!(mt(json!({"n_predict": 5})).unwrap(), Some(5));
+    assert_eq!(mt(json!({"n_predict": -1})).unwrap(), None);
+    assert_eq!(
+        mt(json!({"n_predict": 5, "max_tokens": 5})).unwrap(),
+        Some(5)
+    );
+    assert_eq!(
+        mt(json!({"n_predict": -1, "max_tokens": 7})).unwrap(),
+        Some(7)
+    );
+    assert_invalid(
+        mt(json!({"max_tokens": 9, "n_predict": 4})),
+        Some("n_predict"),
+        "`max_tokens` (9) and `n_predict` (4) disagree",
+    );
+    assert_invalid(mt(json!({"n_predict": -2})), Some("n_predict"), ">= 1");
+    assert_invalid(
+        mt(json!({"n_predict": "5"})),
+        Some("n_predict"),
+        "must be an integer",
+    );
+    assert_eq!(
+        comp(comp_with(json!({"n_predict": 3})))
+            .unwrap()
+            .common
+            .max_tokens,
+        Some(3)
+    );
 }
 
 #[test]
@@ -557,6 +586,19 @@ fn unsupported_features_are_rejected_not_ignored() {
             "tool_choice",
         ),
         (json!({"function_call": {"name": "f"}}), "function_call"),
+        // llama.cpp's samplers and constraints.
+        (json!({"repeat_penalty": 1.1}), "repeat_penalty"),
+        (json!({"mirostat": 2}), "mirostat"),
+        (json!({"typical_p": 0.5}), "typical_p"),
+        (json!({"tfs_z": 0.9}), "tfs_z"),
+        (json!({"dry_multiplier": 0.8}), "dry_multiplier"),
+        (json!({"xtc_probability": 0.5}), "xtc_probability"),
+        (json!({"dynatemp_range": 0.5}), "dynatemp_range"),
+        (json!({"top_n_sigma": 1.0}), "top_n_sigma"),
+        (json!({"n_probs": 3}), "n_probs"),
+        (json!({"grammar": "root ::= \"a\""}), "grammar"),
+        (json!({"json_schema": {"type": "object"}}), "json_schema"),
+        (json!({"samplers": ["top_k"]}), "samplers"),
     ] {
         assert_invalid(
             c(extra),
@@ -597,7 +639,10 @@ fn unsupported_features_are_rejected_not_ignored() {
             "logit_bias": {}, "tools": [], "functions": [], "tool_choice": "auto",
             "function_call": "none", "response_format": {"type": "text"},
             "parallel_tool_calls": true, "user": "x", "metadata": {"k": "v"}, "store": true,
-            "service_tier": "auto", "some_future_field": [1, 2, 3]})
+            "service_tier": "auto", "some_future_field": [1, 2, 3], "repeat_penalty": 1.0,
+            "mirostat": 0, "typical_p": 1, "tfs_z": 1.0, "dry_multiplier": 0, "n_probs": 0,
+            "xtc_probability": 0, "dynatemp_range": 0, "top_n_sigma": -1, "grammar": "",
+            "json_schema": null, "samplers": null})
         )
         .is_ok()
     );
