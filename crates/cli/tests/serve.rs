@@ -250,6 +250,10 @@ fn greedy_completion_equals_ember_run_and_transformers() {
             &json!({"prompt": prompt, "n_predict": 12, "temperature": 0}),
         );
         assert_eq!(bare["choices"][0]["text"], text, "{model}: /completions");
+        // The same model and build: the same fingerprint, as OpenAI's replies carry it.
+        let fingerprint = response["system_fingerprint"].as_str().unwrap();
+        assert!(fingerprint.starts_with("fp_"), "{response}");
+        assert_eq!(bare["system_fingerprint"], fingerprint, "{bare}");
         assert_eq!(bare["usage"]["completion_tokens"], 12, "{bare}");
         let models = server.get("/models").json();
         assert_eq!(models["data"][0]["id"], model, "{models}");

@@ -453,11 +453,12 @@ impl Output {
     }
 }
 
-fn meta(state: &AppState, prefix: &str) -> ResponseMeta {
+fn meta(state: &AppState, ready: &Ready, prefix: &str) -> ResponseMeta {
     ResponseMeta {
         id: format!("{prefix}-{}", random_hex()),
         created: unix_now(),
         model: state.model_name.clone(),
+        system_fingerprint: ready.fingerprint.clone(),
     }
 }
 
@@ -555,7 +556,7 @@ async fn chat_completions(
     let prompt_tokens = prompt.len();
     let submitted = submit(&state, ready, prompt, params, logprobs, arrived).await?;
     let mut output = Output::new(submitted, request.common.stop.clone(), reasoning, arrived);
-    let meta = meta(&state, "chatcmpl");
+    let meta = meta(&state, ready, "chatcmpl");
 
     if !request.common.stream {
         let (mut content, mut reasoning_text, mut logprob_list) =
@@ -699,7 +700,7 @@ async fn completions(
         let params = plan(ready, ids.len(), &request.common)?;
         prompts.push((ids, params));
     }
-    let meta = meta(&state, "cmpl");
+    let meta = meta(&state, ready, "cmpl");
     let logprobs = request.logprobs;
 
     if !request.common.stream {

@@ -67,6 +67,8 @@ pub(crate) struct Ready {
     pub keep_warm: Duration,
     /// The prompt cache's budget, contents and counters, updated by the engine thread.
     pub prompt_cache: Arc<PromptCacheStats>,
+    /// Responses' `system_fingerprint`: the build and what decides the model's arithmetic.
+    pub fingerprint: String,
 }
 
 pub(crate) struct AppState {
@@ -160,6 +162,7 @@ pub async fn serve(
                     keepalive: keepalive.clone(),
                     keep_warm: options.keep_warm,
                     prompt_cache: engine.prompt_cache_stats(),
+                    fingerprint: fingerprint(&engine),
                 };
                 let device = engine.device_label();
                 let context = ready.context;
@@ -271,4 +274,21 @@ async fn shutdown_signal() {
         () = ctrl_c => {}
         () = terminate => {}
     }
+}
+
+/// `fp_` and 16 hex digits of a hash (FNV-1a) of ember's version, the model's path, the device
+/// and the KV cache's type: what a reply's bits depend on besides the request. Replies with the
+/// same fingerprint and seed are the same (OpenAI's meaning of the field).
+fn fingerprint(engine: &ember_engine::Engine) -> String {
+    let identity = format!(
+        "ember {} | {} | {} | {}",
+        env!("CARGO_PKG_VERSION"),
+        engine.dir().display(),
+        engine.device_label(),
+        engine.kv_dtype().name(),
+    );
+    let hash = identity.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    });
+    format!("fp_{hash:016x}")
 }

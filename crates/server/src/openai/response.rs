@@ -16,6 +16,9 @@ pub struct ResponseMeta {
     /// Unix seconds.
     pub created: u64,
     pub model: String,
+    /// Which model and build made the reply ([`crate::server`] derives it at load): replies
+    /// with the same fingerprint and seed are reproducible.
+    pub system_fingerprint: String,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -73,6 +76,7 @@ pub fn chat_completion(
         "object": "chat.completion",
         "created": meta.created,
         "model": meta.model,
+        "system_fingerprint": meta.system_fingerprint,
         "choices": [{
             "index": 0,
             "message": message,
@@ -95,6 +99,7 @@ pub fn chat_chunk(
         "object": "chat.completion.chunk",
         "created": meta.created,
         "model": meta.model,
+        "system_fingerprint": meta.system_fingerprint,
         "choices": [{
             "index": 0,
             "delta": delta,
@@ -127,6 +132,7 @@ pub fn usage_chunk(meta: &ResponseMeta, object: &str, usage: &Usage) -> Value {
         "object": object,
         "created": meta.created,
         "model": meta.model,
+        "system_fingerprint": meta.system_fingerprint,
         "choices": [],
         "usage": usage_json(usage),
     })
@@ -151,6 +157,7 @@ pub fn completion(meta: &ResponseMeta, choices: &[CompletionChoice], usage: &Usa
         "object": "text_completion",
         "created": meta.created,
         "model": meta.model,
+        "system_fingerprint": meta.system_fingerprint,
         "choices": choices,
         "usage": usage_json(usage),
     })
@@ -169,6 +176,7 @@ pub fn completion_chunk(
         "object": "text_completion",
         "created": meta.created,
         "model": meta.model,
+        "system_fingerprint": meta.system_fingerprint,
         "choices": [{
             "index": index,
             "text": text,

@@ -9,6 +9,7 @@ fn meta() -> ResponseMeta {
         id: "chatcmpl-0123456789abcdef0123456789abcdef".into(),
         created: 1_700_000_000,
         model: "qwen".into(),
+        system_fingerprint: "fp_0123456789abcdef".into(),
     }
 }
 
@@ -27,6 +28,7 @@ fn chat_completion_shape() {
             "object": "chat.completion",
             "created": 1_700_000_000u64,
             "model": "qwen",
+            "system_fingerprint": "fp_0123456789abcdef",
             "choices": [{
                 "index": 0,
                 "message": {"role": "assistant", "content": "Hello"},
@@ -91,6 +93,7 @@ fn chat_chunk_shapes() {
         v,
         json!({
             "id": m.id, "object": "chat.completion.chunk", "created": m.created, "model": "qwen",
+            "system_fingerprint": m.system_fingerprint,
             "choices": [{"index": 0, "delta": {"content": "Hi"}, "logprobs": null,
                 "finish_reason": null}],
         })
@@ -119,6 +122,7 @@ fn chat_chunk_shapes() {
         u,
         json!({
             "id": m.id, "object": "chat.completion.chunk", "created": m.created, "model": "qwen",
+            "system_fingerprint": m.system_fingerprint,
             "choices": [],
             "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3,
                       "prompt_tokens_details": {"cached_tokens": 0}},
@@ -132,6 +136,7 @@ fn completion_shapes() {
         id: "cmpl-0123456789abcdef0123456789abcdef".into(),
         created: 1,
         model: "qwen".into(),
+        system_fingerprint: "fp_0".into(),
     };
     let lp = CompletionLogprobs {
         tokens: vec![" b".into(), "a".into()],
@@ -171,6 +176,7 @@ fn completion_shapes() {
         v,
         json!({
             "id": m.id, "object": "text_completion", "created": 1, "model": "qwen",
+            "system_fingerprint": m.system_fingerprint,
             "choices": [
                 {"index": 0, "text": " ba", "finish_reason": "length", "logprobs": {
                     "tokens": [" b", "a"],
@@ -196,6 +202,7 @@ fn completion_shapes() {
         c,
         json!({
             "id": m.id, "object": "text_completion", "created": 1, "model": "qwen",
+            "system_fingerprint": m.system_fingerprint,
             "choices": [{"index": 2, "text": "tok", "logprobs": null, "finish_reason": null}],
         })
     );
