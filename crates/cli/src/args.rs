@@ -139,6 +139,11 @@ pub struct ServeArgs {
     /// Requests that may wait beyond the --parallel running ones; more get 503.
     #[arg(long, default_value_t = 64)]
     pub max_queue: usize,
+    /// Tokens a request that sets no limit (`max_tokens`, `n_predict`) may generate, within the
+    /// context; -1: to the end of the context (llama-server's `--n-predict`).
+    #[arg(long, default_value_t = 4096, allow_negative_numbers = true,
+          value_parser = clap::value_parser!(i64).range(-1..))]
+    pub n_predict: i64,
     /// Largest request body in bytes; larger bodies get 413.
     #[arg(long, default_value_t = 4 * 1024 * 1024)]
     pub max_body_bytes: usize,

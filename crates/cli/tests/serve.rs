@@ -1302,3 +1302,19 @@ fn sigterm_during_a_stream(path: &str, body: &Value) {
         "{path}: events after the error: {tail:?}"
     );
 }
+
+#[test]
+fn a_request_without_a_limit_stops_at_the_server_default() {
+    let server = Server::start(LLAMA, &["--n-predict", "3"]);
+    let body = json!({"prompt": "Once upon a time", "temperature": 0, "ignore_eos": true});
+    let response = ok(&server, "/v1/completions", &body);
+    assert_eq!(response["usage"]["completion_tokens"], 3, "{response}");
+    assert_eq!(response["choices"][0]["finish_reason"], "length");
+    // A request's own limit wins, past the default too.
+    let response = ok(
+        &server,
+        "/v1/completions",
+        &with(body, json!({"max_tokens": 5})),
+    );
+    assert_eq!(response["usage"]["completion_tokens"], 5, "{response}");
+}

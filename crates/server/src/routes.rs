@@ -235,7 +235,12 @@ fn engine_error(e: ember_engine::Error) -> ApiError {
 }
 
 /// The generation a request asks for, after checking it fits the context.
-fn plan(ready: &Ready, prompt_tokens: usize, common: &CommonParams) -> AppResult<GenerateParams> {
+fn plan(
+    state: &AppState,
+    ready: &Ready,
+    prompt_tokens: usize,
+    common: &CommonParams,
+) -> AppResult<GenerateParams> {
     let context = ready.context;
     if prompt_tokens == 0 {
         return Err(ApiError::bad_request("the prompt is empty"));
@@ -259,7 +264,8 @@ fn plan(ready: &Ready, prompt_tokens: usize, common: &CommonParams) -> AppResult
             .with_code("context_length_exceeded"));
         }
         Some(requested) => requested,
-        None => room,
+        // The server's default (`--n-predict`), within the context.
+        None => state.default_max_tokens.map_or(room, |n| n.min(room)),
     };
     Ok(GenerateParams {
         max_tokens,
@@ -541,7 +547,7 @@ async fn chat_completions(
         .tokenizer()
         .encode(&rendered, false)
         .map_err(|e| ApiError::bad_request(e.to_string()))?;
-    let params = plan(ready, prompt.len(), &request.common)?;
+    let params = plan(&state, ready, prompt.len(), &request.common)?;
     // Templates that know `<think>` get their reasoning split out; a prompt that ends inside
     // an open `<think>` means the reply starts in reasoning.
     let reasoning = encoder
@@ -697,7 +703,7 @@ async fn completions(
                 ids.clone()
             }
         };
-        let params = plan(ready, ids.len(), &request.common)?;
+        let params = plan(&state, ready, ids.len(), &request.common)?;
         prompts.push((ids, params));
     }
     let meta = meta(&state, ready, "cmpl");

@@ -32,6 +32,8 @@ pub struct ServerOptions {
     pub max_queue: usize,
     /// Largest request body accepted; larger gets 413.
     pub max_body_bytes: usize,
+    /// Tokens a request that names no limit may generate (`None`: to the end of the context).
+    pub default_max_tokens: Option<usize>,
     /// How long after the last request the keepalive goes on ticking (zero: never ticks).
     pub keep_warm: Duration,
     /// Time between keepalive ticks (at most `ember_residency::MAX_INTERVAL`).
@@ -77,6 +79,8 @@ pub(crate) struct AppState {
     pub api_keys: Vec<String>,
     pub metrics: Arc<Metrics>,
     pub max_body_bytes: usize,
+    /// [`ServerOptions::default_max_tokens`].
+    pub default_max_tokens: Option<usize>,
     pub created: u64,
 }
 
@@ -121,6 +125,7 @@ pub async fn serve(
         api_keys,
         metrics: Arc::new(Metrics::default()),
         max_body_bytes: options.max_body_bytes,
+        default_max_tokens: options.default_max_tokens,
         created: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())

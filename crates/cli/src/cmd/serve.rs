@@ -29,6 +29,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         shutdown_timeout: Duration::from_secs_f64(args.shutdown_timeout),
         max_queue: args.max_queue,
         max_body_bytes: args.max_body_bytes,
+        default_max_tokens: match args.n_predict {
+            -1 => None,
+            0 => bail!("--n-predict 0 would generate nothing: give a limit of 1 or more, or -1"),
+            n => Some(n as usize),
+        },
         keep_warm: Duration::from_secs_f64(args.keep_warm),
         keepalive_interval: Duration::from_millis(args.keepalive_interval_ms),
         keepalive_warm: !args.no_keepalive_warm,
