@@ -117,6 +117,10 @@ pub struct ServeArgs {
     /// Port to listen on (0 picks a free one; the log line says which).
     #[arg(long, default_value_t = 8026, env = "EMBER_PORT")]
     pub port: u16,
+    /// A web origin whose pages may call the server from a browser (`https://host:port`;
+    /// repeat for more, `*` for any) [default: none].
+    #[arg(long)]
+    pub cors_origin: Vec<String>,
     /// File of API keys, one per line; then /v1/* requires `Authorization: Bearer KEY`.
     #[arg(long, env = "EMBER_API_KEYS_FILE")]
     pub api_keys_file: Option<PathBuf>,

@@ -1318,3 +1318,85 @@ fn a_request_without_a_limit_stops_at_the_server_default() {
     );
     assert_eq!(response["usage"]["completion_tokens"], 5, "{response}");
 }
+
+#[test]
+fn cors_preflights_are_answered_for_allowed_origins_only() {
+    let keys = TempFile::new("keys", "sk-key\n");
+    let page = "http://localhost:5173";
+    let server = Server::start(
+        LLAMA,
+        &[
+            "--cors-origin",
+            page,
+            "--api-keys-file",
+            keys.path().to_str().unwrap(),
+        ],
+    );
+    let preflight = |origin: &str| {
+        server.request(
+            "OPTIONS",
+            "/v1/chat/completions",
+            &[
+                ("Origin", origin),
+                ("Access-Control-Request-Method", "POST"),
+                (
+                    "Access-Control-Request-Headers",
+                    "authorization, content-type",
+                ),
+            ],
+            b"",
+        )
+    };
+    // Before authentication: a browser sends no credentials with a preflight.
+    let ok = preflight(page);
+    assert_eq!(ok.status, 204, "{}", ok.text());
+    assert_eq!(ok.header("access-control-allow-origin"), Some(page));
+    assert_eq!(
+        ok.header("access-control-allow-headers"),
+        Some("authorization, content-type")
+    );
+    assert!(
+        ok.header("access-control-allow-methods")
+            .unwrap()
+            .contains("POST")
+    );
+    let refused = preflight("https://elsewhere.example");
+    assert_eq!(refused.status, 403, "{}", refused.text());
+    assert_error_shape(&refused.json());
+    assert!(
+        refused.text().contains("--cors-origin"),
+        "{}",
+        refused.text()
+    );
+    // The request itself carries the header for an allowed origin, not for others.
+    let body = greedy_completion(json!("Hi"), 2).to_string();
+    let post = |origin: &str| {
+        server.request(
+            "POST",
+            "/v1/completions",
+            &[JSON, ("Origin", origin), ("Authorization", "Bearer sk-key")],
+            body.as_bytes(),
+        )
+    };
+    let response = post(page);
+    assert_eq!(response.status, 200, "{}", response.text());
+    assert_eq!(response.header("access-control-allow-origin"), Some(page));
+    let other = post("https://elsewhere.example");
+    assert_eq!(other.status, 200);
+    assert_eq!(other.header("access-control-allow-origin"), None);
+    drop(server);
+
+    // Off by default: preflights are refused, naming the flag; a plain OPTIONS says what is
+    // allowed.
+    let server = Server::start(LLAMA, &[]);
+    let refused = server.request(
+        "OPTIONS",
+        "/v1/models",
+        &[("Origin", page), ("Access-Control-Request-Method", "GET")],
+        b"",
+    );
+    assert_eq!(refused.status, 403, "{}", refused.text());
+    let plain = server.request("OPTIONS", "/v1/models", &[], b"");
+    assert_eq!(plain.status, 204);
+    assert!(plain.header("allow").unwrap().contains("GET"));
+}

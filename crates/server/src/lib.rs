@@ -9,6 +9,7 @@
 //! Architecture invariant: only this crate knows HTTP and JSON wire formats; the engine runs on
 //! its own thread and never blocks the async runtime.
 
+pub mod cors;
 pub mod error;
 pub mod metrics;
 pub mod openai;
@@ -17,4 +18,5 @@ mod server;
 pub mod text;
 pub mod worker;
 
+pub use cors::CorsOrigins;
 pub use server::{ServerOptions, run, serve};

@@ -53,6 +53,10 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
             count_requests,
         ))
         .layer(DefaultBodyLimit::max(state.max_body_bytes))
+        .layer(middleware::from_fn_with_state(
+            Arc::clone(&state),
+            crate::cors::cors,
+        ))
         .with_state(state)
 }
 

@@ -1,5 +1,6 @@
 //! Binding, loading, serving and shutting down.
 
+use crate::cors::CorsOrigins;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -34,6 +35,8 @@ pub struct ServerOptions {
     pub max_body_bytes: usize,
     /// Tokens a request that names no limit may generate (`None`: to the end of the context).
     pub default_max_tokens: Option<usize>,
+    /// Web origins whose pages may call the server (`--cors-origin`).
+    pub cors: CorsOrigins,
     /// How long after the last request the keepalive goes on ticking (zero: never ticks).
     pub keep_warm: Duration,
     /// Time between keepalive ticks (at most `ember_residency::MAX_INTERVAL`).
@@ -81,6 +84,7 @@ pub(crate) struct AppState {
     pub max_body_bytes: usize,
     /// [`ServerOptions::default_max_tokens`].
     pub default_max_tokens: Option<usize>,
+    pub cors: CorsOrigins,
     pub created: u64,
 }
 
@@ -126,6 +130,7 @@ pub async fn serve(
         metrics: Arc::new(Metrics::default()),
         max_body_bytes: options.max_body_bytes,
         default_max_tokens: options.default_max_tokens,
+        cors: options.cors.clone(),
         created: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())

@@ -29,6 +29,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         shutdown_timeout: Duration::from_secs_f64(args.shutdown_timeout),
         max_queue: args.max_queue,
         max_body_bytes: args.max_body_bytes,
+        cors: ember_server::CorsOrigins::new(&args.cors_origin),
         default_max_tokens: match args.n_predict {
             -1 => None,
             0 => bail!("--n-predict 0 would generate nothing: give a limit of 1 or more, or -1"),
