@@ -1400,3 +1400,32 @@ fn cors_preflights_are_answered_for_allowed_origins_only() {
     assert_eq!(plain.status, 204);
     assert!(plain.header("allow").unwrap().contains("GET"));
 }
+
+#[test]
+fn a_prompt_of_megabytes_is_refused_before_it_is_tokenized() {
+    let server = Server::start(LLAMA, &[]);
+    let huge = "lorem ipsum dolor sit amet ".repeat(120_000); // 3.2 MB, under the body limit
+    for (path, body) in [
+        ("/v1/completions", json!({"prompt": huge, "max_tokens": 4})),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": huge}], "max_tokens": 4}),
+        ),
+    ] {
+        let (status, error) = server.post_json(path, &body);
+        assert_eq!(status, 400, "{path}: {error}");
+        assert_error_shape(&error);
+        assert_eq!(error["error"]["code"], "context_length_exceeded", "{error}");
+        // The early check's message: counted from the bytes, never tokenized.
+        let message = error["error"]["message"].as_str().unwrap();
+        assert!(message.contains("bytes"), "{path}: {message}");
+    }
+    assert_eq!(server.get("/health").status, 200);
+    // A prompt under the bound but over the context is still refused, after tokenizing.
+    let (status, error) = server.post_json(
+        "/v1/completions",
+        &json!({"prompt": "lorem ipsum ".repeat(600), "max_tokens": 4}),
+    );
+    assert_eq!(status, 400, "{error}");
+    assert_eq!(error["error"]["code"], "context_length_exceeded", "{error}");
+}

@@ -51,6 +51,9 @@ pub struct Tokenizer {
     /// exposes them through a map clone.
     special_ids: HashSet<u32>,
     vocab_size: usize,
+    /// The longest token's text in bytes, as the vocabulary writes it (at least the bytes of
+    /// input one token stands for): bounds a text's token count from below.
+    max_token_bytes: usize,
 }
 
 /// What we read from `tokenizer_config.json` (all optional), or from GGUF metadata.
@@ -125,6 +128,13 @@ impl Tokenizer {
         // Ids are not guaranteed contiguous: size the vocab by the largest id.
         let max_added = added.keys().map(|&id| id as usize + 1).max().unwrap_or(0);
         let vocab_size = inner.get_vocab_size(false).max(max_added);
+        let max_token_bytes = inner
+            .get_vocab(true)
+            .keys()
+            .map(String::len)
+            .max()
+            .unwrap_or(1)
+            .max(1);
 
         let bos_token_id = config
             .bos_token
@@ -149,6 +159,7 @@ impl Tokenizer {
             eos_token_id,
             special_ids,
             vocab_size,
+            max_token_bytes,
         })
     }
 
@@ -194,6 +205,15 @@ impl Tokenizer {
                 String::new()
             }
         }
+    }
+
+    /// Fewer tokens than any text of `bytes` bytes certainly makes, found without encoding it:
+    /// its bytes over the longest token's, with room for normalisers that shorten text
+    /// (NFKC's ligatures) — so a prompt far past the context is refused before it is encoded.
+    /// (A vocabulary whose unknown token swallows runs of text would break the bound; the
+    /// byte-level and byte-fallback vocabularies of the models served have none.)
+    pub fn min_tokens_of_bytes(&self, bytes: usize) -> usize {
+        bytes / (4 * self.max_token_bytes)
     }
 
     /// One past the largest token id (base vocabulary plus added tokens).
@@ -565,6 +585,26 @@ pub(crate) mod test_support {
 mod tests {
     use super::test_support::*;
     use super::*;
+
+    /// The bound that refuses long prompts unencoded never exceeds the real count.
+    #[test]
+    fn min_tokens_of_bytes_never_exceeds_the_count() {
+        let byte_level = byte_level();
+        let sp = sentencepiece(r#"{"add_bos_token": true}"#);
+        for text in [
+            "hello world".repeat(500),
+            "x".repeat(10_000),
+            " ".repeat(4_000),
+            "é漢字🙂".repeat(700),
+            "ﬁﬂ".repeat(900),
+        ] {
+            for t in [&byte_level, &sp] {
+                let count = t.encode(&text, false).unwrap().len();
+                let bound = t.min_tokens_of_bytes(text.len());
+                assert!(bound <= count, "{bound} > {count} for {:?}", &text[..20]);
+            }
+        }
+    }
 
     #[test]
     fn byte_level_round_trip_and_metadata() {

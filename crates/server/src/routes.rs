@@ -280,6 +280,32 @@ fn plan(
     })
 }
 
+/// Refuses a prompt whose text (`bytes` of it) makes more tokens than the context holds
+/// whatever it says, before anything tokenizes it: a prompt of megabytes costs no time and
+/// no memory.
+fn refuse_certainly_too_long(ready: &Ready, bytes: usize) -> AppResult<()> {
+    let at_least = ready.encoder.tokenizer().min_tokens_of_bytes(bytes);
+    let context = ready.context;
+    if at_least >= context {
+        return Err(ApiError::bad_request(format!(
+            "this model's maximum context length is {context} tokens; the prompt's {bytes} bytes \
+             make at least {at_least}"
+        ))
+        .with_code("context_length_exceeded"));
+    }
+    Ok(())
+}
+
+/// Runs `work` (templating, tokenizing: milliseconds to seconds for long prompts) on the
+/// blocking pool, so that the runtime's threads keep answering other requests and `/health`.
+async fn off_the_runtime<T: Send + 'static>(
+    work: impl FnOnce() -> AppResult<T> + Send + 'static,
+) -> AppResult<T> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| ApiError::internal(format!("tokenizing the prompt failed: {e}")))?
+}
+
 /// A queued job and the receiving end of its events.
 struct Submitted {
     events: mpsc::UnboundedReceiver<Event>,
@@ -542,15 +568,31 @@ async fn chat_completions(
 ) -> AppResult<Response> {
     let arrived = Instant::now();
     let ready = ready(&state)?;
-    let request = openai::parse_chat(&body)?;
+    let mut request = openai::parse_chat(&body)?;
+    drop(body);
+    let text_bytes: usize = request
+        .messages
+        .iter()
+        .map(|m| m.content.len() + m.reasoning_content.as_ref().map_or(0, String::len))
+        .sum();
+    refuse_certainly_too_long(ready, text_bytes)?;
+    let encoder = ready.encoder.clone();
+    let (messages, kwargs) = (
+        std::mem::take(&mut request.messages),
+        std::mem::take(&mut request.chat_template_kwargs),
+    );
+    let (rendered, prompt) = off_the_runtime(move || {
+        let rendered = encoder
+            .render_chat(&messages, &kwargs)
+            .map_err(engine_error)?;
+        let prompt = encoder
+            .tokenizer()
+            .encode(&rendered, false)
+            .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        Ok((rendered, prompt))
+    })
+    .await?;
     let encoder = &ready.encoder;
-    let rendered = encoder
-        .render_chat(&request.messages, &request.chat_template_kwargs)
-        .map_err(engine_error)?;
-    let prompt = encoder
-        .tokenizer()
-        .encode(&rendered, false)
-        .map_err(|e| ApiError::bad_request(e.to_string()))?;
     let params = plan(&state, ready, prompt.len(), &request.common)?;
     // Templates that know `<think>` get their reasoning split out; a prompt that ends inside
     // an open `<think>` means the reply starts in reasoning.
@@ -692,10 +734,15 @@ async fn completions(
     let arrived = Instant::now();
     let ready = ready(&state)?;
     let request = openai::parse_completion(&body)?;
+    drop(body);
     let mut prompts = Vec::with_capacity(request.prompts.len());
     for prompt in &request.prompts {
         let ids = match prompt {
-            PromptInput::Text(text) => ready.encoder.encode_prompt(text).map_err(engine_error)?,
+            PromptInput::Text(text) => {
+                refuse_certainly_too_long(ready, text.len())?;
+                let (encoder, text) = (ready.encoder.clone(), text.clone());
+                off_the_runtime(move || encoder.encode_prompt(&text).map_err(engine_error)).await?
+            }
             PromptInput::Tokens(ids) => {
                 let vocab = ready.encoder.tokenizer().vocab_size();
                 if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
