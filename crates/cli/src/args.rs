@@ -117,6 +117,23 @@ pub struct ServeArgs {
     /// Port to listen on (0 picks a free one; the log line says which).
     #[arg(long, default_value_t = 8026, env = "EMBER_PORT")]
     pub port: u16,
+    /// Sampling temperature of a request that sets none [default: the model's:
+    /// generation_config.json's for a checkpoint, 0.8 for a GGUF model, else 1].
+    #[arg(long, value_parser = parse_temperature)]
+    pub temp: Option<f32>,
+    /// Top-k of a request that sets none (0: off) [default: the model's, as for --temp; 40 for
+    /// a GGUF model].
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// Top-p of a request that sets none [default: the model's; 0.95 for a GGUF model].
+    #[arg(long, value_parser = parse_unit_open)]
+    pub top_p: Option<f32>,
+    /// Min-p of a request that sets none [default: the model's; 0.05 for a GGUF model].
+    #[arg(long, value_parser = parse_unit)]
+    pub min_p: Option<f32>,
+    /// Seed of a request that sets none [default: none, a fresh one per request].
+    #[arg(long)]
+    pub seed: Option<u64>,
     /// A web origin whose pages may call the server from a browser (`https://host:port`;
     /// repeat for more, `*` for any) [default: none].
     #[arg(long)]
@@ -345,4 +362,28 @@ pub struct GenCheckpointArgs {
     /// Output directory (created).
     #[arg(long, short = 'o')]
     pub out: PathBuf,
+}
+
+/// A temperature in 0..=2, as the API takes it.
+fn parse_temperature(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(t) if (0.0..=2.0).contains(&t) => Ok(t),
+        _ => Err(format!("{s}: a temperature between 0 and 2")),
+    }
+}
+
+/// A probability in 0..=1 (min-p).
+fn parse_unit(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(p) if (0.0..=1.0).contains(&p) => Ok(p),
+        _ => Err(format!("{s}: a number between 0 and 1")),
+    }
+}
+
+/// A probability in (0, 1] (top-p).
+fn parse_unit_open(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(p) if p > 0.0 && p <= 1.0 => Ok(p),
+        _ => Err(format!("{s}: a number above 0 and at most 1")),
+    }
 }

@@ -1429,3 +1429,47 @@ fn a_prompt_of_megabytes_is_refused_before_it_is_tokenized() {
     assert_eq!(status, 400, "{error}");
     assert_eq!(error["error"]["code"], "context_length_exceeded", "{error}");
 }
+
+#[test]
+fn sampling_defaults_come_from_generation_config_and_the_flags() {
+    // A copy of the fixture whose generation_config.json turns sampling off.
+    let dir = std::env::temp_dir().join(format!("ember-defaults-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for entry in std::fs::read_dir(common::fixture(LLAMA)).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+    }
+    let config_path = dir.join("generation_config.json");
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    config["do_sample"] = json!(false);
+    std::fs::write(&config_path, config.to_string()).unwrap();
+
+    let no_sampling_fields = json!({"prompt": "Once upon a time", "max_tokens": 12});
+    let greedy = with(no_sampling_fields.clone(), json!({"temperature": 0}));
+    let reference = Server::start(LLAMA, &[]);
+    let want = ok(&reference, "/v1/completions", &greedy)["choices"][0]["text"].clone();
+    drop(reference);
+
+    let server = Server::start(dir.to_str().unwrap(), &[]);
+    let got = ok(&server, "/v1/completions", &no_sampling_fields);
+    assert_eq!(
+        got["choices"][0]["text"], want,
+        "generation_config's do_sample: false"
+    );
+    assert!(
+        server.log().contains("generation_config.json"),
+        "{}",
+        server.log()
+    );
+    drop(server);
+    std::fs::remove_dir_all(&dir).unwrap();
+
+    // The flags over the model's defaults; a request's own fields over both.
+    let server = Server::start(LLAMA, &["--temp", "0"]);
+    let got = ok(&server, "/v1/completions", &no_sampling_fields);
+    assert_eq!(got["choices"][0]["text"], want, "--temp 0");
+    let sampled = with(no_sampling_fields, json!({"temperature": 1.5, "seed": 3}));
+    let a = ok(&server, "/v1/completions", &sampled)["choices"][0]["text"].clone();
+    assert_ne!(a, want, "a request's temperature wins over --temp");
+}

@@ -54,6 +54,9 @@ pub enum Error {
     /// The caller asked to stop before the prompt was in (a client gone mid-prefill).
     #[error("the request was cancelled")]
     Cancelled,
+    /// A `generation_config.json` that does not parse, or asks for sampling out of range.
+    #[error("{0}")]
+    GenerationConfig(String),
     /// More sequences at once than the engine was loaded for.
     #[error("{wanted} sequences at once need --parallel {wanted} (the engine runs {parallel})")]
     TooManySequences { wanted: usize, parallel: usize },

@@ -22,7 +22,8 @@ pub mod tokenizer;
 pub use ember_models::KvDtype;
 pub use engine::{
     BatchEvent, DEFAULT_CONTEXT, DEFAULT_PARALLEL_CPU, DEFAULT_PARALLEL_CUDA,
-    DEFAULT_PREFILL_CHUNK_CPU, DEFAULT_PREFILL_CHUNK_CUDA, Device, Engine, EngineOptions,
-    FinishReason, GenerateParams, Generation, PromptEncoder, ResidencyMode, Step, StepTiming,
+    DEFAULT_PREFILL_CHUNK_CPU, DEFAULT_PREFILL_CHUNK_CUDA, DefaultsSource, Device, Engine,
+    EngineOptions, FinishReason, GenerateParams, Generation, LLAMA_SERVER_DEFAULTS,
+    OPENAI_DEFAULTS, PromptEncoder, ResidencyMode, SamplingDefaults, Step, StepTiming,
 };
 pub use error::{Error, Result};

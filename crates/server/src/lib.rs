@@ -19,4 +19,4 @@ pub mod text;
 pub mod worker;
 
 pub use cors::CorsOrigins;
-pub use server::{ServerOptions, run, serve};
+pub use server::{SamplingOverrides, ServerOptions, run, serve};

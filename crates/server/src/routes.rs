@@ -568,7 +568,7 @@ async fn chat_completions(
 ) -> AppResult<Response> {
     let arrived = Instant::now();
     let ready = ready(&state)?;
-    let mut request = openai::parse_chat(&body)?;
+    let mut request = openai::parse_chat(&body, &ready.sampling_defaults)?;
     drop(body);
     let text_bytes: usize = request
         .messages
@@ -733,7 +733,7 @@ async fn completions(
 ) -> AppResult<Response> {
     let arrived = Instant::now();
     let ready = ready(&state)?;
-    let request = openai::parse_completion(&body)?;
+    let request = openai::parse_completion(&body, &ready.sampling_defaults)?;
     drop(body);
     let mut prompts = Vec::with_capacity(request.prompts.len());
     for prompt in &request.prompts {

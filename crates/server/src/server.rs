@@ -1,6 +1,7 @@
 //! Binding, loading, serving and shutting down.
 
 use crate::cors::CorsOrigins;
+use ember_engine::sampler::SamplingParams;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -37,6 +38,8 @@ pub struct ServerOptions {
     pub default_max_tokens: Option<usize>,
     /// Web origins whose pages may call the server (`--cors-origin`).
     pub cors: CorsOrigins,
+    /// Sampling defaults set on the command line, over the model's.
+    pub sampling: SamplingOverrides,
     /// How long after the last request the keepalive goes on ticking (zero: never ticks).
     pub keep_warm: Duration,
     /// Time between keepalive ticks (at most `ember_residency::MAX_INTERVAL`).
@@ -74,6 +77,9 @@ pub(crate) struct Ready {
     pub prompt_cache: Arc<PromptCacheStats>,
     /// Responses' `system_fingerprint`: the build and what decides the model's arithmetic.
     pub fingerprint: String,
+    /// The sampling of what a request leaves out: the model's defaults under the server's
+    /// flags.
+    pub sampling_defaults: SamplingParams,
 }
 
 pub(crate) struct AppState {
@@ -173,6 +179,7 @@ pub async fn serve(
                     keep_warm: options.keep_warm,
                     prompt_cache: engine.prompt_cache_stats(),
                     fingerprint: fingerprint(&engine),
+                    sampling_defaults: sampling_defaults(&engine, &options.sampling),
                 };
                 let device = engine.device_label();
                 let context = ready.context;
@@ -301,4 +308,47 @@ fn fingerprint(engine: &ember_engine::Engine) -> String {
         (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
     });
     format!("fp_{hash:016x}")
+}
+
+/// Sampling defaults set on the command line (`--temp`, `--top-k`, `--top-p`, `--min-p`,
+/// `--seed`): each, where set, replaces the model's default; a request's own field wins.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SamplingOverrides {
+    pub temperature: Option<f32>,
+    pub top_k: Option<usize>,
+    pub top_p: Option<f32>,
+    pub min_p: Option<f32>,
+    pub seed: Option<u64>,
+}
+
+/// The model's sampling defaults with the command line's over them, logged once.
+fn sampling_defaults(engine: &ember_engine::Engine, flags: &SamplingOverrides) -> SamplingParams {
+    let model = engine.sampling_defaults();
+    let mut p = model.params;
+    p.temperature = flags.temperature.unwrap_or(p.temperature);
+    p.top_k = flags.top_k.unwrap_or(p.top_k);
+    p.top_p = flags.top_p.unwrap_or(p.top_p);
+    p.min_p = flags.min_p.unwrap_or(p.min_p);
+    p.seed = flags.seed.or(p.seed);
+    let flagged = flags.temperature.is_some()
+        || flags.top_k.is_some()
+        || flags.top_p.is_some()
+        || flags.min_p.is_some()
+        || flags.seed.is_some();
+    tracing::info!(
+        "sampling defaults: temperature {}, top_k {}, top_p {}, min_p {}{} (from {}{}); a \
+         request's own fields win",
+        p.temperature,
+        p.top_k,
+        p.top_p,
+        p.min_p,
+        p.seed.map(|s| format!(", seed {s}")).unwrap_or_default(),
+        model.source,
+        if flagged {
+            ", with the command line's over them"
+        } else {
+            ""
+        },
+    );
+    p
 }

@@ -30,6 +30,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         max_queue: args.max_queue,
         max_body_bytes: args.max_body_bytes,
         cors: ember_server::CorsOrigins::new(&args.cors_origin),
+        sampling: ember_server::SamplingOverrides {
+            temperature: args.temp,
+            top_k: args.top_k,
+            top_p: args.top_p,
+            min_p: args.min_p,
+            seed: args.seed,
+        },
         default_max_tokens: match args.n_predict {
             -1 => None,
             0 => bail!("--n-predict 0 would generate nothing: give a limit of 1 or more, or -1"),

@@ -76,6 +76,7 @@ impl Engine {
             ),
             None => eos_token_ids(dir, &config, &tokenizer)?,
         };
+        let sampling_defaults = super::defaults::sampling_defaults(dir, gguf.is_some())?;
         let context = options
             .context
             .unwrap_or(DEFAULT_CONTEXT.min(config.max_position_embeddings))
@@ -237,6 +238,7 @@ impl Engine {
             kv_dtype,
             encoder,
             eos_ids,
+            sampling_defaults,
             residency,
             keepalive_scratch,
             _weights: weights,

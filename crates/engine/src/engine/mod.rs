@@ -5,6 +5,7 @@
 //! cache; this file holds the engine and what it tells about itself.
 
 mod batch;
+mod defaults;
 mod generate;
 mod load;
 mod options;
@@ -26,6 +27,7 @@ use crate::runner::Runner;
 use crate::tokenizer::Tokenizer;
 
 pub use batch::{BatchEvent, StepTiming};
+pub use defaults::{DefaultsSource, LLAMA_SERVER_DEFAULTS, OPENAI_DEFAULTS, SamplingDefaults};
 pub use generate::{FinishReason, GenerateParams, Generation, Step};
 use load::WeightFiles;
 pub use options::{Device, EngineOptions, ResidencyMode};
@@ -122,6 +124,8 @@ pub struct Engine {
     kv_dtype: KvDtype,
     encoder: PromptEncoder,
     eos_ids: Vec<u32>,
+    /// The sampling of a request that names none ([`defaults`]).
+    sampling_defaults: SamplingDefaults,
     /// Holds the buffers resident between requests (inactive when off or refused).
     residency: Arc<ResidencySet>,
     /// Where the keepalive tick does its 16-byte copy; a member of the set like any buffer.
@@ -160,6 +164,11 @@ impl Engine {
     }
 
     /// A handle that tokenizes prompts and chats for this model, usable from other threads.
+    /// The sampling a request gets for the parameters it leaves out, and where it came from.
+    pub fn sampling_defaults(&self) -> SamplingDefaults {
+        self.sampling_defaults
+    }
+
     pub fn encoder(&self) -> &PromptEncoder {
         &self.encoder
     }

@@ -64,10 +64,10 @@ pub struct CompletionRequest {
 }
 
 /// Parses and validates a `/v1/chat/completions` body.
-pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
+pub fn parse_chat(body: &[u8], defaults: &SamplingParams) -> Result<ChatRequest, ApiError> {
     let obj = parse_object(body)?;
     let messages = parse_messages(field(&obj, "messages"))?;
-    let common = parse_common(&obj)?;
+    let common = parse_common(&obj, defaults)?;
     let chat_template_kwargs = match field(&obj, "chat_template_kwargs") {
         None => Map::new(),
         Some(Value::Object(map)) => map.clone(),
@@ -100,10 +100,13 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
 }
 
 /// Parses and validates a `/v1/completions` body.
-pub fn parse_completion(body: &[u8]) -> Result<CompletionRequest, ApiError> {
+pub fn parse_completion(
+    body: &[u8],
+    defaults: &SamplingParams,
+) -> Result<CompletionRequest, ApiError> {
     let obj = parse_object(body)?;
     let prompts = parse_prompt(field(&obj, "prompt"))?;
-    let common = parse_common(&obj)?;
+    let common = parse_common(&obj, defaults)?;
     match field(&obj, "suffix") {
         None => {}
         Some(Value::String(s)) if s.is_empty() => {}
@@ -147,7 +150,10 @@ fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
     }
 }
 
-fn parse_common(obj: &Map<String, Value>) -> Result<CommonParams, ApiError> {
+fn parse_common(
+    obj: &Map<String, Value>,
+    defaults: &SamplingParams,
+) -> Result<CommonParams, ApiError> {
     let model = str_field(field(obj, "model"), "model")?.map(str::to_owned);
 
     // OpenAI's two names and llama.cpp's `n_predict` (where -1 means no limit) for one limit.
@@ -170,7 +176,7 @@ fn parse_common(obj: &Map<String, Value>) -> Result<CommonParams, ApiError> {
     }
     let max_tokens = max_tokens.map(|(n, _)| n);
 
-    let sampling = parse_sampling(obj)?;
+    let sampling = parse_sampling(obj, defaults)?;
     let stop = parse_stop(field(obj, "stop"))?;
 
     let stream = bool_field(field(obj, "stream"), "stream")?.unwrap_or(false);
@@ -240,9 +246,14 @@ fn max_tokens_field(obj: &Map<String, Value>, name: &str) -> Result<Option<usize
     }
 }
 
-fn parse_sampling(obj: &Map<String, Value>) -> Result<SamplingParams, ApiError> {
+/// The request's sampling; what it leaves out comes from `defaults` (the model's, see
+/// `ember_engine::SamplingDefaults`, with the server's flags over them).
+fn parse_sampling(
+    obj: &Map<String, Value>,
+    defaults: &SamplingParams,
+) -> Result<SamplingParams, ApiError> {
     let temperature = match number_field(field(obj, "temperature"), "temperature")? {
-        None => 1.0,
+        None => f64::from(defaults.temperature),
         Some(t) if (0.0..=2.0).contains(&t) => t,
         Some(t) => {
             return Err(ApiError::invalid(
@@ -252,7 +263,7 @@ fn parse_sampling(obj: &Map<String, Value>) -> Result<SamplingParams, ApiError> 
         }
     };
     let top_p = match number_field(field(obj, "top_p"), "top_p")? {
-        None => 1.0,
+        None => f64::from(defaults.top_p),
         Some(p) if p > 0.0 && p <= 1.0 => p,
         Some(p) => {
             return Err(ApiError::invalid(
@@ -262,7 +273,8 @@ fn parse_sampling(obj: &Map<String, Value>) -> Result<SamplingParams, ApiError> 
         }
     };
     let top_k = match int_field(field(obj, "top_k"), "top_k")? {
-        None | Some(-1) | Some(0) => 0,
+        None => defaults.top_k,
+        Some(-1) | Some(0) => 0,
         // Larger than any vocabulary means off too; the sampler handles that.
         Some(k) if k > 0 => usize::try_from(k).unwrap_or(usize::MAX),
         Some(k) => {
@@ -273,7 +285,7 @@ fn parse_sampling(obj: &Map<String, Value>) -> Result<SamplingParams, ApiError> 
         }
     };
     let min_p = match number_field(field(obj, "min_p"), "min_p")? {
-        None => 0.0,
+        None => f64::from(defaults.min_p),
         Some(p) if (0.0..=1.0).contains(&p) => p,
         Some(p) => {
             return Err(ApiError::invalid(
@@ -283,7 +295,7 @@ fn parse_sampling(obj: &Map<String, Value>) -> Result<SamplingParams, ApiError> 
         }
     };
     let seed = match int_field(field(obj, "seed"), "seed")? {
-        None => None,
+        None => defaults.seed,
         Some(s) => Some(u64::try_from(s).map_err(|_| {
             ApiError::invalid(
                 "seed",

@@ -4,13 +4,14 @@ use axum::http::StatusCode;
 use serde_json::json;
 
 use super::*;
+use ember_engine::{LLAMA_SERVER_DEFAULTS, OPENAI_DEFAULTS};
 
 fn chat(body: Value) -> Result<ChatRequest, ApiError> {
-    parse_chat(body.to_string().as_bytes())
+    parse_chat(body.to_string().as_bytes(), &OPENAI_DEFAULTS)
 }
 
 fn comp(body: Value) -> Result<CompletionRequest, ApiError> {
-    parse_completion(body.to_string().as_bytes())
+    parse_completion(body.to_string().as_bytes(), &OPENAI_DEFAULTS)
 }
 
 /// A valid chat body with `extra` fields merged in.
@@ -51,35 +52,42 @@ fn assert_invalid<T: std::fmt::Debug>(
 #[test]
 fn body_must_be_utf8_json_object() {
     assert_invalid(
-        parse_chat(b"{\"messages\": \"\xff\xfe\"}"),
+        parse_chat(b"{\"messages\": \"\xff\xfe\"}", &OPENAI_DEFAULTS),
         None,
         "the request body is not valid UTF-8",
     );
     assert_invalid(
-        parse_completion(b"\xc3"),
+        parse_completion(b"\xc3", &OPENAI_DEFAULTS),
         None,
         "the request body is not valid UTF-8",
     );
     assert_invalid(
-        parse_chat(b"{\"model\": \"m\",\n  \"messages\": [}"),
+        parse_chat(b"{\"model\": \"m\",\n  \"messages\": [}", &OPENAI_DEFAULTS),
         None,
         "line 2 column",
     );
-    assert_invalid(parse_chat(b""), None, "not valid JSON");
+    assert_invalid(parse_chat(b"", &OPENAI_DEFAULTS), None, "not valid JSON");
     assert_invalid(
-        parse_chat(b"[1, 2]"),
+        parse_chat(b"[1, 2]", &OPENAI_DEFAULTS),
         None,
         "must be a JSON object, got an array",
     );
     assert_invalid(
-        parse_completion(b"\"text\""),
+        parse_completion(b"\"text\"", &OPENAI_DEFAULTS),
         None,
         "must be a JSON object, got a string",
     );
-    assert_invalid(parse_chat(b"null"), None, "must be a JSON object, got null");
+    assert_invalid(
+        parse_chat(b"null", &OPENAI_DEFAULTS),
+        None,
+        "must be a JSON object, got null",
+    );
     // Out of f64 range is a parse error in serde_json.
     assert_invalid(
-        parse_chat(br#"{"messages": [{"role": "user", "content": "x"}], "temperature": 1e400}"#),
+        parse_chat(
+            br#"{"messages": [{"role": "user", "content": "x"}], "temperature": 1e400}"#,
+            &OPENAI_DEFAULTS,
+        ),
         None,
         "not valid JSON",
     );
@@ -88,12 +96,20 @@ fn body_must_be_utf8_json_object() {
 #[test]
 fn deep_nesting_is_a_400_not_a_crash() {
     let deep = "[".repeat(100_000);
-    assert_invalid(parse_chat(deep.as_bytes()), None, "recursion limit");
+    assert_invalid(
+        parse_chat(deep.as_bytes(), &OPENAI_DEFAULTS),
+        None,
+        "recursion limit",
+    );
     let deep_field = format!("{{\"messages\": {}", "[".repeat(100_000));
-    assert_invalid(parse_chat(deep_field.as_bytes()), None, "recursion limit");
+    assert_invalid(
+        parse_chat(deep_field.as_bytes(), &OPENAI_DEFAULTS),
+        None,
+        "recursion limit",
+    );
     let deep_objects = "{\"a\":".repeat(100_000);
     assert_invalid(
-        parse_completion(deep_objects.as_bytes()),
+        parse_completion(deep_objects.as_bytes(), &OPENAI_DEFAULTS),
         None,
         "recursion limit",
     );
@@ -103,7 +119,7 @@ fn deep_nesting_is_a_400_not_a_crash() {
         "[".repeat(100),
         "]".repeat(100)
     );
-    assert!(parse_completion(ok.as_bytes()).is_ok());
+    assert!(parse_completion(ok.as_bytes(), &OPENAI_DEFAULTS).is_ok());
 }
 
 #[test]
@@ -452,6 +468,7 @@ fn sampling_ranges() {
     assert_invalid(
         parse_chat(
             br#"{"messages": [{"role": "user", "content": "x"}], "seed": 18446744073709551616}"#,
+            &OPENAI_DEFAULTS,
         ),
         Some("seed"),
         "0..=",
@@ -810,4 +827,30 @@ fn completion_options() {
         Some("max_tokens"),
         ">= 1",
     );
+}
+
+#[test]
+fn what_a_request_leaves_out_comes_from_the_defaults() {
+    let with = |defaults: &SamplingParams, extra: Value| {
+        parse_chat(chat_with(extra).to_string().as_bytes(), defaults)
+            .unwrap()
+            .common
+            .sampling
+    };
+    // llama-server's defaults for a field left out; a request's own fields win.
+    let s = with(&LLAMA_SERVER_DEFAULTS, json!({}));
+    assert_eq!(s, LLAMA_SERVER_DEFAULTS);
+    let s = with(
+        &LLAMA_SERVER_DEFAULTS,
+        json!({"temperature": 0, "top_k": -1}),
+    );
+    assert_eq!((s.temperature, s.top_k, s.top_p), (0.0, 0, 0.95));
+    let seeded = SamplingParams {
+        seed: Some(7),
+        ..OPENAI_DEFAULTS
+    };
+    assert_eq!(with(&seeded, json!({})).seed, Some(7));
+    assert_eq!(with(&seeded, json!({"seed": 9})).seed, Some(9));
+    // The OpenAI API's own defaults: temperature 1, nothing cut.
+    assert_eq!(with(&OPENAI_DEFAULTS, json!({})), OPENAI_DEFAULTS);
 }
