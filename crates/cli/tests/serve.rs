@@ -1473,3 +1473,31 @@ fn sampling_defaults_come_from_generation_config_and_the_flags() {
     let a = ok(&server, "/v1/completions", &sampled)["choices"][0]["text"].clone();
     assert_ne!(a, want, "a request's temperature wins over --temp");
 }
+
+#[test]
+fn a_chat_ending_with_the_assistants_words_continues_them() {
+    let server = Server::start(LLAMA, &[]);
+    let user = json!({"role": "user", "content": "Tell me a story."});
+    let prefill = json!({"role": "assistant", "content": "Once upon a time"});
+    let ask = |messages: Value| {
+        ok(
+            &server,
+            "/v1/chat/completions",
+            &json!({"messages": messages, "max_tokens": 6, "temperature": 0}),
+        )
+    };
+    let new_turn = ask(json!([user]));
+    let continued = ask(json!([user, prefill]));
+    // The prompt is the chat up to the reply plus the prefill, not a closed turn and a new one.
+    let prompt = |r: &Value| r["usage"]["prompt_tokens"].as_u64().unwrap();
+    let prefill_tokens = prompt(&continued) - prompt(&new_turn);
+    // Exactly the prefill's own tokens: no end-of-turn and new header after it. (A raw
+    // prompt's count has Llama's BOS besides.)
+    let alone = ok(
+        &server,
+        "/v1/completions",
+        &json!({"prompt": "Once upon a time", "max_tokens": 1}),
+    );
+    assert_eq!(prefill_tokens + 1, prompt(&alone), "{continued}");
+    assert_eq!(continued["choices"][0]["finish_reason"], "length");
+}

@@ -57,6 +57,13 @@ pub enum Error {
     /// A `generation_config.json` that does not parse, or asks for sampling out of range.
     #[error("{0}")]
     GenerationConfig(String),
+    /// A final assistant message the chat template does not reproduce, so it cannot be
+    /// continued.
+    #[error(
+        "the chat template does not render the final assistant message's text as it is, so the \
+         reply cannot continue it; end the messages with a user turn instead"
+    )]
+    PrefillNotRendered,
     /// More sequences at once than the engine was loaded for.
     #[error("{wanted} sequences at once need --parallel {wanted} (the engine runs {parallel})")]
     TooManySequences { wanted: usize, parallel: usize },

@@ -233,7 +233,8 @@ fn engine_error(e: ember_engine::Error) -> ApiError {
     match e {
         ember_engine::Error::Template(_)
         | ember_engine::Error::NoChatTemplate(_)
-        | ember_engine::Error::Tokenizer(_) => ApiError::bad_request(e.to_string()),
+        | ember_engine::Error::Tokenizer(_)
+        | ember_engine::Error::PrefillNotRendered => ApiError::bad_request(e.to_string()),
         other => ApiError::internal(other.to_string()),
     }
 }

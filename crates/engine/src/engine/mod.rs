@@ -91,6 +91,11 @@ impl PromptEncoder {
         Ok(self.tokenizer.encode(&text, false)?)
     }
 
+    /// The prompt of a chat: the messages rendered by the model's template, ending where the
+    /// reply begins. When the last message is the assistant's, the reply continues it
+    /// (assistant prefill, as llama-server and vLLM's `continue_final_message` do): the
+    /// template renders it without a generation prompt and the text is cut right after its
+    /// content, before whatever closes the turn.
     pub fn render_chat(
         &self,
         messages: &[ChatMessage],
@@ -100,7 +105,21 @@ impl PromptEncoder {
             .template
             .as_ref()
             .ok_or_else(|| Error::NoChatTemplate(self.dir.clone()))?;
-        Ok(template.render(messages, true, kwargs)?)
+        match messages.split_last() {
+            Some((last, earlier)) if last.role == "assistant" => {
+                if last.content.is_empty() {
+                    // Nothing to continue: the reply starts where a new one would.
+                    return Ok(template.render(earlier, true, kwargs)?);
+                }
+                let rendered = template.render(messages, false, kwargs)?;
+                let end = rendered
+                    .rfind(&last.content)
+                    .ok_or_else(|| Error::PrefillNotRendered)?
+                    + last.content.len();
+                Ok(rendered[..end].to_owned())
+            }
+            _ => Ok(template.render(messages, true, kwargs)?),
+        }
     }
 }
 
