@@ -114,7 +114,7 @@ impl PromptEncoder {
                 let rendered = template.render(messages, false, kwargs)?;
                 let end = rendered
                     .rfind(&last.content)
-                    .ok_or_else(|| Error::PrefillNotRendered)?
+                    .ok_or(Error::PrefillNotRendered)?
                     + last.content.len();
                 Ok(rendered[..end].to_owned())
             }
