@@ -20,7 +20,9 @@ fn a_final_assistant_message_is_continued() {
         let encoder = engine.encoder();
         let kwargs = serde_json::Map::new();
         let user = ChatMessage::new("user", "Tell me a story.");
-        let new_reply = encoder.render_chat(&[user.clone()], &kwargs).unwrap();
+        let new_reply = encoder
+            .render_chat(std::slice::from_ref(&user), &kwargs)
+            .unwrap();
         let prefill = ChatMessage::new("assistant", "Once upon a time");
         let continued = encoder
             .render_chat(&[user.clone(), prefill], &kwargs)
