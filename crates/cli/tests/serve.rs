@@ -1501,3 +1501,59 @@ fn a_chat_ending_with_the_assistants_words_continues_them() {
     assert_eq!(prefill_tokens + 1, prompt(&alone), "{continued}");
     assert_eq!(continued["choices"][0]["finish_reason"], "length");
 }
+
+#[test]
+fn llama_server_routes_tokenize_detokenize_apply_template_and_props() {
+    let server = Server::start(LLAMA, &["--n-predict", "77", "--temp", "0.5"]);
+    let text = "Hello world, héllo 🙂";
+    let (status, tokens) = server.post_json("/tokenize", &json!({"content": text}));
+    assert_eq!(status, 200, "{tokens}");
+    let ids = tokens["tokens"].as_array().unwrap().clone();
+    assert!(!ids.is_empty(), "{tokens}");
+    let (status, back) = server.post_json("/detokenize", &json!({"tokens": ids}));
+    assert_eq!(status, 200, "{back}");
+    assert_eq!(back["content"], text, "the round trip");
+    // With Llama's BOS, and with pieces.
+    let (_, special) =
+        server.post_json("/tokenize", &json!({"content": text, "add_special": true}));
+    assert_eq!(special["tokens"].as_array().unwrap().len(), ids.len() + 1);
+    let (_, pieces) = server.post_json(
+        "/tokenize",
+        &json!({"content": "Hello", "with_pieces": true}),
+    );
+    let joined: String = pieces["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["piece"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(joined, "Hello", "{pieces}");
+    let (status, bad) = server.post_json("/detokenize", &json!({"tokens": [1_000_000]}));
+    assert_eq!(status, 400, "{bad}");
+    assert_error_shape(&bad);
+
+    // The template's prompt is the one a chat completion runs.
+    let messages = json!([{"role": "user", "content": "Tell me a story."}]);
+    let (status, applied) = server.post_json("/apply-template", &json!({"messages": messages}));
+    assert_eq!(status, 200, "{applied}");
+    let prompt = applied["prompt"].as_str().unwrap();
+    let (_, prompt_ids) = server.post_json("/tokenize", &json!({"content": prompt}));
+    let chat = ok(
+        &server,
+        "/v1/chat/completions",
+        &json!({"messages": messages, "max_tokens": 1}),
+    );
+    assert_eq!(
+        chat["usage"]["prompt_tokens"],
+        prompt_ids["tokens"].as_array().unwrap().len(),
+        "{prompt:?}"
+    );
+
+    let props = server.get("/props").json();
+    let settings = &props["default_generation_settings"];
+    assert_eq!(settings["params"]["n_predict"], 77, "{props}");
+    assert_eq!(settings["params"]["temperature"], 0.5, "{props}");
+    assert!(settings["n_ctx"].as_u64().unwrap() > 0, "{props}");
+    assert!(props["total_slots"].as_u64().unwrap() >= 1, "{props}");
+    assert!(props["chat_template"].is_string(), "{props}");
+}

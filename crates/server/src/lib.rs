@@ -11,6 +11,7 @@
 
 pub mod cors;
 pub mod error;
+mod llama;
 pub mod metrics;
 pub mod openai;
 mod routes;

@@ -38,6 +38,11 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .route("/chat/completions", post(chat_completions))
         .route("/completions", post(completions))
         .route("/models", get(models))
+        // llama-server's own.
+        .route("/tokenize", post(crate::llama::tokenize))
+        .route("/detokenize", post(crate::llama::detokenize))
+        .route("/apply-template", post(crate::llama::apply_template))
+        .route("/props", get(crate::llama::props))
         .route_layer(middleware::from_fn_with_state(
             Arc::clone(&state),
             require_api_key,
@@ -207,7 +212,7 @@ async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
 }
 
 /// The request body as bytes, with a JSON 413 when it passes the limit.
-struct RawBody(Bytes);
+pub(crate) struct RawBody(pub(crate) Bytes);
 
 impl FromRequest<Arc<AppState>> for RawBody {
     type Rejection = ApiError;
@@ -223,13 +228,13 @@ impl FromRequest<Arc<AppState>> for RawBody {
     }
 }
 
-fn ready(state: &AppState) -> AppResult<&Ready> {
+pub(crate) fn ready(state: &AppState) -> AppResult<&Ready> {
     state.ready.get().ok_or_else(|| {
         ApiError::unavailable("the model is still loading; retry when /health answers 200")
     })
 }
 
-fn engine_error(e: ember_engine::Error) -> ApiError {
+pub(crate) fn engine_error(e: ember_engine::Error) -> ApiError {
     match e {
         ember_engine::Error::Template(_)
         | ember_engine::Error::NoChatTemplate(_)
@@ -299,7 +304,7 @@ fn refuse_certainly_too_long(ready: &Ready, bytes: usize) -> AppResult<()> {
 
 /// Runs `work` (templating, tokenizing: milliseconds to seconds for long prompts) on the
 /// blocking pool, so that the runtime's threads keep answering other requests and `/health`.
-async fn off_the_runtime<T: Send + 'static>(
+pub(crate) async fn off_the_runtime<T: Send + 'static>(
     work: impl FnOnce() -> AppResult<T> + Send + 'static,
 ) -> AppResult<T> {
     tokio::task::spawn_blocking(work)

@@ -80,6 +80,9 @@ pub(crate) struct Ready {
     /// The sampling of what a request leaves out: the model's defaults under the server's
     /// flags.
     pub sampling_defaults: SamplingParams,
+    /// Requests generated at once, and the model's path (llama-server's `/props`).
+    pub parallel: usize,
+    pub model_path: String,
 }
 
 pub(crate) struct AppState {
@@ -180,6 +183,8 @@ pub async fn serve(
                     prompt_cache: engine.prompt_cache_stats(),
                     fingerprint: fingerprint(&engine),
                     sampling_defaults: sampling_defaults(&engine, &options.sampling),
+                    parallel: engine.parallel(),
+                    model_path: engine.dir().display().to_string(),
                 };
                 let device = engine.device_label();
                 let context = ready.context;
