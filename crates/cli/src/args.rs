@@ -16,7 +16,8 @@ pub enum Command {
     /// Generate a completion for one prompt; the text goes to stdout, timings to stderr.
     Run(RunArgs),
     /// Serve an OpenAI-compatible HTTP API (chat and text completions, streaming or not).
-    Serve(ServeArgs),
+    // Boxed: its many flags would make every command as large.
+    Serve(Box<ServeArgs>),
     /// Measure speed.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -134,6 +135,14 @@ pub struct ServeArgs {
     /// Seed of a request that sets none [default: none, a fresh one per request].
     #[arg(long)]
     pub seed: Option<u64>,
+    /// Connections open at once; one more gets a 503 and is closed [default: the process's
+    /// file descriptor limit less 64, at most 1024].
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_connections: Option<u64>,
+    /// Seconds a connection has to send a request's headers, and that an idle keep-alive
+    /// connection stays open.
+    #[arg(long, default_value_t = 15.0)]
+    pub header_timeout: f64,
     /// A web origin whose pages may call the server from a browser (`https://host:port`;
     /// repeat for more, `*` for any) [default: none].
     #[arg(long)]

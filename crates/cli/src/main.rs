@@ -14,7 +14,7 @@ fn main() -> ExitCode {
     init_logging();
     let result = match args.command {
         args::Command::Run(run) => cmd::run::run(run),
-        args::Command::Serve(serve) => cmd::serve::run(serve),
+        args::Command::Serve(serve) => cmd::serve::run(*serve),
         args::Command::Bench(bench) => cmd::bench::run(bench),
         args::Command::GenCheckpoint(gen_args) => cmd::gen_checkpoint::run(gen_args),
     };

@@ -11,6 +11,7 @@
 
 pub mod cors;
 pub mod error;
+mod listen;
 mod llama;
 pub mod metrics;
 pub mod openai;
@@ -20,4 +21,5 @@ pub mod text;
 pub mod worker;
 
 pub use cors::CorsOrigins;
+pub use listen::ConnectionLimits;
 pub use server::{SamplingOverrides, ServerOptions, run, serve};

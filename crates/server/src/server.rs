@@ -1,6 +1,7 @@
 //! Binding, loading, serving and shutting down.
 
 use crate::cors::CorsOrigins;
+use crate::listen::ConnectionLimits;
 use ember_engine::sampler::SamplingParams;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -40,6 +41,8 @@ pub struct ServerOptions {
     pub cors: CorsOrigins,
     /// Sampling defaults set on the command line, over the model's.
     pub sampling: SamplingOverrides,
+    /// How many connections may be open, and how long one may take to send its headers.
+    pub connections: ConnectionLimits,
     /// How long after the last request the keepalive goes on ticking (zero: never ticks).
     pub keep_warm: Duration,
     /// Time between keepalive ticks (at most `ember_residency::MAX_INTERVAL`).
@@ -206,14 +209,8 @@ pub async fn serve(
 
     let router = crate::routes::router(Arc::clone(&state));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let graceful = {
-        let mut stop_rx = stop_rx.clone();
-        async move {
-            let _ = stop_rx.wait_for(|stop| *stop).await;
-        }
-    };
-    let server = axum::serve(listener, router).with_graceful_shutdown(graceful);
-    let mut server = std::pin::pin!(server.into_future());
+    let server = crate::listen::serve(listener, router, options.connections, stop_rx);
+    let mut server = std::pin::pin!(server);
 
     let load_failed = async move {
         match load_failed_rx.await {

@@ -10,6 +10,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     if !(args.shutdown_timeout.is_finite() && args.shutdown_timeout >= 0.0) {
         bail!("--shutdown-timeout must be a number of seconds >= 0");
     }
+    if !(args.header_timeout.is_finite() && args.header_timeout > 0.0) {
+        bail!("--header-timeout must be a number of seconds > 0");
+    }
     if !(args.keep_warm.is_finite() && args.keep_warm >= 0.0) {
         bail!("--keep-warm must be a number of seconds >= 0");
     }
@@ -30,6 +33,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         max_queue: args.max_queue,
         max_body_bytes: args.max_body_bytes,
         cors: ember_server::CorsOrigins::new(&args.cors_origin),
+        connections: ember_server::ConnectionLimits {
+            max_connections: args.max_connections.map_or_else(
+                ember_server::ConnectionLimits::default_max_connections,
+                |n| n as usize,
+            ),
+            header_timeout: Duration::from_secs_f64(args.header_timeout),
+        },
         sampling: ember_server::SamplingOverrides {
             temperature: args.temp,
             top_k: args.top_k,
