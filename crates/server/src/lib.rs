@@ -4,7 +4,8 @@
 //! the prompt, and queues a [`worker::Job`]; the engine thread ([`worker`]) generates and sends
 //! back token events; the route turns them into a response or an SSE stream, cutting at stop
 //! strings and splitting reasoning from content ([`text`]). Errors are OpenAI-shaped
-//! ([`error`]) and counted in [`metrics`].
+//! ([`error`]) and counted in [`metrics`]. Connections are accepted by [`listen`] (header
+//! timeout, connection limit) and cross-origin calls allowed by [`cors`].
 //!
 //! Architecture invariant: only this crate knows HTTP and JSON wire formats; the engine runs on
 //! its own thread and never blocks the async runtime.
@@ -12,7 +13,6 @@
 pub mod cors;
 pub mod error;
 mod listen;
-mod llama;
 pub mod metrics;
 pub mod openai;
 mod routes;

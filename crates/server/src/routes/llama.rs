@@ -8,9 +8,10 @@ use axum::Json;
 use axum::extract::State;
 use serde_json::{Map, Value, json};
 
+use super::generation::off_the_runtime;
+use super::{RawBody, engine_error, ready};
 use crate::error::ApiError;
 use crate::openai;
-use crate::routes::{RawBody, engine_error, off_the_runtime, ready};
 use crate::server::AppState;
 
 type AppResult<T> = Result<T, ApiError>;
