@@ -1557,3 +1557,64 @@ fn llama_server_routes_tokenize_detokenize_apply_template_and_props() {
     assert!(props["total_slots"].as_u64().unwrap() >= 1, "{props}");
     assert!(props["chat_template"].is_string(), "{props}");
 }
+
+#[test]
+fn llama_servers_completion_route_answers_in_its_shape() {
+    let server = Server::start(LLAMA, &[]);
+    let body = json!({"prompt": "Once upon a time", "n_predict": 6, "temperature": 0,
+                      "ignore_eos": true, "n_probs": 2});
+    let (status, whole) = server.post_json("/completion", &body);
+    assert_eq!(status, 200, "{whole}");
+    // The same text as the OpenAI route, and llama-server's fields around it.
+    let openai = ok(
+        &server,
+        "/v1/completions",
+        &json!({"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0,
+                "ignore_eos": true}),
+    );
+    assert_eq!(whole["content"], openai["choices"][0]["text"], "{whole}");
+    assert_eq!(whole["stop"], true);
+    assert_eq!(whole["stop_type"], "limit");
+    assert_eq!(whole["tokens_predicted"], 6);
+    assert_eq!(whole["tokens_evaluated"], openai["usage"]["prompt_tokens"]);
+    assert_eq!(whole["timings"]["predicted_n"], 6, "{whole}");
+    assert_eq!(whole["generation_settings"]["n_predict"], 6, "{whole}");
+    let probabilities = whole["completion_probabilities"].as_array().unwrap();
+    assert_eq!(probabilities.len(), 6, "{whole}");
+    assert_eq!(
+        probabilities[0]["top_logprobs"].as_array().unwrap().len(),
+        2
+    );
+    // Greedy: each token is its own best alternative.
+    assert_eq!(
+        probabilities[0]["id"], probabilities[0]["top_logprobs"][0]["id"],
+        "{whole}"
+    );
+
+    // Streamed: pieces with stop false, then the summary with stop true, no [DONE].
+    let events = server.stream_json("/completion", &with(body, json!({"stream": true})));
+    assert!(!events.iter().any(|e| e == "[DONE]"), "{events:?}");
+    let last: Value = serde_json::from_str(events.last().unwrap()).unwrap();
+    assert_eq!(last["stop"], true, "{events:?}");
+    assert_eq!(last["tokens_predicted"], 6);
+    let text: String = events[..events.len() - 1]
+        .iter()
+        .map(|e| {
+            let v: Value = serde_json::from_str(e).unwrap();
+            assert_eq!(v["stop"], false, "{v}");
+            v["content"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    assert_eq!(text, whole["content"].as_str().unwrap());
+
+    // Token ids as the prompt, and llama-server's errors in the API's shape.
+    let (status, by_ids) = server.post_json(
+        "/completion",
+        &json!({"prompt": [1, 2, 3], "n_predict": 2, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{by_ids}");
+    assert_eq!(by_ids["tokens_evaluated"], 3);
+    let (status, bad) = server.post_json("/completion", &json!({"prompt": "x", "n_probs": -1}));
+    assert_eq!(status, 400, "{bad}");
+    assert_error_shape(&bad);
+}

@@ -58,7 +58,7 @@ fn random_hex() -> String {
     out
 }
 
-fn token_text(ready: &Ready, id: u32) -> String {
+pub(super) fn token_text(ready: &Ready, id: u32) -> String {
     ready.encoder.tokenizer().decode(&[id], false)
 }
 
@@ -78,7 +78,7 @@ fn chat_logprob(
 }
 
 /// An SSE response fed by a task; the task ends (and cancels its job) when the client leaves.
-fn sse(
+pub(super) fn sse(
     run: impl FnOnce(mpsc::Sender<Result<SseEvent, Infallible>>) -> tokio::task::JoinHandle<()>,
 ) -> Response {
     let (tx, rx) = mpsc::channel(64);
@@ -88,7 +88,7 @@ fn sse(
         .into_response()
 }
 
-fn data(value: &Value) -> Result<SseEvent, Infallible> {
+pub(super) fn data(value: &Value) -> Result<SseEvent, Infallible> {
     Ok(SseEvent::default().data(value.to_string()))
 }
 

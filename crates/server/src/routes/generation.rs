@@ -156,6 +156,8 @@ pub(super) struct Output {
     pub(super) completion_tokens: usize,
     /// Prompt tokens the prompt cache supplied (`usage.prompt_tokens_details.cached_tokens`).
     pub(super) cached_tokens: usize,
+    /// Whether a stop string ended the output (rather than end-of-sequence or the limit).
+    by_stop_string: bool,
 }
 
 impl Output {
@@ -174,6 +176,7 @@ impl Output {
             finished: None,
             completion_tokens: 0,
             cached_tokens: 0,
+            by_stop_string: false,
         }
     }
 
@@ -229,6 +232,7 @@ impl Output {
         let mut piece = self.split(out.emit);
         piece.token = token;
         if out.stopped {
+            self.by_stop_string = true;
             // Stop at once: the engine sees the flag at its next token.
             self.submitted.cancel.0.store(true, Ordering::Relaxed);
             self.flush_reasoning(&mut piece);
@@ -259,6 +263,15 @@ impl Output {
             let (reasoning, content) = parser.finish();
             piece.reasoning.push_str(&reasoning);
             piece.content.push_str(&content);
+        }
+    }
+
+    /// llama-server's `stop_type`: `word` (a stop string), `eos` or `limit`.
+    pub(super) fn stop_type(&self) -> &'static str {
+        match self.finish_reason() {
+            "length" => "limit",
+            _ if self.by_stop_string => "word",
+            _ => "eos",
         }
     }
 

@@ -40,6 +40,7 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .route("/detokenize", post(llama::detokenize))
         .route("/apply-template", post(llama::apply_template))
         .route("/props", get(llama::props))
+        .route("/completion", post(llama::completion))
         .route_layer(middleware::from_fn_with_state(
             Arc::clone(&state),
             require_api_key,
