@@ -21,11 +21,11 @@ fn a_final_assistant_message_is_continued() {
         let kwargs = serde_json::Map::new();
         let user = ChatMessage::new("user", "Tell me a story.");
         let new_reply = encoder
-            .render_chat(std::slice::from_ref(&user), &kwargs)
+            .render_chat_continuing(std::slice::from_ref(&user), &kwargs)
             .unwrap();
         let prefill = ChatMessage::new("assistant", "Once upon a time");
         let continued = encoder
-            .render_chat(&[user.clone(), prefill], &kwargs)
+            .render_chat_continuing(&[user.clone(), prefill], &kwargs)
             .unwrap();
         assert!(
             continued.ends_with("Once upon a time"),
@@ -39,7 +39,9 @@ fn a_final_assistant_message_is_continued() {
         }
         // An empty prefill: the prompt of a new reply.
         let empty = ChatMessage::new("assistant", "");
-        let same = encoder.render_chat(&[user, empty], &kwargs).unwrap();
+        let same = encoder
+            .render_chat_continuing(&[user, empty], &kwargs)
+            .unwrap();
         assert_eq!(same, new_reply, "{name}");
         println!("{name}: {continued:?}");
     }

@@ -91,20 +91,28 @@ impl PromptEncoder {
         Ok(self.tokenizer.encode(&text, false)?)
     }
 
-    /// The prompt of a chat: the messages rendered by the model's template, ending where the
-    /// reply begins. When the last message is the assistant's, the reply continues it
-    /// (assistant prefill, as llama-server and vLLM's `continue_final_message` do): the
-    /// template renders it without a generation prompt and the text is cut right after its
-    /// content, before whatever closes the turn.
+    /// The messages rendered by the model's template with a generation prompt, exactly as
+    /// transformers' `apply_chat_template(messages, add_generation_prompt=True)`: a final
+    /// assistant message is closed and a new reply begun.
     pub fn render_chat(
         &self,
         messages: &[ChatMessage],
         kwargs: &serde_json::Map<String, Value>,
     ) -> Result<String> {
-        let template = self
-            .template
-            .as_ref()
-            .ok_or_else(|| Error::NoChatTemplate(self.dir.clone()))?;
+        Ok(self.template()?.render(messages, true, kwargs)?)
+    }
+
+    /// The prompt a server runs for a chat: [`Self::render_chat`], except that when the last
+    /// message is the assistant's the reply continues it (assistant prefill, as llama-server
+    /// does and vLLM's `continue_final_message`): the template renders it without a
+    /// generation prompt and the text is cut right after its content, before whatever closes
+    /// the turn; an empty one prompts a new reply.
+    pub fn render_chat_continuing(
+        &self,
+        messages: &[ChatMessage],
+        kwargs: &serde_json::Map<String, Value>,
+    ) -> Result<String> {
+        let template = self.template()?;
         match messages.split_last() {
             Some((last, earlier)) if last.role == "assistant" => {
                 if last.content.is_empty() {
@@ -120,6 +128,12 @@ impl PromptEncoder {
             }
             _ => Ok(template.render(messages, true, kwargs)?),
         }
+    }
+
+    fn template(&self) -> Result<&ChatTemplate> {
+        self.template
+            .as_deref()
+            .ok_or_else(|| Error::NoChatTemplate(self.dir.clone()))
     }
 }
 

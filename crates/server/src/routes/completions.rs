@@ -117,7 +117,7 @@ pub(super) async fn chat_completions(
     );
     let (rendered, prompt) = off_the_runtime(move || {
         let rendered = encoder
-            .render_chat(&messages, &kwargs)
+            .render_chat_continuing(&messages, &kwargs)
             .map_err(engine_error)?;
         let prompt = encoder
             .tokenizer()

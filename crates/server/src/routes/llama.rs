@@ -114,7 +114,7 @@ pub(crate) async fn apply_template(
     let encoder = ready.encoder.clone();
     let prompt = off_the_runtime(move || {
         encoder
-            .render_chat(&request.messages, &request.chat_template_kwargs)
+            .render_chat_continuing(&request.messages, &request.chat_template_kwargs)
             .map_err(engine_error)
     })
     .await?;
