@@ -128,10 +128,10 @@ impl Tokenizer {
         // Ids are not guaranteed contiguous: size the vocab by the largest id.
         let max_added = added.keys().map(|&id| id as usize + 1).max().unwrap_or(0);
         let vocab_size = inner.get_vocab_size(false).max(max_added);
-        let max_token_bytes = inner
-            .get_vocab(true)
-            .keys()
-            .map(String::len)
+        // Token by token: a copy of the whole vocabulary (`get_vocab`) would leave its tens of
+        // megabytes with the allocator, resident and in no buffer list.
+        let max_token_bytes = (0..vocab_size as u32)
+            .filter_map(|id| inner.id_to_token(id).map(|t| t.len()))
             .max()
             .unwrap_or(1)
             .max(1);
