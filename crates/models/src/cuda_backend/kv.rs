@@ -353,13 +353,9 @@ impl CudaBackend {
         q_norm: Option<(&CudaVector, f32)>,
         k_norm: Option<(&CudaVector, f32)>,
     ) -> Result<()> {
-        if !self.inputs.is_batch() {
-            for &p in segments {
-                self.rope_store_and_attend(kv, tables, style, p, q_norm, k_norm)?;
-            }
-            return Ok(());
-        }
-        let Some(&first) = segments.iter().find(|p| p.rows == 1) else {
+        // One sequence, or no decode rows to gather: each segment as it comes.
+        let decode_row = segments.iter().find(|p| p.rows == 1);
+        let Some(&first) = decode_row.filter(|_| self.inputs.is_batch()) else {
             for &p in segments {
                 self.rope_store_and_attend(kv, tables, style, p, q_norm, k_norm)?;
             }

@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use super::generation::{Output, off_the_runtime, plan, refuse_certainly_too_long, submit};
+use super::generation::{Output, Piece, off_the_runtime, plan, refuse_certainly_too_long, submit};
 use super::{AppResult, RawBody, engine_error, ready};
 use crate::error::ApiError;
 use crate::openai::{
@@ -90,6 +90,23 @@ pub(super) fn sse(
 
 pub(super) fn data(value: &Value) -> Result<SseEvent, Infallible> {
     Ok(SseEvent::default().data(value.to_string()))
+}
+
+/// A stream's next piece: `Ok(None)` when the output is over, `Err(())` when it failed and its
+/// error event was sent — which ends the stream: no `finish_reason` and no `[DONE]` after it,
+/// so a client that skips error events never takes a cut reply for a whole one.
+pub(super) async fn next_streamed(
+    output: &mut Output,
+    state: &AppState,
+    tx: &mpsc::Sender<Result<SseEvent, Infallible>>,
+) -> Result<Option<Piece>, ()> {
+    match output.next(state).await {
+        Ok(piece) => Ok(piece),
+        Err(e) => {
+            let _ = tx.send(data(&e.body())).await;
+            Err(())
+        }
+    }
 }
 
 fn done() -> Result<SseEvent, Infallible> {
@@ -196,16 +213,10 @@ pub(super) async fn chat_completions(
                 return;
             }
             loop {
-                let piece = match output.next(&state).await {
-                    Ok(Some(piece)) => piece,
-                    Ok(None) => break,
-                    Err(e) => {
-                        // The error ends the stream: no finish_reason and no [DONE] after it,
-                        // so a client that skips error events never takes a cut reply as whole.
-                        let _ = tx.send(data(&e.body())).await;
-                        return;
-                    }
+                let Ok(next) = next_streamed(&mut output, &state, &tx).await else {
+                    return;
                 };
+                let Some(piece) = next else { break };
                 let lp: Option<Vec<TokenLogprob>> = logprobs.map(|_| {
                     piece
                         .token
@@ -350,14 +361,10 @@ pub(super) async fn completions(
                 let mut output = Output::new(submitted, stops.clone(), None, arrived);
                 let mut offset = 0;
                 loop {
-                    let piece = match output.next(&state).await {
-                        Ok(Some(piece)) => piece,
-                        Ok(None) => break,
-                        Err(e) => {
-                            let _ = tx.send(data(&e.body())).await;
-                            return;
-                        }
+                    let Ok(next) = next_streamed(&mut output, &state, &tx).await else {
+                        return;
                     };
+                    let Some(piece) = next else { break };
                     let lp = logprobs.map(|_| {
                         let mut lp = CompletionLogprobs::default();
                         if let Some(token) = &piece.token {

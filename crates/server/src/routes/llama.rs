@@ -12,7 +12,7 @@ use axum::response::{IntoResponse, Response};
 use ember_engine::GenerateParams;
 use serde_json::{Map, Value, json};
 
-use super::completions::{data, sse, token_text};
+use super::completions::{data, next_streamed, sse, token_text};
 use super::generation::{Output, off_the_runtime, plan, refuse_certainly_too_long, submit};
 use super::{RawBody, engine_error, ready};
 use crate::error::ApiError;
@@ -278,15 +278,10 @@ pub(crate) async fn completion(
             };
             let mut first = None;
             loop {
-                let piece = match output.next(&state).await {
-                    Ok(Some(piece)) => piece,
-                    Ok(None) => break,
-                    Err(e) => {
-                        // The error ends the stream, as on the OpenAI routes.
-                        let _ = tx.send(data(&e.body())).await;
-                        return;
-                    }
+                let Ok(next) = next_streamed(&mut output, &state, &tx).await else {
+                    return;
                 };
+                let Some(piece) = next else { break };
                 first.get_or_insert_with(Instant::now);
                 let mut event = json!({"content": piece.content, "stop": false});
                 if n_probs > 0
