@@ -7,8 +7,11 @@
 //! on every golden fixture (transformers' arithmetic, f32 cache) and on the GGUF model when it
 //! is present (llama.cpp's, f16 cache).
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
+use common::{bits, golden, tokens};
 use ember_checkpoint::{GgufFile, SafetensorsSet, TensorSource};
 use ember_models::{
     Arithmetic, BlockTable, CpuBackend, KV_BLOCK_SIZE, KvDtype, KvLayout, KvPool, Logits,
@@ -80,23 +83,6 @@ impl Model {
             .unwrap();
         logits.chunks(vocab).map(bits).collect()
     }
-}
-
-fn bits(row: &[f32]) -> Vec<u32> {
-    row.iter().map(|x| x.to_bits()).collect()
-}
-
-/// Deterministic tokens of a sequence: `len` of them from `seed`.
-fn tokens(len: usize, seed: u64, vocab: usize) -> Vec<u32> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state % vocab as u64) as u32
-        })
-        .collect()
 }
 
 /// One step of a batched run: for each sequence, how many of its next tokens the pass takes
@@ -192,12 +178,6 @@ fn check_batch_equals_alone(model: &mut Model, what: &str) {
     for (s, table) in tables.iter().enumerate() {
         assert_eq!(table.len(), lengths[s], "{what}: sequence {s}'s positions");
     }
-}
-
-fn golden(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../engine/tests/fixtures/golden")
-        .join(name)
 }
 
 #[test]

@@ -9,8 +9,9 @@
 //! close to its value alone (its sequence's blocks, positions and rows reached the kernels),
 //! not equal (issue 22's batch-invariant products are still to come).
 
-use std::path::PathBuf;
+mod common;
 
+use common::{bits, golden, tokens};
 use ember_checkpoint::{SafetensorsSet, TensorSource};
 use ember_models::{
     Arithmetic, Backend, BlockTable, CpuBackend, CudaBackend, CudaKvPool, KV_BLOCK_SIZE, KvDtype,
@@ -63,23 +64,6 @@ impl<B: Backend> Harness<B> {
             .unwrap();
         logits.chunks(vocab).map(bits).collect()
     }
-}
-
-fn bits(row: &[f32]) -> Vec<u32> {
-    row.iter().map(|x| x.to_bits()).collect()
-}
-
-/// Deterministic tokens: `len` of them from `seed`.
-fn tokens(len: usize, seed: u64, vocab: usize) -> Vec<u32> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state % vocab as u64) as u32
-        })
-        .collect()
 }
 
 /// Sequence `s`'s prompt (a few to a few dozen tokens) and its decode tokens.
@@ -241,12 +225,6 @@ fn check_mixed_passes<B: Backend>(h: &mut Harness<B>, expect: Expect, what: &str
         }
         assert!(rows.next().is_none(), "{what}: step {index}: extra rows");
     }
-}
-
-fn golden(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../engine/tests/fixtures/golden")
-        .join(name)
 }
 
 const FIXTURES: [&str; 4] = [
