@@ -1185,6 +1185,18 @@ struct Paged {
     blocks: usize,
 }
 
+/// Writes `k` and `v` (`[positions, kv_row]`) at positions `0..` of the sequence whose blocks
+/// `table` lists, in a pool of blocks laid out `[keys (BLOCK rows), values (BLOCK rows)]`.
+fn write_rows<T: Elem>(pool: &mut [T], table: &[i32], kv_row: usize, k: &[T], v: &[T]) {
+    let per_block = 2 * BLOCK * kv_row;
+    for t in 0..k.len() / kv_row {
+        let at = table[t / BLOCK] as usize * per_block + (t % BLOCK) * kv_row;
+        pool[at..at + kv_row].copy_from_slice(&k[t * kv_row..(t + 1) * kv_row]);
+        let at = at + BLOCK * kv_row;
+        pool[at..at + kv_row].copy_from_slice(&v[t * kv_row..(t + 1) * kv_row]);
+    }
+}
+
 impl Paged {
     /// `k` and `v` (`[rows, kv_row]`) at positions `0..rows`, in a table covering `capacity`.
     fn new<T: Elem>(ctx: &Ctx, k: &[T], v: &[T], kv_row: usize, capacity: usize) -> Paged {
@@ -1192,12 +1204,7 @@ impl Paged {
         let stride = 2 * BLOCK * kv_row;
         let mut pool = vec![T::from_f32(f32::NAN); (blocks + 1) * stride];
         let table: Vec<i32> = (0..blocks).map(|i| (blocks - i) as i32).collect();
-        for t in 0..k.len() / kv_row {
-            let at = table[t / BLOCK] as usize * stride + (t % BLOCK) * kv_row;
-            pool[at..at + kv_row].copy_from_slice(&k[t * kv_row..(t + 1) * kv_row]);
-            let at = at + BLOCK * kv_row;
-            pool[at..at + kv_row].copy_from_slice(&v[t * kv_row..(t + 1) * kv_row]);
-        }
+        write_rows(&mut pool, &table, kv_row, k, v);
         Paged {
             pool: ctx.upload(&pool),
             table: ctx.upload(&table),
@@ -2102,13 +2109,7 @@ impl PagedSequences {
         let mut pool = vec![T::from_f32(f32::NAN); (total + 1) * per_block];
         let tables: Vec<i32> = (0..total).map(|i| (total - i) as i32).collect();
         for (s, (k, v)) in keys.iter().zip(values).enumerate() {
-            for t in 0..k.len() / kv_row {
-                let block = tables[s * stride + t / BLOCK] as usize;
-                let at = block * per_block + (t % BLOCK) * kv_row;
-                pool[at..at + kv_row].copy_from_slice(&k[t * kv_row..(t + 1) * kv_row]);
-                let at = at + BLOCK * kv_row;
-                pool[at..at + kv_row].copy_from_slice(&v[t * kv_row..(t + 1) * kv_row]);
-            }
+            write_rows(&mut pool, &tables[s * stride..], kv_row, k, v);
         }
         PagedSequences {
             pool: ctx.upload(&pool),
