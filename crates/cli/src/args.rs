@@ -67,6 +67,11 @@ pub struct ModelArgs {
     /// graph (same results, slower; for debugging and comparison).
     #[arg(long, env = "EMBER_NO_CUDA_GRAPHS", value_parser = clap::builder::FalseyValueParser::new())]
     pub no_cuda_graphs: bool,
+    /// On CUDA, every product of 16-bit weights on the batch-invariant tensor-core kernel, so
+    /// a request's greedy tokens are the same bits alone or among others (experimental: not
+    /// yet measured on a GPU).
+    #[arg(long, env = "EMBER_BATCH_INVARIANT", value_parser = clap::builder::FalseyValueParser::new())]
+    pub batch_invariant: bool,
 }
 
 #[derive(Args, Debug)]

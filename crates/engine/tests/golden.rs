@@ -113,6 +113,8 @@ fn load(name: &str, run: Run) -> (Engine, Value) {
         // `EMBER_TEST_CUDA_GRAPHS=0` runs CUDA decode steps op by op (to tell a graph's fault
         // from a kernel's).
         cuda_graphs: std::env::var("EMBER_TEST_CUDA_GRAPHS").map_or(true, |v| v != "0"),
+        // `EMBER_TEST_BATCH_INVARIANT=1`: the batch-invariant products.
+        batch_invariant: std::env::var("EMBER_TEST_BATCH_INVARIANT").is_ok_and(|v| v == "1"),
         ..EngineOptions::default()
     };
     (

@@ -15,7 +15,8 @@
 //! rows around it.
 //!
 //! `EMBER_TEST_DEVICE=cuda` runs the fixtures on the GPU (graphs on, and off with
-//! `EMBER_TEST_CUDA_GRAPHS=0`), where only the tokens are held equal (see [`assert_same`]).
+//! `EMBER_TEST_CUDA_GRAPHS=0`; the batch-invariant products with
+//! `EMBER_TEST_BATCH_INVARIANT=1`), where only the tokens are held equal (see [`assert_same`]).
 
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
@@ -56,6 +57,7 @@ fn load(path: &Path, cache: CacheBudget, host: CacheBudget) -> Engine {
         prefill_chunk: Some(prefill_chunk()),
         device: device(),
         cuda_graphs: std::env::var("EMBER_TEST_CUDA_GRAPHS").map_or(true, |v| v != "0"),
+        batch_invariant: std::env::var("EMBER_TEST_BATCH_INVARIANT").is_ok_and(|v| v == "1"),
         prompt_cache: cache,
         prompt_cache_host: host,
         ..EngineOptions::default()

@@ -2,20 +2,26 @@
 //! prefilled on its own, then its decode tokens run in passes beside other sequences' (which
 //! join and leave between steps), and every row's logits must be the bits the same step gives
 //! the sequence decoding alone. On the CPU always; on CUDA with `EMBER_TEST_DEVICE=cuda`
-//! (graphs on and off), where passes of up to `cuda::MAX_BATCH` rows take the matrix-vector
-//! products, whose rows never see each other, and the decode attention takes every row in one
-//! launch with the splits it takes alone. Longer passes and passes that mix prompt chunks with
-//! decode rows run cuBLASLt's GEMMs on bf16 activations on CUDA: there a row is checked to stay
-//! close to its value alone (its sequence's blocks, positions and rows reached the kernels),
-//! not equal (issue 22's batch-invariant products are still to come).
+//! (graphs on and off, batch-invariant products on and off). There the decode attention takes
+//! every row in one launch with the splits it takes alone, and the products are
+//! - batch-invariant (`CudaOptions::batch_invariant`): the same tensor-core kernel, one order
+//!   of sums per element, for every batch: decode passes of any size give every row its bits
+//!   alone;
+//! - otherwise: matrix-vector kernels, whose rows never see each other, for passes of up to
+//!   `cuda::MAX_BATCH` rows (bits alone), cuBLASLt past them (close to alone only).
+//!
+//! Passes that mix prompt chunks with decode rows are checked to stay close to alone on CUDA,
+//! not equal: a prompt row's attention is the prompt kernel's arithmetic, a decode row's the
+//! decode kernel's. A mixture of experts keeps its own expert kernels: bits for passes of up to
+//! `cuda::MAX_BATCH` rows only.
 
 mod common;
 
 use common::{bits, golden, tokens};
 use ember_checkpoint::{SafetensorsSet, TensorSource};
 use ember_models::{
-    Arithmetic, Backend, BlockTable, CpuBackend, CudaBackend, CudaKvPool, KV_BLOCK_SIZE, KvDtype,
-    KvLayout, KvPool, Logits, ModelConfig, SequencePass, Transformer,
+    Arithmetic, Backend, BlockTable, CpuBackend, CudaBackend, CudaKvPool, CudaOptions,
+    KV_BLOCK_SIZE, KvDtype, KvLayout, KvPool, Logits, ModelConfig, SequencePass, Transformer,
 };
 use ember_tensor::cuda::CudaDevice;
 use ember_tensor::{BufferOwner, ThreadPool};
@@ -295,11 +301,13 @@ fn decode_passes_over_many_sequences_give_each_row_its_bits_alone_on_cuda() {
         return;
     };
     let device = CudaDevice::open(ordinal).unwrap();
+    let on_off = |b: bool| if b { "on" } else { "off" };
     for name in FIXTURES {
-        for graphs in [true, false] {
+        for (graphs, batch_invariant) in [(true, true), (false, true), (true, false)] {
             let what = format!(
-                "{name} (cuda, graphs {})",
-                if graphs { "on" } else { "off" }
+                "{name} (cuda, graphs {}, batch-invariant products {})",
+                on_off(graphs),
+                on_off(batch_invariant)
             );
             let path = golden(name);
             let owner = BufferOwner::new();
@@ -312,7 +320,10 @@ fn decode_passes_over_many_sequences_give_each_row_its_bits_alone_on_cuda() {
                 MAX_BATCH,
                 CONTEXT / KV_BLOCK_SIZE,
                 SEQUENCES,
-                graphs,
+                CudaOptions {
+                    graphs,
+                    batch_invariant,
+                },
             )
             .unwrap();
             let dtype = if config.dtype.as_deref() == Some("bfloat16") {
@@ -331,6 +342,7 @@ fn decode_passes_over_many_sequences_give_each_row_its_bits_alone_on_cuda() {
                 next_block: 0,
             };
             let exact_rows = ember_tensor::cuda::MAX_BATCH;
+            let dense = h.model.config.moe.is_none();
             // Twice, so that the graphs recorded the first time are replayed the second.
             for _ in 0..2 {
                 for n in [2, 5, exact_rows] {
@@ -338,9 +350,14 @@ fn decode_passes_over_many_sequences_give_each_row_its_bits_alone_on_cuda() {
                 }
                 // A mixture of experts routes each token to its top experts: rounding that
                 // moves a router logit across a tie sends the token elsewhere, so its rows
-                // need not stay close to alone on the GEMM road.
-                if h.model.config.moe.is_none() {
-                    check_decode_batches(&mut h, SEQUENCES, Expect::Close(0.05), &what);
+                // need not stay close to alone where its expert kernels see the batch.
+                if dense {
+                    let long = if batch_invariant {
+                        Expect::Bits
+                    } else {
+                        Expect::Close(0.05)
+                    };
+                    check_decode_batches(&mut h, SEQUENCES, long, &what);
                     check_mixed_passes(&mut h, Expect::Close(0.05), &what);
                 }
             }

@@ -15,7 +15,7 @@ use ember_tensor::cpu::{self, AttentionShape, RopeLayout, RopeTables};
 use ember_tensor::cuda::{
     self, AttentionPrecision, CudaDevice, CudaError, DevMat, DeviceBuffer, DeviceElem, Epilogue,
     ExpertRoad, FloatElem, Gemm, MatvecNorm, MatvecOutput, Module, PagedCache, PagedCacheMut,
-    Position, RopeHeads, RopeNorm, compile,
+    Position, RopeHeads, RopeNorm, SlicedGemm, compile,
 };
 use ember_tensor::{BufferKind, BufferOwner, Location, ThreadPool};
 use half::{bf16, f16};
@@ -578,24 +578,59 @@ fn fused_matvec_matches_the_unfused_steps() {
     }
 }
 
-fn check_gemm<O: Elem + Default>(
+/// The two products of 16-bit activations and weights: cuBLASLt's and the batch-invariant one.
+trait Product {
+    fn run<I: FloatElem, O: FloatElem>(
+        &mut self,
+        a: cuda::DevSlice<'_, I>,
+        w: &DevMat<'_>,
+        out: &mut cuda::DevSliceMut<'_, O>,
+        accumulate: bool,
+    ) -> Result<(), CudaError>;
+}
+
+impl Product for Gemm {
+    fn run<I: FloatElem, O: FloatElem>(
+        &mut self,
+        a: cuda::DevSlice<'_, I>,
+        w: &DevMat<'_>,
+        out: &mut cuda::DevSliceMut<'_, O>,
+        accumulate: bool,
+    ) -> Result<(), CudaError> {
+        self.matmul(a, w, out, accumulate)
+    }
+}
+
+impl Product for SlicedGemm {
+    fn run<I: FloatElem, O: FloatElem>(
+        &mut self,
+        a: cuda::DevSlice<'_, I>,
+        w: &DevMat<'_>,
+        out: &mut cuda::DevSliceMut<'_, O>,
+        accumulate: bool,
+    ) -> Result<(), CudaError> {
+        self.matmul(a, w, out, accumulate)
+    }
+}
+
+fn check_gemm<I: Elem, O: Elem + Default>(
     ctx: &Ctx,
-    gemm: &Gemm,
+    gemm: &mut impl Product,
     rng: &mut Rng,
     m: usize,
     n: usize,
     k: usize,
 ) {
-    let a: Vec<bf16> = round(&rng.vec(m * k));
-    let w: Vec<bf16> = round(&rng.vec(n * k));
+    let a: Vec<I> = round(&rng.vec(m * k));
+    let w: Vec<I> = round(&rng.vec(n * k));
     let (abuf, wbuf) = (ctx.upload(&a), ctx.upload(&w));
-    let mat = DevMat::from_slice(wbuf.as_slice::<bf16>(), n, k).unwrap();
+    let mat = DevMat::from_slice(wbuf.as_slice::<I>(), n, k).unwrap();
     let (af, wf) = (widen(&a), widen(&w));
     // out = a·Wᵀ is m matvecs of W.
     let want = matvec_reference(&wf, &af, None, n, k);
     let mut out = ctx.poisoned::<O>(m * n);
-    gemm.matmul(
-        abuf.as_slice::<bf16>(),
+    gemm.run(
+        abuf.as_slice::<I>(),
         &mat,
         &mut out.as_mut_slice::<O>(),
         false,
@@ -610,14 +645,15 @@ fn check_gemm<O: Elem + Default>(
     let err = rel_err(&got, &want);
     assert!(
         err < tolerance,
-        "gemm {m}×{n}×{k} into {}: error {err:e}",
+        "gemm {m}×{n}×{k} of {} into {}: error {err:e}",
+        I::FLOAT,
         O::FLOAT
     );
 
     let c0: Vec<O> = round(&rng.vec(m * n));
     let mut out = ctx.upload(&c0);
-    gemm.matmul(
-        abuf.as_slice::<bf16>(),
+    gemm.run(
+        abuf.as_slice::<I>(),
         &mat,
         &mut out.as_mut_slice::<O>(),
         true,
@@ -635,11 +671,70 @@ fn check_gemm<O: Elem + Default>(
 #[test]
 fn gemm_matches_f64_reference() {
     let Some(ctx) = Ctx::new() else { return };
-    let gemm = Gemm::new(&ctx.device, &ctx.owner).unwrap();
+    let mut gemm = Gemm::new(&ctx.device, &ctx.owner).unwrap();
+    let mut sliced = SlicedGemm::new(&ctx.device, &ctx.owner).unwrap();
     let mut rng = Rng(2);
     for (m, n, k) in [(37, 72, 136), (64, 256, 512), (300, 1000, 1024), (5, 8, 8)] {
-        check_gemm::<f32>(&ctx, &gemm, &mut rng, m, n, k);
-        check_gemm::<bf16>(&ctx, &gemm, &mut rng, m, n, k);
+        check_gemm::<bf16, f32>(&ctx, &mut gemm, &mut rng, m, n, k);
+        check_gemm::<bf16, bf16>(&ctx, &mut gemm, &mut rng, m, n, k);
+    }
+    // The batch-invariant product: every tile, split or not, k not a multiple of a step.
+    for (m, n, k) in [
+        (1, 72, 136),
+        (37, 72, 136),
+        (64, 256, 512),
+        (300, 1000, 1024),
+        (5, 8, 8),
+        (1, 4096, 1024),
+        (700, 200, 4104),
+    ] {
+        check_gemm::<bf16, f32>(&ctx, &mut sliced, &mut rng, m, n, k);
+        check_gemm::<bf16, bf16>(&ctx, &mut sliced, &mut rng, m, n, k);
+        check_gemm::<f16, f32>(&ctx, &mut sliced, &mut rng, m, n, k);
+    }
+}
+
+/// A row of the batch-invariant product is the same bits whatever batch it comes in: every
+/// tile, slices split across blocks or summed in one, a batch of one or of 1200.
+#[test]
+fn sliced_gemm_gives_a_row_the_same_bits_in_every_batch() {
+    let Some(ctx) = Ctx::new() else { return };
+    let mut sliced = SlicedGemm::new(&ctx.device, &ctx.owner).unwrap();
+    let mut rng = Rng(21);
+    // 4096 rows of 1024 take slices of 128: 8 of them, split in blocks up to ~600 tokens.
+    let (n, k, most) = (4096, 1024, 1200);
+    let a: Vec<bf16> = round(&rng.vec(most * k));
+    let w: Vec<bf16> = round(&rng.vec(n * k));
+    let (abuf, wbuf) = (ctx.upload(&a), ctx.upload(&w));
+    let mat = DevMat::from_slice(wbuf.as_slice::<bf16>(), n, k).unwrap();
+    let run = |sliced: &mut SlicedGemm, first: usize, m: usize| -> Vec<u32> {
+        let mut out = ctx.poisoned::<f32>(m * n);
+        let x = abuf.as_slice::<bf16>().slice(first * k..(first + m) * k);
+        sliced
+            .matmul(x, &mat, &mut out.as_mut_slice::<f32>(), false)
+            .unwrap();
+        bits(&ctx.download::<f32>(&out))
+    };
+    let all = run(&mut sliced, 0, most);
+    for (first, m) in [
+        (0, 1),
+        (5, 1),
+        (1199, 1),
+        (0, 3),
+        (2, 8),
+        (1, 9),
+        (7, 32),
+        (0, 40),
+        (3, 64),
+        (0, 65),
+        (100, 600),
+    ] {
+        let got = run(&mut sliced, first, m);
+        assert!(
+            got == all[first * n..(first + m) * n],
+            "rows {first}..{} alone differ from the same rows in a batch of {most}",
+            first + m
+        );
     }
 }
 

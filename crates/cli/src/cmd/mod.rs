@@ -58,6 +58,7 @@ pub fn engine_options(args: &ModelArgs) -> EngineOptions {
         load_limit_gib: args.load_limit_gib,
         device: args.device,
         cuda_graphs: !args.no_cuda_graphs,
+        batch_invariant: args.batch_invariant,
         prefill_chunk: args.prefill_chunk.map(|n| n as usize),
         // One-off commands run one sequence and gain nothing from keeping prompts; `serve`
         // sets its own.

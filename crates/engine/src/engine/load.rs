@@ -6,8 +6,8 @@ use std::sync::{Arc, Mutex};
 
 use ember_checkpoint::{GgufFile, SafetensorsSet, TensorSource, read_json};
 use ember_models::{
-    Arithmetic, BlockTable, CpuBackend, CudaBackend, CudaKvPool, KV_BLOCK_SIZE, KvDtype, KvLayout,
-    KvPool, Logits, ModelConfig, Transformer,
+    Arithmetic, BlockTable, CpuBackend, CudaBackend, CudaKvPool, CudaOptions, KV_BLOCK_SIZE,
+    KvDtype, KvLayout, KvPool, Logits, ModelConfig, Transformer,
 };
 use ember_residency::{
     Bound, CODE_ID_BASE, MlockBackend, Region, ResidencySet, executable_regions,
@@ -173,7 +173,10 @@ impl Engine {
                         max_batch,
                         context.div_ceil(KV_BLOCK_SIZE),
                         parallel,
-                        options.cuda_graphs,
+                        CudaOptions {
+                            graphs: options.cuda_graphs,
+                            batch_invariant: options.batch_invariant,
+                        },
                     )?;
                     let model = Transformer::load(&backend, config, source, context)?;
                     let plan = PoolPlan::new(

@@ -40,6 +40,11 @@ pub struct EngineOptions {
     pub device: Device,
     /// On CUDA, record decode steps as graphs and replay them (off: op by op, same results).
     pub cuda_graphs: bool,
+    /// On CUDA, every product of 16-bit weights on the batch-invariant kernel
+    /// (`--batch-invariant`), so a request's tokens do not depend on what shares its passes.
+    /// Off for now: the kernel has not yet run on a GPU (issue 22); off, the products take
+    /// matrix-vector kernels for decode batches of up to 8 and cuBLASLt past them.
+    pub batch_invariant: bool,
     /// The prompt cache's share of the KV pool (`--prompt-cache-gib`): finished requests'
     /// blocks stay, and a request whose prompt starts with a cached prefix prefills only the
     /// rest.
@@ -103,6 +108,7 @@ impl Default for EngineOptions {
             load_limit_gib: None,
             device: Device::Cpu,
             cuda_graphs: true,
+            batch_invariant: false,
             prompt_cache: CacheBudget::Off,
             prompt_cache_host: CacheBudget::Off,
         }

@@ -22,9 +22,7 @@ use std::ops::Range;
 
 use ember_checkpoint::TensorSource;
 use ember_tensor::cpu::{AttentionShape, RopeLayout};
-use ember_tensor::cuda::{
-    self, AttentionPrecision, CudaDevice, DeviceBuffer, Epilogue, Gemm, RopeHeads,
-};
+use ember_tensor::cuda::{self, AttentionPrecision, CudaDevice, DeviceBuffer, Epilogue, RopeHeads};
 use ember_tensor::quant::dequantize_row;
 use ember_tensor::{Buffer, BufferKind, BufferOwner, DType};
 use half::{bf16, f16};
@@ -36,6 +34,7 @@ pub use weights::{CudaMatrix, CudaRope, CudaVector};
 use self::kv::rope_norm;
 use self::moe::MoeWorkspace;
 use self::pass::{GraphKey, PassInputs, PicksAhead, Recording};
+use self::products::Gemms;
 use crate::backend::{
     AttentionParams, Backend, PICKS_AHEAD, PassSegment, PassShape, Projection, RopeStyle, Slot,
     add_to_residual, norm_linears_step_by_step, norm_mlp_step_by_step,
@@ -46,10 +45,32 @@ use crate::kv_cache::BlockTable;
 use crate::rope::RopeTable;
 use crate::transformer::{Mlp, Moe};
 
+/// Choices of how a CUDA backend runs; every one gives a request's greedy tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CudaOptions {
+    /// Record decode passes and replay them (off, every pass is launched op by op: for
+    /// comparing the two, and for debugging). Same bits either way.
+    pub graphs: bool,
+    /// Every product of 16-bit weights on the batch-invariant kernel, so a request's tokens
+    /// do not depend on what shares its passes. Off (the default until the kernel has been
+    /// measured on a GPU): matrix-vector kernels for decode batches of up to 8 and cuBLASLt
+    /// past them, whose rows' bits follow their batch past 8.
+    pub batch_invariant: bool,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        CudaOptions {
+            graphs: true,
+            batch_invariant: false,
+        }
+    }
+}
+
 pub struct CudaBackend {
     device: CudaDevice,
     owner: BufferOwner,
-    gemm: Gemm,
+    gemm: Gemms,
     max_batch: usize,
     logit_rows: usize,
     /// f32, indexed by [`Slot::index`].
@@ -96,9 +117,7 @@ impl Drop for CudaBackend {
 
 impl CudaBackend {
     /// Activations for passes of up to `max_batch` tokens of up to `max_sequences`
-    /// sequences (a row of logits each) of up to `max_blocks` KV blocks. `graphs`: record
-    /// decode passes and replay them (off, every pass is launched op by op: for comparing the
-    /// two, and for debugging).
+    /// sequences (a row of logits each) of up to `max_blocks` KV blocks.
     pub fn new(
         device: CudaDevice,
         config: &ModelConfig,
@@ -106,7 +125,7 @@ impl CudaBackend {
         max_batch: usize,
         max_blocks: usize,
         max_sequences: usize,
-        graphs: bool,
+        options: CudaOptions,
     ) -> Result<Self> {
         let b = max_batch.max(1);
         let max_sequences = max_sequences.clamp(1, b);
@@ -151,7 +170,7 @@ impl CudaBackend {
         let logits = f32s("logits", logit_rows * config.vocab_size)?;
         let mut argmax_scratch = f32s("argmax chunks", cuda::argmax_scratch_len(logit_rows))?;
         device.fill_bytes(&mut argmax_scratch.as_mut_slice::<u32>(), 0)?;
-        let gemm = Gemm::new(&device, owner)?;
+        let gemm = Gemms::new(&device, owner, options.batch_invariant)?;
         let moe = MoeWorkspace::new(&device, owner, config, b)?;
         Ok(CudaBackend {
             owner: owner.clone(),
@@ -183,7 +202,7 @@ impl CudaBackend {
             argmax_scratch,
             ahead: pass::picks_ahead(&device)?,
             moe,
-            graphs: graphs.then(HashMap::new),
+            graphs: options.graphs.then(HashMap::new),
             attention_precision: match config.dtype.as_deref() {
                 Some("bfloat16" | "float16") => AttentionPrecision::Bf16,
                 _ => AttentionPrecision::F32,

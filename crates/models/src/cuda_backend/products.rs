@@ -1,5 +1,9 @@
-//! Matrix products on the device: matrix-vector kernels for decode batches (the norm and the
-//! epilogue inside them where they fuse), cuBLASLt GEMMs on 16-bit activations for prompts.
+//! Matrix products on the device. With `batch_invariant` every product of 16-bit weights, a
+//! decode row's as a prompt's, runs on the batch-invariant tensor-core kernel
+//! ([`cuda::SlicedGemm`]) over a 16-bit copy of its input, so a row's result never depends on
+//! its batch. Without (for now the default), decode batches take matrix-vector kernels (the
+//! norm and the epilogue inside them where they fuse) and longer ones cuBLASLt. f32 weights
+//! always take the matrix-vector kernels, whose sums follow the matrix alone.
 
 use std::ops::Range;
 
@@ -53,12 +57,53 @@ impl CudaBackend {
     }
 }
 
-/// `y (+)= x · Wᵀ` for `rows` rows of f32 `x`: matrix-vector kernels for a decode batch (and
-/// f32 weights), else a GEMM on a copy of `x` in the weights' 16-bit type (`staging`).
+/// The GEMM 16-bit weights take: the batch-invariant kernel (`--batch-invariant`), or
+/// cuBLASLt with matrix-vector kernels for decode batches.
+pub(super) enum Gemms {
+    Invariant(cuda::SlicedGemm),
+    Fast(cuda::Gemm),
+}
+
+impl Gemms {
+    pub(super) fn new(
+        device: &cuda::CudaDevice,
+        owner: &ember_tensor::BufferOwner,
+        invariant: bool,
+    ) -> Result<Gemms> {
+        Ok(if invariant {
+            Gemms::Invariant(cuda::SlicedGemm::new(device, owner)?)
+        } else {
+            Gemms::Fast(cuda::Gemm::new(device, owner)?)
+        })
+    }
+
+    pub(super) fn matmul<A: cuda::FloatElem, O: cuda::FloatElem>(
+        &mut self,
+        a: cuda::DevSlice<'_, A>,
+        w: &cuda::DevMat<'_>,
+        out: &mut DevSliceMut<'_, O>,
+        accumulate: bool,
+    ) -> Result<()> {
+        match self {
+            Gemms::Invariant(g) => g.matmul(a, w, out, accumulate)?,
+            Gemms::Fast(g) => g.matmul(a, w, out, accumulate)?,
+        }
+        Ok(())
+    }
+
+    /// Whether `rows` rows of `dtype` weights take the matrix-vector kernels: f32 weights
+    /// always; 16-bit ones for decode batches on the fast road only.
+    pub(super) fn matvec_road(&self, dtype: Float, rows: usize) -> bool {
+        dtype == Float::F32 || (matches!(self, Gemms::Fast(_)) && rows <= cuda::MAX_BATCH)
+    }
+}
+
+/// `y (+)= x · Wᵀ` for `rows` rows of f32 `x`: matrix-vector kernels where [`Gemms`] says,
+/// else a GEMM on a copy of `x` in the weights' 16-bit type (`staging`).
 #[allow(clippy::too_many_arguments)]
 fn product(
     device: &cuda::CudaDevice,
-    gemm: &mut cuda::Gemm,
+    gemm: &mut Gemms,
     staging: &mut DeviceBuffer,
     mat: &cuda::DevMat<'_>,
     x: cuda::DevSlice<'_, f32>,
@@ -66,7 +111,7 @@ fn product(
     y: &mut DevSliceMut<'_, f32>,
     accumulate: bool,
 ) -> Result<()> {
-    if rows <= cuda::MAX_BATCH || mat.dtype == Float::F32 {
+    if gemm.matvec_road(mat.dtype, rows) {
         return Ok(cuda::matvec(device, mat, x, rows, y, accumulate)?);
     }
     match mat.dtype {
@@ -141,12 +186,18 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Whether [`Self::fused_products`] takes these: the matrix-vector road (a decode batch,
-    /// or f32 weights, which never take a GEMM), and matrices that can share a launch.
+    /// Whether [`Self::fused_products`] takes these: the matrix-vector road ([`Gemms`]), and
+    /// matrices that can share a launch.
     pub(super) fn fusible(&self, rows: usize, weights: &[&CudaMatrix]) -> bool {
         let first = weights[0];
+        let float = match first.dtype {
+            DType::F32 => Float::F32,
+            DType::BF16 => Float::Bf16,
+            DType::F16 => Float::F16,
+            _ => return false,
+        };
         weights.len() <= cuda::MAX_OUTPUTS
-            && (rows <= cuda::MAX_BATCH || first.dtype == DType::F32)
+            && self.gemm.matvec_road(float, rows)
             && weights
                 .iter()
                 .all(|w| w.dtype == first.dtype && w.cols == first.cols)

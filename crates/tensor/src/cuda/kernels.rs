@@ -9,6 +9,8 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
+use super::sliced_gemm::SlicedTile;
+
 /// Prepended to every module: 16-bit float conversions, warp and block reductions, loads.
 const COMMON: &str = include_str!("kernels/common.cuh");
 /// Prepended to the modules that multiply on the tensor cores.
@@ -69,10 +71,12 @@ pub enum Module {
     Moe,
     /// Routed experts' prompt products on the tensor cores: compute capability 8.0 and later.
     ExpertsMma,
+    /// Batch-invariant products on the tensor cores: compute capability 8.0 and later.
+    SlicedGemm,
 }
 
 impl Module {
-    pub const ALL: [Module; 15] = [
+    pub const ALL: [Module; 16] = [
         Module::Matvec,
         Module::RmsNorm,
         Module::Rope,
@@ -88,6 +92,7 @@ impl Module {
         Module::AttentionMma,
         Module::Moe,
         Module::ExpertsMma,
+        Module::SlicedGemm,
     ];
 
     /// The file name without `.cu`.
@@ -110,6 +115,7 @@ impl Module {
             Module::AttentionMma => "attention_mma",
             Module::Moe => "moe",
             Module::ExpertsMma => "experts_mma",
+            Module::SlicedGemm => "sliced_gemm",
         }
     }
 
@@ -134,13 +140,17 @@ impl Module {
             Module::AttentionMma => file!("attention_mma.cu"),
             Module::Moe => file!("moe.cu"),
             Module::ExpertsMma => file!("experts_mma.cu"),
+            Module::SlicedGemm => file!("sliced_gemm.cu"),
         }
     }
 
     /// The oldest compute capability the module compiles for.
     pub fn min_compute_capability(self) -> (i32, i32) {
         match self {
-            Module::AttentionMma | Module::ExpertsMma | Module::AttentionDecodeMma(_) => (8, 0),
+            Module::AttentionMma
+            | Module::ExpertsMma
+            | Module::AttentionDecodeMma(_)
+            | Module::SlicedGemm => (8, 0),
             // __match_any_sync groups a warp's pairs by expert.
             Module::Moe => (7, 0),
             _ => (5, 0),
@@ -169,7 +179,7 @@ impl Module {
         let mma = kernel_file("mma.cuh", MMA);
         let decode = kernel_file("attention_decode.cu", DECODE);
         let header = match self {
-            Module::AttentionMma | Module::ExpertsMma => mma.into_owned(),
+            Module::AttentionMma | Module::ExpertsMma | Module::SlicedGemm => mma.into_owned(),
             // The tensor-core decode kernel reuses the other's chunking, rope and merge.
             Module::AttentionDecodeMma(_) => format!("{mma}\n{decode}"),
             _ => String::new(),
@@ -300,6 +310,13 @@ pub enum Kernel {
     ExpertsMma {
         swiglu: bool,
     },
+    /// Batch-invariant products of 16-bit `weights` in blocks of `tile`; `split`: one block
+    /// per slice of the row length, the last of a tile adding them up.
+    SlicedGemm {
+        weights: Float,
+        tile: SlicedTile,
+        split: bool,
+    },
 }
 
 impl Kernel {
@@ -319,6 +336,7 @@ impl Kernel {
             Kernel::AttentionPrefillMma { .. } => Module::AttentionMma,
             Kernel::MoeRoute | Kernel::MoeCombine => Module::Moe,
             Kernel::ExpertsMma { .. } => Module::ExpertsMma,
+            Kernel::SlicedGemm { .. } => Module::SlicedGemm,
         }
     }
 
@@ -336,6 +354,7 @@ impl Kernel {
                 // attention_mma.cu.
                 Some(PREFILL_MMA_STAGES * 2 * PREFILL_MMA_KEYS * (head_dim as usize + 8) * 2)
             }
+            Kernel::SlicedGemm { tile, .. } => Some(tile.smem_bytes()),
             _ => None,
         }
     }
@@ -406,6 +425,17 @@ impl Kernel {
                 kernels.push(Kernel::SiluMul { input, out });
             }
         }
+        for weights in [Float::Bf16, Float::F16] {
+            for tile in SlicedTile::ALL {
+                for split in [false, true] {
+                    kernels.push(Kernel::SlicedGemm {
+                        weights,
+                        tile,
+                        split,
+                    });
+                }
+            }
+        }
         for to in floats {
             kernels.push(Kernel::Convert {
                 from: Float::F32,
@@ -471,6 +501,15 @@ impl Kernel {
             Kernel::ExpertsMma { swiglu } => {
                 format!("experts_mma_bf16{}", if swiglu { "_swiglu" } else { "" })
             }
+            Kernel::SlicedGemm {
+                weights,
+                tile,
+                split,
+            } => format!(
+                "sliced_gemm_{weights}_{}{}",
+                tile.name(),
+                if split { "_split" } else { "" }
+            ),
         }
     }
 }
@@ -594,6 +633,21 @@ mod tests {
                 }
                 Kernel::KvStore { kv } => {
                     source.contains("kv_store_##T(") && source.contains(&format!("KV_STORE({kv},"))
+                }
+                Kernel::SlicedGemm {
+                    weights,
+                    tile,
+                    split,
+                } => {
+                    let name = if split {
+                        "sliced_gemm_##tname##_##tile##_split("
+                    } else {
+                        "sliced_gemm_##tname##_##tile("
+                    };
+                    source.contains(name)
+                        && source
+                            .contains(&format!("SLICED_GEMM_KERNEL(tname, T, {},", tile.name()))
+                        && source.contains(&format!("SLICED_GEMM_ALL({weights},"))
                 }
                 _ => false,
             };

@@ -10,6 +10,7 @@
 //!   [`DeviceBuffer`], listed with the host buffers; ops take typed views of it
 //!   ([`DevSlice`], [`DevSliceMut`], [`DevMat`] for weights).
 //! - Ops, one file per family, each a `.cu` in `kernels/` with a typed launcher here:
+//!   [`SlicedGemm`] (batch-invariant products of every batch size, on the tensor cores),
 //!   [`matvec()`] (decode), [`Gemm`] (prefill, cuBLASLt), [`rms_norm()`], [`rope()`],
 //!   [`silu_mul()`], [`add()`], [`convert()`], [`embedding()`], [`argmax()`],
 //!   [`attention_decode()`] and [`attention_prefill()`]; a mixture-of-experts layer's
@@ -42,6 +43,7 @@ mod moe;
 mod residency;
 mod rms_norm;
 mod rope;
+mod sliced_gemm;
 
 pub use argmax::{argmax, argmax_scratch_len};
 pub use attention::{
@@ -69,6 +71,7 @@ pub use moe::{
 pub use residency::CudaResidency;
 pub use rms_norm::{add_rms_norm, rms_norm, rms_norm_in_place};
 pub use rope::{RopeHeads, RopeNorm, rope, rope_qk};
+pub use sliced_gemm::{SlicedGemm, SlicedTile, slice_len};
 
 use error::ensure;
 

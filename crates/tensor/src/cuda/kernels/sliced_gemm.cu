@@ -1,0 +1,273 @@
+// Batch-invariant products on the tensor cores (sm_80 and later):
+//
+//   y[t, r] = Σ_k x[t, k] · W[r, k]        (y[t, r] += … with `accumulate`)
+//
+// for 16-bit W [n, k] (a HF Linear) and x [m, k] of the same type, f32 sums, y f32 or bf16.
+//
+// Every output element is computed by one sequence of operations whatever m is and whatever
+// tile or grid the host picks: the row length is cut into slices of `slice` values (a multiple
+// of 32, chosen by the host from n and k only); a slice's sum starts at zero and runs through
+// the slice 32 values at a time in order, two m16n8k16 products a step (W's rows as the A
+// operand, x's rows as B's columns); the slices' sums are added in slice order to a total that
+// starts at zero. A tile's other rows and tokens never enter an element's sums (an mma's
+// output element reads only its own row of A and column of B), so a token's result is the same
+// bits alone, in a decode batch of 64 or in a prompt chunk of 512.
+//
+// Two ways to run the slices, same arithmetic: in order inside one block (the total kept in
+// registers; for grids that already fill the device), or one block per slice (`_split`, for
+// short batches, whose grid would be a few dozen blocks): each writes its slice's sums to
+// `partials`, and the last of a tile's blocks to finish (an atomic ticket) adds them up in
+// slice order, writes y, and resets the ticket.
+//
+// Within a 32-value step, lane (g, t) of a warp (g = lane / 4, t = lane % 4) loads 16 bytes of
+// a row, its values 8t .. 8t + 7; the first product takes values 8t .. 8t + 3 of every lane,
+// the second 8t + 4 .. 8t + 7. A permutation of the fragment's k index, the same for A and B,
+// so each product still pairs x[t, k] with W[r, k]; it lets a row's 64 bytes of a step be read
+// as one contiguous 512-byte warp load per 8 rows (no bank conflicts, no padding).
+//
+// Stages of 32 values of the block's W rows and x rows go to shared memory by cp.async,
+// STAGES deep; the weights of the first stages are requested before the kernel waits for the
+// one before it (weights are never written during a step).
+
+#define SG_STEP 32
+// Bytes of a shared row of one step: 32 16-bit values.
+#define SG_ROW_BYTES 64
+
+// Mirrors `KernelArgs` in sliced_gemm.rs field for field.
+struct SlicedGemmArgs {
+    const void* w;    // [n, k]
+    const void* x;    // [m, k]
+    void* y;          // [m, n], f32 or bf16
+    float* partials;  // [slices][m][n]: the split form's slice sums
+    unsigned* tickets;  // one per tile (n tile, m tile) of the split form; zero between launches
+    int m;
+    int n;
+    int k;
+    int slice;   // values a slice, a multiple of SG_STEP
+    int slices;  // ceil(k / slice)
+    int accumulate;
+    int out_bf16;
+    int pad;
+};
+static_assert(sizeof(SlicedGemmArgs) == 72, "KernelArgs in sliced_gemm.rs has 72 bytes");
+
+template <typename T> struct SlicedMma;
+template <> struct SlicedMma<bf16_t> {
+    static __device__ __forceinline__ void mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+        mma_bf16(c, a, b0, b1);
+    }
+};
+template <> struct SlicedMma<f16_t> {
+    static __device__ __forceinline__ void mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+        mma_f16(c, a, b0, b1);
+    }
+};
+
+// A block's place: BM = 16·WM·WARPS_M weight rows by BN = 8·WN·WARPS_N tokens (a warp takes
+// WM 16-row tiles by WN 8-token tiles), and the values it sums: all of k, or its slice.
+template <int WM, int WN, int WARPS_M, int WARPS_N, int STAGES, bool SPLIT>
+struct SgBlock {
+    static constexpr int BM = 16 * WM * WARPS_M, BN = 8 * WN * WARPS_N;
+    static constexpr int THREADS = 32 * WARPS_M * WARPS_N;
+    static constexpr int W_BYTES = BM * SG_ROW_BYTES, STAGE_BYTES = (BM + BN) * SG_ROW_BYTES;
+    int r0, t0, k_begin, k_end, steps;
+
+    __device__ __forceinline__ explicit SgBlock(const SlicedGemmArgs& a) {
+        r0 = blockIdx.x * BM;
+        t0 = blockIdx.y * BN;
+        k_begin = SPLIT ? blockIdx.z * a.slice : 0;
+        k_end = SPLIT ? min(a.k, k_begin + a.slice) : a.k;
+        steps = (k_end - k_begin + SG_STEP - 1) / SG_STEP;
+    }
+
+    // Step `s`'s `rows` rows from `first` of `src` ([.., k]) into `dst`, 16 bytes a piece (4 a
+    // row); pieces past `limit` rows or past the block's values read nothing and stage zeros.
+    __device__ __forceinline__ void stage(unsigned char* dst, const void* src, int first, int rows,
+                                          int limit, int k, int s) const {
+        const int col = k_begin + s * SG_STEP;
+        for (int p = threadIdx.x; p < rows * 4; p += THREADS) {
+            const int row = first + p / 4, c = col + (p % 4) * 8;
+            const bool valid = row < limit && c < k_end;
+            const unsigned char* from =
+                (const unsigned char*)src + (valid ? ((size_t)row * k + c) * 2 : 0);
+            cp_async_16(shared_address(dst + p * 16), from, valid);
+        }
+    }
+    __device__ __forceinline__ void stage_w(const SlicedGemmArgs& a, unsigned char* smem, int s) const {
+        stage(smem + (s % STAGES) * STAGE_BYTES, a.w, r0, BM, a.n, a.k, s);
+    }
+    __device__ __forceinline__ void stage_x(const SlicedGemmArgs& a, unsigned char* smem, int s) const {
+        stage(smem + (s % STAGES) * STAGE_BYTES + W_BYTES, a.x, t0, BN, a.m, a.k, s);
+    }
+};
+
+extern __shared__ __align__(16) unsigned char sg_smem[];
+
+// The weights of the first stages, requested before the kernel waits for the one before it.
+template <int WM, int WN, int WARPS_M, int WARPS_N, int STAGES, bool SPLIT>
+__device__ __forceinline__ void sliced_gemm_weights_ahead(const SlicedGemmArgs& a) {
+    const SgBlock<WM, WN, WARPS_M, WARPS_N, STAGES, SPLIT> blk(a);
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s)
+        if (s < blk.steps) blk.stage_w(a, sg_smem, s);
+}
+
+template <typename T, int WM, int WN, int WARPS_M, int WARPS_N, int STAGES, bool SPLIT>
+__device__ __forceinline__ void sliced_gemm(const SlicedGemmArgs& a) {
+    const SgBlock<WM, WN, WARPS_M, WARPS_N, STAGES, SPLIT> blk(a);
+    using Block = SgBlock<WM, WN, WARPS_M, WARPS_N, STAGES, SPLIT>;
+    constexpr int W_BYTES = Block::W_BYTES, STAGE_BYTES = Block::STAGE_BYTES;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+    const int warp_m = warp % WARPS_M, warp_n = warp / WARPS_M;
+    const int steps = blk.steps, steps_per_slice = a.slice / SG_STEP;
+    const int r0 = blk.r0, t0 = blk.t0;
+
+    // x (written by the kernel before) for the first stages, whose weights are on their way:
+    // group i holds stage i's x, and group 0 also the early stages' weights.
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < steps) blk.stage_x(a, sg_smem, s);
+        cp_async_commit();
+    }
+
+    float acc[WM][WN][4];
+    float total[WM][WN][4];
+#pragma unroll
+    for (int i = 0; i < WM; ++i)
+#pragma unroll
+        for (int j = 0; j < WN; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = total[i][j][e] = 0.0f;
+
+    for (int s = 0; s < steps; ++s) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // stage s is in, and every warp is done with the buffer refilled next
+        if (s + STAGES - 1 < steps) {
+            blk.stage_w(a, sg_smem, s + STAGES - 1);
+            blk.stage_x(a, sg_smem, s + STAGES - 1);
+        }
+        cp_async_commit();
+
+        const unsigned char* ws = sg_smem + (s % STAGES) * STAGE_BYTES;
+        const unsigned char* xs = ws + W_BYTES;
+        uint4 b[WN];
+#pragma unroll
+        for (int j = 0; j < WN; ++j)
+            b[j] = *(const uint4*)(xs + ((warp_n * WN + j) * 8 + g) * SG_ROW_BYTES + tq * 16);
+#pragma unroll
+        for (int i = 0; i < WM; ++i) {
+            const int row = (warp_m * WM + i) * 16 + g;
+            const uint4 lo = *(const uint4*)(ws + row * SG_ROW_BYTES + tq * 16);
+            const uint4 hi = *(const uint4*)(ws + (row + 8) * SG_ROW_BYTES + tq * 16);
+            const unsigned a0[4] = {lo.x, hi.x, lo.y, hi.y};
+            const unsigned a1[4] = {lo.z, hi.z, lo.w, hi.w};
+#pragma unroll
+            for (int j = 0; j < WN; ++j) {
+                SlicedMma<T>::mma(acc[i][j], a0, b[j].x, b[j].y);
+                SlicedMma<T>::mma(acc[i][j], a1, b[j].z, b[j].w);
+            }
+        }
+        if (!SPLIT && ((s + 1) % steps_per_slice == 0 || s + 1 == steps)) {
+            // A slice ends: its sum joins the total, the next starts from zero.
+#pragma unroll
+            for (int i = 0; i < WM; ++i)
+#pragma unroll
+                for (int j = 0; j < WN; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        total[i][j][e] += acc[i][j][e];
+                        acc[i][j][e] = 0.0f;
+                    }
+        }
+    }
+    cp_async_wait<0>();
+
+    // Element e of tile (i, j): weight row (half e / 2) · 8 + g of the 16, token 2t + e % 2.
+    auto row_of = [&](int i, int e) { return r0 + (warp_m * WM + i) * 16 + g + (e >> 1) * 8; };
+    auto token_of = [&](int j, int e) { return t0 + (warp_n * WN + j) * 8 + 2 * tq + (e & 1); };
+    auto store = [&](int tok, int row, float v) {
+        const size_t at = (size_t)tok * a.n + row;
+        if (a.out_bf16) {
+            bf16_t* y = (bf16_t*)a.y;
+            if (a.accumulate) v = to_f32(y[at]) + v;
+            y[at] = from_f32<bf16_t>(v);
+        } else {
+            float* y = (float*)a.y;
+            y[at] = a.accumulate ? y[at] + v : v;
+        }
+    };
+
+    if (!SPLIT) {
+#pragma unroll
+        for (int i = 0; i < WM; ++i)
+#pragma unroll
+            for (int j = 0; j < WN; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int row = row_of(i, e), tok = token_of(j, e);
+                    if (row < a.n && tok < a.m) store(tok, row, total[i][j][e]);
+                }
+        return;
+    }
+
+    // Split: this slice's sums out, then the tile's last block adds the slices in order.
+    const size_t plane = (size_t)a.m * a.n;
+#pragma unroll
+    for (int i = 0; i < WM; ++i)
+#pragma unroll
+        for (int j = 0; j < WN; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int row = row_of(i, e), tok = token_of(j, e);
+                if (row < a.n && tok < a.m)
+                    a.partials[blockIdx.z * plane + (size_t)tok * a.n + row] = acc[i][j][e];
+            }
+    __threadfence();
+    unsigned* ticket = a.tickets + blockIdx.y * gridDim.x + blockIdx.x;
+    // Every thread's sums are out before thread 0 takes the ticket (the barrier), and the
+    // block learns from the same barrier whether it was the last.
+    __syncthreads();
+    const bool last =
+        __syncthreads_or(threadIdx.x == 0 && atomicAdd(ticket, 1u) == (unsigned)(a.slices - 1));
+    if (!last) return;
+    __threadfence();  // the other blocks' sums, seen after their tickets
+#pragma unroll
+    for (int i = 0; i < WM; ++i)
+#pragma unroll
+        for (int j = 0; j < WN; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int row = row_of(i, e), tok = token_of(j, e);
+                if (row >= a.n || tok >= a.m) continue;
+                const float* p = a.partials + (size_t)tok * a.n + row;
+                float sum = 0.0f;
+                for (int z = 0; z < a.slices; ++z) sum += __ldcg(p + z * plane);
+                store(tok, row, sum);
+            }
+    if (threadIdx.x == 0) *ticket = 0;
+}
+
+// The tiles the host picks from (`SlicedTile` in sliced_gemm.rs): a name, then WM, WN,
+// WARPS_M, WARPS_N, STAGES. Shared memory: STAGES · (BM + BN) · 64 bytes.
+#define SLICED_GEMM_KERNEL(tname, T, tile, WM, WN, WARPS_M, WARPS_N, STAGES)                      \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N)                          \
+        sliced_gemm_##tname##_##tile(const SlicedGemmArgs a) {                                    \
+        sliced_gemm_weights_ahead<WM, WN, WARPS_M, WARPS_N, STAGES, false>(a);                    \
+        grid_dependency_wait();                                                                   \
+        sliced_gemm<T, WM, WN, WARPS_M, WARPS_N, STAGES, false>(a);                               \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N)                          \
+        sliced_gemm_##tname##_##tile##_split(const SlicedGemmArgs a) {                            \
+        sliced_gemm_weights_ahead<WM, WN, WARPS_M, WARPS_N, STAGES, true>(a);                     \
+        grid_dependency_wait();                                                                   \
+        sliced_gemm<T, WM, WN, WARPS_M, WARPS_N, STAGES, true>(a);                                \
+    }
+
+#define SLICED_GEMM_ALL(tname, T)                              \
+    SLICED_GEMM_KERNEL(tname, T, m64n8, 1, 1, 4, 1, 8)         \
+    SLICED_GEMM_KERNEL(tname, T, m64n32, 1, 4, 4, 1, 6)        \
+    SLICED_GEMM_KERNEL(tname, T, m128n64, 2, 8, 4, 1, 4)       \
+    SLICED_GEMM_KERNEL(tname, T, m128n128, 2, 8, 4, 2, 3)
+
+SLICED_GEMM_ALL(bf16, bf16_t)
+SLICED_GEMM_ALL(f16, f16_t)

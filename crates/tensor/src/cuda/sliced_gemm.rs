@@ -1,0 +1,352 @@
+//! Batch-invariant products on the tensor cores: `out = a · Wᵀ` where a row of `out` is the
+//! same bits whatever other rows share the launch (see sliced_gemm.cu for how).
+
+use super::device::launch;
+use super::kernels::{Float, Kernel};
+use super::{
+    CudaDevice, CudaError, DevMat, DevSlice, DevSliceMut, DeviceBuffer, FloatElem, config3, ensure,
+    int,
+};
+use crate::buffer::{BufferKind, BufferOwner};
+
+/// Values a step of the kernel takes (`SG_STEP`): slices are whole steps.
+const STEP: usize = 32;
+
+/// Slice lengths the host picks from, longest first.
+const SLICE_LENS: [usize; 5] = [2048, 1024, 512, 256, 128];
+
+/// Blocks a row length is cut into slices for, at least: with 64-row tiles, about four per
+/// multiprocessor of a large GPU, so a batch of one still has the weights' every byte in
+/// flight from many blocks at once.
+const SLICE_TARGET_BLOCKS: usize = 512;
+
+/// Bytes of slice sums the split form may write ([`SlicedGemm`]'s scratch): a decode batch of
+/// 64 over qwen3-8b's widest products takes 13 MiB.
+const PARTIALS_BYTES: usize = 64 << 20;
+
+/// Tickets of the split form: one per tile of a launch.
+const TICKETS: usize = 8192;
+
+/// The values a slice of `W [n, k]`'s rows takes: decided by the matrix alone, never the
+/// batch, since it fixes the order of every sum. The longest of [`SLICE_LENS`] that still cuts
+/// the matrix into [`SLICE_TARGET_BLOCKS`] 64-row slices, else the shortest.
+pub fn slice_len(n: usize, k: usize) -> usize {
+    let tiles = n.div_ceil(64);
+    SLICE_LENS
+        .into_iter()
+        .find(|&s| tiles * k.div_ceil(s) >= SLICE_TARGET_BLOCKS)
+        .unwrap_or(SLICE_LENS[SLICE_LENS.len() - 1])
+}
+
+/// A block's tile: 16·WM·WARPS_M weight rows by 8·WN·WARPS_N tokens, `stages` deep (the
+/// `SLICED_GEMM_ALL` table in sliced_gemm.cu).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SlicedTile {
+    M64N8,
+    M64N32,
+    M128N64,
+    M128N128,
+}
+
+impl SlicedTile {
+    pub const ALL: [SlicedTile; 4] = [
+        SlicedTile::M64N8,
+        SlicedTile::M64N32,
+        SlicedTile::M128N64,
+        SlicedTile::M128N128,
+    ];
+
+    /// `(weight rows, tokens, warps, stages)`.
+    fn shape(self) -> (usize, usize, usize, usize) {
+        match self {
+            SlicedTile::M64N8 => (64, 8, 4, 8),
+            SlicedTile::M64N32 => (64, 32, 4, 6),
+            SlicedTile::M128N64 => (128, 64, 4, 4),
+            SlicedTile::M128N128 => (128, 128, 8, 3),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            SlicedTile::M64N8 => "m64n8",
+            SlicedTile::M64N32 => "m64n32",
+            SlicedTile::M128N64 => "m128n64",
+            SlicedTile::M128N128 => "m128n128",
+        }
+    }
+
+    /// The smallest tile that holds `m` tokens in one row of blocks, up to the largest.
+    fn for_tokens(m: usize) -> SlicedTile {
+        SlicedTile::ALL
+            .into_iter()
+            .find(|t| t.shape().1 >= m)
+            .unwrap_or(SlicedTile::M128N128)
+    }
+
+    /// Shared memory a block takes: its stages of weight and token rows, 64 bytes each.
+    pub fn smem_bytes(self) -> usize {
+        let (rows, tokens, _, stages) = self.shape();
+        stages * (rows + tokens) * STEP * 2
+    }
+}
+
+/// The kernel's one argument, field for field `SlicedGemmArgs` in sliced_gemm.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct KernelArgs {
+    w: u64,
+    x: u64,
+    y: u64,
+    partials: u64,
+    tickets: u64,
+    m: i32,
+    n: i32,
+    k: i32,
+    slice: i32,
+    slices: i32,
+    accumulate: i32,
+    out_bf16: i32,
+    pad: i32,
+}
+const _: () = assert!(size_of::<KernelArgs>() == 72);
+
+/// Runs `out = a · Wᵀ` (or `out += a · Wᵀ`) for 16-bit activations `a [m, k]` and weights
+/// `W [n, k]` of the same type into f32 or bf16 `out [m, n]`, each row's sums in one fixed
+/// order for every `m` (so decode batches, prompt chunks and a request alone agree to the bit).
+///
+/// Holds the split form's scratch (slice sums and tickets), listed by the buffer owner.
+pub struct SlicedGemm {
+    device: CudaDevice,
+    partials: DeviceBuffer,
+    tickets: DeviceBuffer,
+}
+
+impl std::fmt::Debug for SlicedGemm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SlicedGemm")
+            .field("device", &self.device.ordinal())
+            .field("partials", &self.partials.len())
+            .finish()
+    }
+}
+
+impl SlicedGemm {
+    pub fn new(device: &CudaDevice, owner: &BufferOwner) -> Result<SlicedGemm, CudaError> {
+        let partials = owner.alloc_device(
+            BufferKind::Scratch,
+            "sliced gemm sums",
+            device,
+            PARTIALS_BYTES,
+        )?;
+        let mut tickets = owner.alloc_device(
+            BufferKind::Scratch,
+            "sliced gemm tickets",
+            device,
+            TICKETS * 4,
+        )?;
+        device.fill_bytes(&mut tickets.as_mut_slice::<u32>(), 0)?;
+        Ok(SlicedGemm {
+            device: device.clone(),
+            partials,
+            tickets,
+        })
+    }
+
+    /// `out = a · Wᵀ`, or `out += a · Wᵀ` with `accumulate`. `a` has `w.cols` values per row
+    /// (a multiple of 8); `out` has `w.rows`.
+    ///
+    /// `w` is a weight: the kernel starts reading it before the kernel launched just before
+    /// has finished (programmatic dependent launch), so nothing in flight may write it.
+    pub fn matmul<A: FloatElem, O: FloatElem>(
+        &mut self,
+        a: DevSlice<'_, A>,
+        w: &DevMat<'_>,
+        out: &mut DevSliceMut<'_, O>,
+        accumulate: bool,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "sliced_gemm";
+        let input = A::FLOAT;
+        ensure!(
+            input != Float::F32 && w.dtype == input,
+            OP,
+            "activations {input} and weights {} (both bf16 or both f16)",
+            w.dtype
+        );
+        ensure!(O::FLOAT != Float::F16, OP, "f16 output (f32 or bf16 only)");
+        let (n, k) = (w.rows, w.cols);
+        ensure!(
+            k > 0 && k.is_multiple_of(8) && a.len().is_multiple_of(k),
+            OP,
+            "{} activations in rows of {k} (a multiple of 8)",
+            a.len()
+        );
+        let m = a.len() / k;
+        ensure!(
+            out.len() == m * n,
+            OP,
+            "out of {} values for {m}×{n}",
+            out.len()
+        );
+        ensure!(
+            [w.data.device_ptr(), a.device_ptr()]
+                .iter()
+                .all(|p| p.is_multiple_of(16)),
+            OP,
+            "weights and activations starting on 16 bytes"
+        );
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let plan = plan(
+            m,
+            n,
+            k,
+            self.device.info().multiprocessors,
+            self.partials.len() / 4,
+        );
+        let mut args = KernelArgs {
+            w: w.data.device_ptr(),
+            x: a.device_ptr(),
+            y: out.device_ptr(),
+            partials: self.partials.device_ptr(),
+            tickets: self.tickets.device_ptr(),
+            m: int(OP, "m", m)?,
+            n: int(OP, "n", n)?,
+            k: int(OP, "k", k)?,
+            slice: int(OP, "slice", plan.slice)?,
+            slices: int(OP, "slices", plan.slices)?,
+            accumulate: i32::from(accumulate),
+            out_bf16: i32::from(O::FLOAT == Float::Bf16),
+            pad: 0,
+        };
+        if !plan.split {
+            args.partials = 0;
+            args.tickets = 0;
+        }
+        let kernel = Kernel::SlicedGemm {
+            weights: input,
+            tile: plan.tile,
+            split: plan.split,
+        };
+        let (_, _, warps, _) = plan.tile.shape();
+        let grid = (
+            int(OP, "row tiles", plan.grid.0)? as u32,
+            int(OP, "token tiles", plan.grid.1)? as u32,
+            if plan.split { plan.slices as u32 } else { 1 },
+        );
+        launch!(self.device, kernel, config3(grid, (warps * 32) as u32, plan.tile.smem_bytes()); args)
+    }
+}
+
+/// How one product runs: its tile, its slices, whether they run in blocks of their own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Plan {
+    tile: SlicedTile,
+    slice: usize,
+    slices: usize,
+    /// Row tiles, token tiles.
+    grid: (usize, usize),
+    split: bool,
+}
+
+/// The plan for `[m, k] · [n, k]ᵀ` on a device of `sms` multiprocessors with room for
+/// `partials` slice sums. Only the slice length enters the arithmetic, and it depends on the
+/// matrix alone; the tile and the split are free to follow the batch.
+fn plan(m: usize, n: usize, k: usize, sms: usize, partials: usize) -> Plan {
+    let tile = SlicedTile::for_tokens(m);
+    let (rows, tokens, _, _) = tile.shape();
+    let grid = (n.div_ceil(rows), m.div_ceil(tokens));
+    let slice = slice_len(n, k);
+    let slices = k.div_ceil(slice);
+    // Slices in blocks of their own when the tiles alone would leave the device mostly idle,
+    // and their sums fit.
+    let split = slices > 1
+        && grid.0 * grid.1 < 2 * sms
+        && grid.0 * grid.1 <= TICKETS
+        && slices * m * n <= partials;
+    Plan {
+        tile,
+        slice,
+        slices,
+        grid,
+        split,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::Module;
+
+    #[test]
+    fn constants_match_the_kernel() {
+        assert_eq!(Module::SlicedGemm.define("SG_STEP"), STEP);
+        assert!(SLICE_LENS.iter().all(|s| s.is_multiple_of(STEP)));
+        // Every tile fits the shared memory a block gets without asking for more.
+        for tile in SlicedTile::ALL {
+            assert!(tile.smem_bytes() <= 48 << 10, "{tile:?}");
+        }
+    }
+
+    /// The host's tile shapes (grid, threads, shared memory) are the kernel's.
+    #[test]
+    fn tiles_match_the_kernel_table() {
+        let source = Module::SlicedGemm.source();
+        for tile in SlicedTile::ALL {
+            let prefix = format!("SLICED_GEMM_KERNEL(tname, T, {}, ", tile.name());
+            let line = source
+                .lines()
+                .find_map(|l| l.trim().strip_prefix(prefix.as_str()))
+                .unwrap_or_else(|| panic!("no {tile:?} in sliced_gemm.cu"));
+            let v: Vec<usize> = line
+                .trim_end_matches([')', '\\', ' '])
+                .split(',')
+                .map(|x| x.trim().parse().unwrap())
+                .collect();
+            let [wm, wn, warps_m, warps_n, stages] = v[..] else {
+                panic!("{tile:?}: {line}")
+            };
+            let shape = (
+                16 * wm * warps_m,
+                8 * wn * warps_n,
+                warps_m * warps_n,
+                stages,
+            );
+            assert_eq!(tile.shape(), shape, "{tile:?}");
+        }
+    }
+
+    #[test]
+    fn slices_follow_the_matrix_never_the_batch() {
+        // qwen3-8b: q and o, k and v, gate and up, down, the head.
+        assert_eq!(slice_len(4096, 4096), 512);
+        assert_eq!(slice_len(1024, 4096), 128);
+        assert_eq!(slice_len(12288, 4096), 1024);
+        assert_eq!(slice_len(4096, 12288), 1024);
+        assert_eq!(slice_len(151_936, 4096), 2048);
+        let sms = 132;
+        for (n, k) in [(4096, 4096), (1024, 4096), (4096, 12288), (151_936, 1024)] {
+            let slice = slice_len(n, k);
+            for m in [1, 3, 8, 9, 33, 64, 65, 200, 512, 4096] {
+                for partials in [0, PARTIALS_BYTES / 4] {
+                    let p = plan(m, n, k, sms, partials);
+                    assert_eq!((p.slice, p.slices), (slice, k.div_ceil(slice)));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn short_batches_split_their_slices_long_ones_do_not() {
+        let sms = 132;
+        let decode = plan(1, 4096, 4096, sms, PARTIALS_BYTES / 4);
+        assert_eq!(decode.tile, SlicedTile::M64N8);
+        assert!(decode.split);
+        assert_eq!(decode.grid, (64, 1));
+        let prompt = plan(2048, 4096, 4096, sms, PARTIALS_BYTES / 4);
+        assert_eq!(prompt.tile, SlicedTile::M128N128);
+        assert!(!prompt.split);
+        // Without room for the sums the slices run in order inside each block: same bits.
+        assert!(!plan(1, 4096, 4096, sms, 0).split);
+    }
+}
