@@ -105,6 +105,15 @@ pub struct RunArgs {
     /// Random seed for sampling; the same seed gives the same tokens [default: random].
     #[arg(long)]
     pub seed: Option<u64>,
+    /// Divide the logits of tokens already in the prompt or reply by this (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub repeat_penalty: f32,
+    /// Subtract this from the logits of tokens already in the reply (0 = off, -2..2).
+    #[arg(long, default_value_t = 0.0)]
+    pub presence_penalty: f32,
+    /// Subtract this times a token's count in the reply from its logit (0 = off, -2..2).
+    #[arg(long, default_value_t = 0.0)]
+    pub frequency_penalty: f32,
     /// Do not stop at end-of-sequence tokens.
     #[arg(long)]
     pub ignore_eos: bool,

@@ -19,6 +19,10 @@ pub enum Error {
     Template(#[from] TemplateError),
     #[error(transparent)]
     Sampling(#[from] SamplingError),
+    /// A request's output constraint: a grammar that does not compile, or a matcher that
+    /// failed while generating.
+    #[error(transparent)]
+    Constraint(#[from] crate::constraint::ConstraintError),
     #[error(transparent)]
     Memory(#[from] ember_tensor::Error),
     #[error("{}: the model has no chat template (tokenizer_config.json or chat_template.jinja)", .0.display())]

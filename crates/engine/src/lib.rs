@@ -7,6 +7,7 @@
 
 pub mod bench;
 pub mod chat_template;
+pub mod constraint;
 pub mod detokenizer;
 mod engine;
 mod error;

@@ -118,7 +118,7 @@ fn batched(
     cancel: Option<u64>,
 ) -> (HashMap<u64, (Reply, usize)>, usize) {
     for (id, r) in requests.iter().enumerate() {
-        engine.submit(id as u64, &r.prompt, r.params).unwrap();
+        engine.submit(id as u64, &r.prompt, r.params, None).unwrap();
     }
     let mut replies: HashMap<u64, Reply> = HashMap::new();
     let mut cached = HashMap::new();
@@ -241,8 +241,8 @@ fn bad_requests_are_refused_at_submit_and_the_loop_goes_on() {
         step_logits: false,
         cache_prompt: false,
     };
-    assert!(engine.submit(1, &[], params).is_err());
-    let err = engine.submit(2, &vec![1; 256], params).unwrap_err();
+    assert!(engine.submit(1, &[], params, None).is_err());
+    let err = engine.submit(2, &vec![1; 256], params, None).unwrap_err();
     assert!(err.to_string().contains("context"), "{err}");
     let bad = GenerateParams {
         sampling: SamplingParams {
@@ -251,14 +251,14 @@ fn bad_requests_are_refused_at_submit_and_the_loop_goes_on() {
         },
         ..params
     };
-    assert!(engine.submit(3, &[1, 2], bad).is_err());
+    assert!(engine.submit(3, &[1, 2], bad, None).is_err());
     let nothing = GenerateParams {
         max_tokens: 0,
         ..params
     };
-    assert!(engine.submit(5, &[1, 2], nothing).is_err());
+    assert!(engine.submit(5, &[1, 2], nothing, None).is_err());
     assert_eq!(engine.pending_requests(), 0);
-    engine.submit(4, &[1, 2, 3], params).unwrap();
+    engine.submit(4, &[1, 2, 3], params, None).unwrap();
     let mut tokens = 0;
     while engine
         .step_batch(&mut |_, event| {
@@ -398,7 +398,7 @@ fn sixty_four_streams_joining_and_leaving_each_get_their_bits_alone() {
     while finished < requests.len() {
         for (id, (arrival, r)) in requests.iter().enumerate() {
             if *arrival == step {
-                engine.submit(id as u64, &r.prompt, r.params).unwrap();
+                engine.submit(id as u64, &r.prompt, r.params, None).unwrap();
             }
         }
         let mut sampled = 0;

@@ -361,7 +361,7 @@ fn bad_requests_leave_the_pool_and_the_cache_consistent() {
         chunks.get() > run_chunks
     };
     let err = warm
-        .generate_until(&other, &params, &stop, |_| ControlFlow::Continue(()))
+        .generate_until(&other, &params, None, &stop, |_| ControlFlow::Continue(()))
         .unwrap_err();
     assert!(err.is_cancellation(), "{err}");
     assert_eq!(

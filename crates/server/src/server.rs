@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use ember_engine::constraint::ConstraintCompiler;
 use ember_engine::prompt_cache::PromptCacheStats;
 use ember_engine::{Engine, EngineOptions, PromptEncoder};
 use ember_residency::{Keepalive, ResidencySet, ResidencyState};
@@ -83,6 +84,8 @@ pub(crate) struct Ready {
     /// The sampling of what a request leaves out: the model's defaults under the server's
     /// flags.
     pub sampling_defaults: SamplingParams,
+    /// Turns requests' schemas and grammars into output constraints.
+    pub constraints: Arc<ConstraintCompiler>,
     /// Requests generated at once, and the model's path (llama-server's `/props`).
     pub parallel: usize,
     pub model_path: String,
@@ -186,6 +189,11 @@ pub async fn serve(
                     prompt_cache: engine.prompt_cache_stats(),
                     fingerprint: fingerprint(&engine),
                     sampling_defaults: sampling_defaults(&engine, &options.sampling),
+                    constraints: Arc::new(ConstraintCompiler::new(
+                        Arc::clone(engine.tokenizer()),
+                        engine.config().vocab_size,
+                        engine.eos_token_ids(),
+                    )),
                     parallel: engine.parallel(),
                     model_path: engine.dir().display().to_string(),
                 };

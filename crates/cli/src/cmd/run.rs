@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use ember_engine::chat_template::ChatMessage;
 use ember_engine::detokenizer::StreamDecoder;
-use ember_engine::sampler::SamplingParams;
+use ember_engine::sampler::{Penalties, SamplingParams};
 use ember_engine::{FinishReason, GenerateParams};
 
 use crate::args::RunArgs;
@@ -17,6 +17,12 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         top_p: args.top_p,
         min_p: args.min_p,
         seed: args.seed,
+        penalties: Penalties {
+            repetition: args.repeat_penalty,
+            presence: args.presence_penalty,
+            frequency: args.frequency_penalty,
+            last_n: None,
+        },
     };
     // Bad flags fail before seconds are spent loading a model.
     sampling.validate()?;

@@ -153,7 +153,7 @@ fn run(
                 ((*seed >> 33) % vocab) as u32
             })
             .collect();
-        engine.submit(id, &tokens, params)?;
+        engine.submit(id, &tokens, params, None)?;
     }
     let start = Instant::now();
     let mut made: HashMap<u64, usize> = HashMap::new();

@@ -12,9 +12,10 @@ use ember_models::{BlockTable, Logits, SequencePass};
 
 use super::Engine;
 use super::generate::{FinishReason, GenerateParams, Generation};
+use super::picker::Picker;
+use crate::constraint::Constraint;
 use crate::error::{Error, Result};
 use crate::kv::{BlockManager, Transfer};
-use crate::sampler::Sampler;
 use crate::scheduler::{KvBudget, Scheduled, Scheduler, SchedulerConfig, SeqId};
 
 /// What a step tells about one request.
@@ -40,7 +41,7 @@ struct Active {
     tokens: Vec<u32>,
     prompt_len: usize,
     params: GenerateParams,
-    sampler: Sampler,
+    picker: Picker,
     table: BlockTable,
     /// The tokens the sequence may make: `max_tokens`, within the context.
     limit: usize,
@@ -132,9 +133,16 @@ impl KvBudget for Pool<'_> {
 
 impl Engine {
     /// Queues a request for the batched loop under `id` (unique among those not finished);
-    /// [`Self::step_batch`] runs it. Fails, queuing nothing, on an empty prompt, one that leaves no
-    /// room in the context, `max_tokens` 0, or bad sampling parameters.
-    pub fn submit(&mut self, id: SeqId, prompt: &[u32], params: GenerateParams) -> Result<()> {
+    /// [`Self::step_batch`] runs it, its output held to `constraint` when given. Fails,
+    /// queuing nothing, on an empty prompt, one that leaves no room in the context,
+    /// `max_tokens` 0, or bad sampling parameters.
+    pub fn submit(
+        &mut self,
+        id: SeqId,
+        prompt: &[u32],
+        params: GenerateParams,
+        constraint: Option<Constraint>,
+    ) -> Result<()> {
         params.sampling.validate()?;
         if prompt.is_empty() {
             return Err(Error::EmptyPrompt);
@@ -161,7 +169,7 @@ impl Engine {
                 tokens,
                 prompt_len: prompt.len(),
                 params,
-                sampler: Sampler::new(params.sampling),
+                picker: Picker::new(params.sampling, constraint),
                 table: BlockTable::new(),
                 limit,
                 cached: 0,
@@ -296,7 +304,19 @@ impl Engine {
             .iter()
             .map(|r| std::mem::take(&mut batch.active.get_mut(&r.id).expect("run").table))
             .collect();
-        let result = {
+        // Constrained requests about to sample compute their next masks beside the pass.
+        let mut constraints: Vec<(SeqId, Constraint)> = runs
+            .iter()
+            .filter(|r| r.samples)
+            .filter_map(|r| {
+                let a = batch.active.get_mut(&r.id).expect("run");
+                a.picker.take_constraint().map(|c| (r.id, c))
+            })
+            .collect();
+        let result = std::thread::scope(|scope| {
+            if !constraints.is_empty() {
+                scope.spawn(|| constraints.iter_mut().for_each(|(_, c)| c.prepare()));
+            }
             let active = &batch.active;
             let mut passes: Vec<SequencePass<'_, '_>> = runs
                 .iter()
@@ -312,14 +332,18 @@ impl Engine {
                 })
                 .collect();
             runner.forward_batch(&mut passes)
-        };
+        });
         for (r, table) in runs.iter().zip(tables) {
             batch.active.get_mut(&r.id).expect("run").table = table;
         }
+        for (id, c) in constraints {
+            let a = batch.active.get_mut(&id).expect("run");
+            a.picker.restore_constraint(Some(c));
+        }
         let rows = result?;
         let needs_logits = |r: &Scheduled| {
-            let p = &batch.active[&r.id].params;
-            !p.sampling.is_greedy() || p.step_logits
+            let a = &batch.active[&r.id];
+            !a.picker.is_plain_greedy() || a.params.step_logits
         };
         let sampling = || runs.iter().filter(|r| r.samples);
         let greedy = match sampling().all(needs_logits) {
@@ -344,16 +368,31 @@ impl Engine {
             }
             let a = batch.active.get_mut(&run.id).expect("run");
             let step_logits = logits.map(|l| &l[row * vocab..(row + 1) * vocab]);
-            let (token, step_logits) = match (&greedy, step_logits) {
-                (Some(picks), _) if a.params.sampling.is_greedy() && !a.params.step_logits => {
-                    (picks[row], None)
+            let picked = match (&greedy, step_logits) {
+                (Some(picks), _) if a.picker.is_plain_greedy() && !a.params.step_logits => {
+                    Ok((picks[row], None))
                 }
-                (_, Some(l)) => (a.sampler.sample(l), Some(l)),
+                (_, Some(l)) => a
+                    .picker
+                    .pick(l, &a.tokens, a.prompt_len)
+                    .map(|token| (token, Some(l))),
                 (_, None) => {
                     unreachable!("logits are on the host for every request that needs them")
                 }
             };
             row += 1;
+            let (token, step_logits) =
+                match picked.and_then(|(t, l)| a.picker.accept(t).map(|()| (t, l))) {
+                    Ok(picked) => picked,
+                    Err(e) => {
+                        // Its constraint failed: this request ends, the others go on.
+                        batch.scheduler.remove(run.id);
+                        let mut a = batch.active.remove(&run.id).expect("run");
+                        release(blocks, *cache_enabled, &mut a, true);
+                        on_event(run.id, BatchEvent::Failed(e));
+                        continue;
+                    }
+                };
             let is_eos = eos_ids.contains(&token);
             a.first_token.get_or_insert_with(Instant::now);
             a.tokens.push(token);
@@ -366,7 +405,8 @@ impl Engine {
                 },
             );
             let made = a.tokens.len() - a.prompt_len;
-            let finish = if is_eos && !a.params.ignore_eos {
+            // A complete grammar ends the reply as an end-of-sequence token would.
+            let finish = if (is_eos && !a.params.ignore_eos) || a.picker.is_complete() {
                 Some(FinishReason::Stop)
             } else if made >= a.limit {
                 Some(FinishReason::Length)

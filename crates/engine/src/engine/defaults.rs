@@ -9,7 +9,7 @@ use std::path::Path;
 use serde_json::Value;
 
 use crate::error::{Error, Result};
-use crate::sampler::SamplingParams;
+use crate::sampler::{Penalties, SamplingParams};
 
 /// Where a model's sampling defaults came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -46,6 +46,7 @@ pub const OPENAI_DEFAULTS: SamplingParams = SamplingParams {
     top_p: 1.0,
     min_p: 0.0,
     seed: None,
+    penalties: Penalties::NONE,
 };
 
 /// llama-server's (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05).
@@ -55,10 +56,12 @@ pub const LLAMA_SERVER_DEFAULTS: SamplingParams = SamplingParams {
     top_p: 0.95,
     min_p: 0.05,
     seed: None,
+    penalties: Penalties::NONE,
 };
 
 /// The defaults of the model at `path`: a GGUF file (`gguf`) gets llama-server's; a checkpoint
-/// directory its `generation_config.json`'s `temperature`, `top_k`, `top_p` and `min_p` over
+/// directory its `generation_config.json`'s `temperature`, `top_k`, `top_p`, `min_p` and
+/// `repetition_penalty` over
 /// the OpenAI API's (`do_sample: false` meaning greedy), where the file names any.
 pub(super) fn sampling_defaults(dir: &Path, gguf: bool) -> Result<SamplingDefaults> {
     if gguf {
@@ -111,6 +114,11 @@ fn from_generation_config(value: &Value) -> Option<SamplingParams> {
         params.min_p = p as f32;
         named = true;
     }
+    // As vLLM takes it: over the prompt and the reply.
+    if let Some(p) = number("repetition_penalty") {
+        params.penalties.repetition = p as f32;
+        named = true;
+    }
     // transformers samples only with `do_sample`; without it a generation is greedy.
     if value.get("do_sample").and_then(Value::as_bool) == Some(false) {
         params.temperature = 0.0;
@@ -134,6 +142,14 @@ mod tests {
         );
         let greedy = json!({"do_sample": false, "temperature": 0.7});
         assert_eq!(from_generation_config(&greedy).unwrap().temperature, 0.0);
+        let qwen25 = json!({"repetition_penalty": 1.05, "temperature": 0.7});
+        assert_eq!(
+            from_generation_config(&qwen25)
+                .unwrap()
+                .penalties
+                .repetition,
+            1.05
+        );
         let top_p_only = json!({"top_p": 0.9, "eos_token_id": [1, 2]});
         let p = from_generation_config(&top_p_only).unwrap();
         assert_eq!((p.temperature, p.top_p), (1.0, 0.9));

@@ -7,9 +7,11 @@ use std::time::{Duration, Instant};
 use ember_models::{Logits, PassInput};
 
 use super::Engine;
+use super::picker::Picker;
+use crate::constraint::Constraint;
 use crate::error::{Error, Result};
 use crate::kv::Transfer;
-use crate::sampler::{Sampler, SamplingParams};
+use crate::sampler::SamplingParams;
 
 /// One generation request.
 #[derive(Clone, Copy, Debug)]
@@ -213,12 +215,12 @@ impl Engine {
         params: &GenerateParams,
         on_step: impl FnMut(Step<'_>) -> ControlFlow<()>,
     ) -> Result<Generation> {
-        self.generate_until(prompt, params, &|| false, on_step)
+        self.generate_until(prompt, params, None, &|| false, on_step)
     }
 
-    /// [`Self::generate`] that also gives up, with [`Error::Cancelled`], when `stop` says so
-    /// between two prompt chunks (a client gone mid-prefill); `on_step` stops it once tokens
-    /// come.
+    /// [`Self::generate`] with the output held to `constraint` when given, that also gives
+    /// up, with [`Error::Cancelled`], when `stop` says so between two prompt chunks (a client
+    /// gone mid-prefill); `on_step` stops it once tokens come.
     ///
     /// With [`GenerateParams::cache_prompt`] (and a prompt cache), the prompt's longest cached
     /// prefix is taken instead of prefilled (at least its last token is always computed, for
@@ -228,6 +230,7 @@ impl Engine {
         &mut self,
         prompt: &[u32],
         params: &GenerateParams,
+        constraint: Option<Constraint>,
         stop: &dyn Fn() -> bool,
         on_step: impl FnMut(Step<'_>) -> ControlFlow<()>,
     ) -> Result<Generation> {
@@ -252,8 +255,10 @@ impl Engine {
         }
         let mut tokens = Vec::with_capacity(prompt.len() + params.max_tokens);
         tokens.extend_from_slice(prompt);
-        let result =
-            started.and_then(|()| self.run_generation(&mut tokens, cached, params, stop, on_step));
+        let result = started.and_then(|()| {
+            let picker = Picker::new(params.sampling, constraint);
+            self.run_generation(&mut tokens, cached, params, picker, stop, on_step)
+        });
         // The positions filled hold `tokens`' keys and values: the prompt's, then the reply's
         // but its last token's (never run). A failed pass may have left garbage past them,
         // and a device error anything anywhere: then nothing new is cached.
@@ -275,11 +280,11 @@ impl Engine {
         tokens: &mut Vec<u32>,
         cached: usize,
         params: &GenerateParams,
+        mut picker: Picker,
         stop: &dyn Fn() -> bool,
         mut on_step: impl FnMut(Step<'_>) -> ControlFlow<()>,
     ) -> Result<Generation> {
         let prompt_len = tokens.len();
-        let mut sampler = Sampler::new(params.sampling);
         let (eos_ids, context) = (self.eos_ids.clone(), self.context());
         let start = Instant::now();
         let mut finish_reason = FinishReason::Length;
@@ -304,19 +309,27 @@ impl Engine {
         // At most this many, and the last one's position inside the context.
         let limit = params.max_tokens.min(context - prompt_len);
         let rest = tokens[cached..].to_vec();
-        if params.sampling.is_greedy() && !params.step_logits {
+        if picker.is_plain_greedy() && !params.step_logits {
             // Greedy without logits for the caller: the choice is made where the logits are.
             self.decode_greedy_until(&rest, limit, stop, |token| accept(tokens, token, None))?;
         } else if limit > 0 {
             let last = self.prefill_all_but_the_last_chunk(&rest, stop)?;
             let mut logits = self.forward(last, Logits::Last)?;
             for made in 1.. {
-                let token = sampler.sample(logits);
+                let token = picker.pick(logits, tokens, prompt_len)?;
+                picker.accept(token)?;
                 if accept(tokens, token, Some(logits)).is_break() || made >= limit {
+                    break;
+                }
+                if picker.is_complete() {
                     break;
                 }
                 logits = self.forward(&[token], Logits::Last)?;
             }
+        }
+        // A complete grammar ends the reply as an end-of-sequence token would.
+        if picker.is_complete() {
+            finish_reason = FinishReason::Stop;
         }
         let first = first_token_at.unwrap_or_else(Instant::now);
         Ok(Generation {

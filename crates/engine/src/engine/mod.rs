@@ -9,6 +9,7 @@ mod defaults;
 mod generate;
 mod load;
 mod options;
+mod picker;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};

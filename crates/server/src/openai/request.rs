@@ -1,7 +1,8 @@
 //! Request bodies: parsed into a [`serde_json::Value`], then read and checked field by field.
 
 use ember_engine::chat_template::ChatMessage;
-use ember_engine::sampler::{SamplingError, SamplingParams};
+use ember_engine::constraint::Grammar;
+use ember_engine::sampler::{Penalties, SamplingError, SamplingParams};
 use serde_json::{Map, Value};
 
 use super::{MAX_STOP_STRINGS, MAX_TOKENS_LIMIT, MAX_TOP_LOGPROBS};
@@ -31,6 +32,10 @@ pub struct CommonParams {
     /// request's blocks to the prompt cache (default true; the output is the same bits either
     /// way).
     pub cache_prompt: bool,
+    /// What the output must match: OpenAI's `response_format` (`json_object`, `json_schema`),
+    /// or llama.cpp's `json_schema` or `grammar` (GBNF, or Lark after `%llguidance`), with the
+    /// field that named it.
+    pub grammar: Option<(&'static str, Grammar)>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -218,6 +223,7 @@ fn parse_common(
         }
     }
     reject_unsupported(obj)?;
+    let grammar = parse_grammar(obj)?;
 
     Ok(CommonParams {
         model,
@@ -228,7 +234,88 @@ fn parse_common(
         include_usage,
         ignore_eos,
         cache_prompt,
+        grammar,
     })
+}
+
+/// The output constraint a request asks for, from whichever of OpenAI's and llama.cpp's
+/// fields names one (two at once are an error).
+fn parse_grammar(obj: &Map<String, Value>) -> Result<Option<(&'static str, Grammar)>, ApiError> {
+    let mut found: Vec<(&'static str, Grammar)> = Vec::new();
+    match field(obj, "response_format") {
+        None | Some(Value::Null) => {}
+        Some(Value::Object(format)) => {
+            let p = "response_format";
+            match str_field(field(format, "type"), "response_format.type")? {
+                Some("text") => {}
+                // llama-server also takes a `schema` here.
+                Some("json_object") => found.push((
+                    p,
+                    match field(format, "schema") {
+                        Some(schema @ Value::Object(_)) => Grammar::JsonSchema(schema.clone()),
+                        _ => Grammar::JsonObject,
+                    },
+                )),
+                Some("json_schema") => {
+                    let q = "response_format.json_schema";
+                    let schema = match field(format, "json_schema") {
+                        Some(Value::Object(spec)) => match field(spec, "schema") {
+                            Some(schema @ Value::Object(_)) => schema.clone(),
+                            // OpenAI's `schema` is optional: without one, any JSON object.
+                            None => serde_json::json!({"type": "object"}),
+                            Some(other) => {
+                                return Err(wrong_type(&format!("{q}.schema"), "an object", other));
+                            }
+                        },
+                        Some(other) => return Err(wrong_type(q, "an object", other)),
+                        None => {
+                            return Err(ApiError::invalid(
+                                q,
+                                "`response_format.json_schema` is required when the type is json_schema",
+                            ));
+                        }
+                    };
+                    found.push((p, Grammar::JsonSchema(schema)));
+                }
+                Some(other) => {
+                    return Err(ApiError::invalid(
+                        "response_format.type",
+                        format!(
+                            "`response_format.type` must be text, json_object or json_schema, got {other:?}"
+                        ),
+                    ));
+                }
+                None => {
+                    return Err(ApiError::invalid(
+                        "response_format.type",
+                        "`response_format.type` is required",
+                    ));
+                }
+            }
+        }
+        Some(other) => return Err(wrong_type("response_format", "an object", other)),
+    }
+    match field(obj, "json_schema") {
+        None | Some(Value::Null) => {}
+        Some(schema @ Value::Object(_)) => {
+            found.push(("json_schema", Grammar::JsonSchema(schema.clone())))
+        }
+        Some(other) => return Err(wrong_type("json_schema", "an object", other)),
+    }
+    match field(obj, "grammar") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(g)) if g.trim().is_empty() => {}
+        Some(Value::String(g)) => found.push(("grammar", Grammar::from_llama_grammar(g))),
+        Some(other) => return Err(wrong_type("grammar", "a string", other)),
+    }
+    match &found[..] {
+        [] => Ok(None),
+        [(a, g)] => Ok(Some((a, g.clone()))),
+        [(a, _), (b, _), ..] => Err(ApiError::invalid(
+            *b,
+            format!("`{a}` and `{b}` both constrain the output; send one of them"),
+        )),
+    }
 }
 
 fn max_tokens_field(obj: &Map<String, Value>, name: &str) -> Result<Option<usize>, ApiError> {
@@ -309,6 +396,7 @@ fn parse_sampling(
         top_p: top_p as f32,
         min_p: min_p as f32,
         seed,
+        penalties: parse_penalties(obj, &defaults.penalties)?,
     };
     // The ranges above are at least as strict; this catches what rounding to f32 changes
     // (a top_p of 1e-60 becomes 0).
@@ -317,10 +405,67 @@ fn parse_sampling(
             SamplingError::Temperature(_) => "temperature",
             SamplingError::TopP(_) => "top_p",
             SamplingError::MinP(_) => "min_p",
+            SamplingError::RepetitionPenalty(_) => "repetition_penalty",
+            SamplingError::PresencePenalty(_) => "presence_penalty",
+            SamplingError::FrequencyPenalty(_) => "frequency_penalty",
         };
         ApiError::invalid(param, e.to_string())
     })?;
     Ok(sampling)
+}
+
+/// OpenAI's `presence_penalty` and `frequency_penalty`, vLLM's `repetition_penalty` (llama.cpp's
+/// `repeat_penalty`) and llama.cpp's `repeat_last_n` (-1: the whole sequence; absent: OpenAI's
+/// and vLLM's counting, see [`Penalties::last_n`]).
+fn parse_penalties(obj: &Map<String, Value>, defaults: &Penalties) -> Result<Penalties, ApiError> {
+    let within = |name: &str, default: f32| -> Result<f32, ApiError> {
+        match number_field(field(obj, name), name)? {
+            None => Ok(default),
+            Some(x) if (-2.0..=2.0).contains(&x) => Ok(x as f32),
+            Some(x) => Err(ApiError::invalid(
+                name,
+                format!("`{name}` must be between -2 and 2, got {x}"),
+            )),
+        }
+    };
+    let presence = within("presence_penalty", defaults.presence)?;
+    let frequency = within("frequency_penalty", defaults.frequency)?;
+    let mut repetition = None;
+    for name in ["repetition_penalty", "repeat_penalty"] {
+        match (number_field(field(obj, name), name)?, repetition) {
+            (None, _) => {}
+            (Some(x), _) if !(x > 0.0 && x.is_finite()) => {
+                return Err(ApiError::invalid(
+                    name,
+                    format!("`{name}` must be a number > 0 (1 is off), got {x}"),
+                ));
+            }
+            (Some(x), Some((y, first))) if x != y => {
+                return Err(ApiError::invalid(
+                    name,
+                    format!("`{first}` ({y}) and `{name}` ({x}) disagree; send one of them"),
+                ));
+            }
+            (Some(x), _) => repetition = Some((x, name)),
+        }
+    }
+    let last_n = match int_field(field(obj, "repeat_last_n"), "repeat_last_n")? {
+        None => defaults.last_n,
+        Some(-1) => Some(usize::MAX),
+        Some(n) if n >= 0 => Some(usize::try_from(n).unwrap_or(usize::MAX)),
+        Some(n) => {
+            return Err(ApiError::invalid(
+                "repeat_last_n",
+                format!("`repeat_last_n` must be -1 (all), 0 (off) or a positive integer, got {n}"),
+            ));
+        }
+    };
+    Ok(Penalties {
+        repetition: repetition.map_or(defaults.repetition, |(x, _)| x as f32),
+        presence,
+        frequency,
+        last_n,
+    })
 }
 
 fn parse_stop(value: Option<&Value>) -> Result<Vec<String>, ApiError> {
@@ -365,10 +510,6 @@ fn parse_stop(value: Option<&Value>) -> Result<Vec<String>, ApiError> {
 /// output): an error naming the field unless its value is the neutral one.
 fn reject_unsupported(obj: &Map<String, Value>) -> Result<(), ApiError> {
     for (name, neutral) in [
-        ("frequency_penalty", 0.0),
-        ("presence_penalty", 0.0),
-        ("repetition_penalty", 1.0),
-        ("repeat_penalty", 1.0),
         ("mirostat", 0.0),
         ("typical_p", 1.0),
         ("tfs_z", 1.0),
@@ -384,17 +525,10 @@ fn reject_unsupported(obj: &Map<String, Value>) -> Result<(), ApiError> {
             return Err(unsupported(name));
         }
     }
-    // llama.cpp's constraints and sampler order: nothing ember can honour yet.
-    match field(obj, "grammar") {
+    // llama.cpp's sampler order: nothing ember can honour yet.
+    match field(obj, "samplers") {
         None | Some(Value::Null) => {}
-        Some(Value::String(g)) if g.is_empty() => {}
-        Some(_) => return Err(unsupported("grammar")),
-    }
-    for name in ["json_schema", "samplers"] {
-        match field(obj, name) {
-            None | Some(Value::Null) => {}
-            Some(_) => return Err(unsupported(name)),
-        }
+        Some(_) => return Err(unsupported("samplers")),
     }
     match field(obj, "logit_bias") {
         None => {}
@@ -417,17 +551,6 @@ fn reject_unsupported(obj: &Map<String, Value>) -> Result<(), ApiError> {
             Some(Value::String(s)) if s == "none" || s == "auto" => {}
             Some(_) => return Err(unsupported(name)),
         }
-    }
-    match field(obj, "response_format") {
-        None => {}
-        Some(Value::Object(map)) if map.get("type").and_then(Value::as_str) == Some("text") => {}
-        Some(Value::Object(_)) => {
-            return Err(ApiError::invalid(
-                "response_format",
-                "`response_format` is not supported (only {\"type\": \"text\"} is)",
-            ));
-        }
-        Some(other) => return Err(wrong_type("response_format", "an object", other)),
     }
     Ok(())
 }

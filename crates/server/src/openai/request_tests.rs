@@ -136,7 +136,8 @@ fn minimal_chat_gets_openai_defaults() {
             top_k: 0,
             top_p: 1.0,
             min_p: 0.0,
-            seed: None
+            seed: None,
+            penalties: Penalties::NONE,
         }
     );
     assert!(c.stop.is_empty());
@@ -211,7 +212,8 @@ fn full_chat_request() {
             top_k: 40,
             top_p: 0.9,
             min_p: 0.05,
-            seed: Some(7)
+            seed: Some(7),
+            penalties: Penalties::NONE,
         }
     );
     assert_eq!(c.stop, vec!["\n\n".to_string(), "END".to_string()]);
@@ -588,9 +590,6 @@ fn n_and_best_of() {
 fn unsupported_features_are_rejected_not_ignored() {
     let c = |extra: Value| chat(chat_with(extra));
     for (extra, param) in [
-        (json!({"frequency_penalty": 0.5}), "frequency_penalty"),
-        (json!({"presence_penalty": -1}), "presence_penalty"),
-        (json!({"repetition_penalty": 1.1}), "repetition_penalty"),
         (json!({"logit_bias": {"50256": -100}}), "logit_bias"),
         (
             json!({"tools": [{"type": "function", "function": {"name": "f"}}]}),
@@ -603,8 +602,7 @@ fn unsupported_features_are_rejected_not_ignored() {
             "tool_choice",
         ),
         (json!({"function_call": {"name": "f"}}), "function_call"),
-        // llama.cpp's samplers and constraints.
-        (json!({"repeat_penalty": 1.1}), "repeat_penalty"),
+        // llama.cpp's samplers.
         (json!({"mirostat": 2}), "mirostat"),
         (json!({"typical_p": 0.5}), "typical_p"),
         (json!({"tfs_z": 0.9}), "tfs_z"),
@@ -613,8 +611,6 @@ fn unsupported_features_are_rejected_not_ignored() {
         (json!({"dynatemp_range": 0.5}), "dynatemp_range"),
         (json!({"top_n_sigma": 1.0}), "top_n_sigma"),
         (json!({"n_probs": 3}), "n_probs"),
-        (json!({"grammar": "root ::= \"a\""}), "grammar"),
-        (json!({"json_schema": {"type": "object"}}), "json_schema"),
         (json!({"samplers": ["top_k"]}), "samplers"),
     ] {
         assert_invalid(
@@ -623,16 +619,6 @@ fn unsupported_features_are_rejected_not_ignored() {
             &format!("`{param}` is not supported"),
         );
     }
-    assert_invalid(
-        c(json!({"response_format": {"type": "json_object"}})),
-        Some("response_format"),
-        "`response_format` is not supported",
-    );
-    assert_invalid(
-        c(json!({"response_format": {"type": "json_schema", "json_schema": {}}})),
-        Some("response_format"),
-        "not supported",
-    );
     assert_invalid(
         c(json!({"response_format": "json"})),
         Some("response_format"),
@@ -664,9 +650,108 @@ fn unsupported_features_are_rejected_not_ignored() {
         .is_ok()
     );
     assert_invalid(
-        comp(comp_with(json!({"presence_penalty": 2}))),
+        comp(comp_with(json!({"presence_penalty": 2.5}))),
         Some("presence_penalty"),
-        "is not supported",
+        "between -2 and 2",
+    );
+}
+
+#[test]
+fn penalties_take_openais_vllms_and_llama_cpps_names() {
+    let c = |extra: Value| chat(chat_with(extra)).map(|r| r.common.sampling.penalties);
+    let p = c(json!({"presence_penalty": 0.5, "frequency_penalty": -0.25})).unwrap();
+    assert_eq!(
+        (p.presence, p.frequency, p.repetition, p.last_n),
+        (0.5, -0.25, 1.0, None)
+    );
+    assert_eq!(
+        c(json!({"repetition_penalty": 1.1})).unwrap().repetition,
+        1.1
+    );
+    let p = c(json!({"repeat_penalty": 1.2, "repeat_last_n": 64})).unwrap();
+    assert_eq!((p.repetition, p.last_n), (1.2, Some(64)));
+    assert_eq!(
+        c(json!({"repeat_last_n": -1})).unwrap().last_n,
+        Some(usize::MAX)
+    );
+    assert_invalid(
+        chat(chat_with(
+            json!({"repetition_penalty": 1.1, "repeat_penalty": 1.3}),
+        )),
+        Some("repeat_penalty"),
+        "disagree",
+    );
+    assert_invalid(
+        chat(chat_with(json!({"repetition_penalty": 0}))),
+        Some("repetition_penalty"),
+        "must be a number > 0",
+    );
+    assert_invalid(
+        chat(chat_with(json!({"frequency_penalty": -3}))),
+        Some("frequency_penalty"),
+        "between -2 and 2",
+    );
+    assert_invalid(
+        chat(chat_with(json!({"repeat_last_n": -2}))),
+        Some("repeat_last_n"),
+        "must be -1",
+    );
+}
+
+#[test]
+fn output_constraints_come_from_one_field() {
+    let g = |extra: Value| chat(chat_with(extra)).map(|r| r.common.grammar);
+    assert_eq!(
+        g(json!({"response_format": {"type": "json_object"}})).unwrap(),
+        Some(("response_format", Grammar::JsonObject))
+    );
+    let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+    assert_eq!(
+        g(json!({"response_format": {"type": "json_schema",
+                 "json_schema": {"name": "x", "strict": true, "schema": schema}}}))
+        .unwrap(),
+        Some(("response_format", Grammar::JsonSchema(schema.clone())))
+    );
+    // llama-server's variant of json_object with a schema, and its own fields.
+    assert_eq!(
+        g(json!({"response_format": {"type": "json_object", "schema": schema}})).unwrap(),
+        Some(("response_format", Grammar::JsonSchema(schema.clone())))
+    );
+    assert_eq!(
+        g(json!({"json_schema": schema})).unwrap(),
+        Some(("json_schema", Grammar::JsonSchema(schema.clone())))
+    );
+    assert_eq!(
+        g(json!({"grammar": "root ::= \"a\""})).unwrap(),
+        Some(("grammar", Grammar::Gbnf("root ::= \"a\"".into())))
+    );
+    assert_eq!(
+        g(json!({"response_format": {"type": "text"}, "grammar": ""})).unwrap(),
+        None
+    );
+    assert_invalid(
+        chat(chat_with(
+            json!({"json_schema": schema, "grammar": "root ::= \"a\""}),
+        )),
+        Some("grammar"),
+        "both constrain the output",
+    );
+    assert_invalid(
+        chat(chat_with(
+            json!({"response_format": {"type": "json_schema"}}),
+        )),
+        Some("response_format.json_schema"),
+        "is required",
+    );
+    assert_invalid(
+        chat(chat_with(json!({"response_format": {"type": "xml"}}))),
+        Some("response_format.type"),
+        "must be text, json_object or json_schema",
+    );
+    assert_invalid(
+        chat(chat_with(json!({"grammar": 3}))),
+        Some("grammar"),
+        "must be a string",
     );
 }
 

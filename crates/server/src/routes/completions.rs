@@ -157,7 +157,8 @@ pub(super) async fn chat_completions(
         });
     let logprobs = request.logprobs.then_some(request.top_logprobs);
     let prompt_tokens = prompt.len();
-    let submitted = submit(&state, ready, prompt, params, logprobs, arrived).await?;
+    let grammar = request.common.grammar.clone();
+    let submitted = submit(&state, ready, prompt, params, grammar, logprobs, arrived).await?;
     let mut output = Output::new(submitted, request.common.stop.clone(), reasoning, arrived);
     let meta = meta(&state, ready, "chatcmpl");
 
@@ -310,7 +311,8 @@ pub(super) async fn completions(
         let mut usage = Usage::default();
         for (ids, params) in prompts {
             usage.prompt_tokens += ids.len();
-            let submitted = submit(&state, ready, ids, params, logprobs, arrived).await?;
+            let grammar = request.common.grammar.clone();
+            let submitted = submit(&state, ready, ids, params, grammar, logprobs, arrived).await?;
             let mut output = Output::new(submitted, request.common.stop.clone(), None, arrived);
             let mut text = String::new();
             let mut lp = CompletionLogprobs::default();
@@ -334,10 +336,23 @@ pub(super) async fn completions(
     // Streaming: prompts run one after another; each chunk carries its choice index.
     let mut first = None;
     if let Some((ids, params)) = prompts.first() {
-        first = Some(submit(&state, ready, ids.clone(), *params, logprobs, arrived).await?);
+        let grammar = request.common.grammar.clone();
+        first = Some(
+            submit(
+                &state,
+                ready,
+                ids.clone(),
+                *params,
+                grammar,
+                logprobs,
+                arrived,
+            )
+            .await?,
+        );
     }
     let include_usage = request.common.include_usage;
     let stops = request.common.stop.clone();
+    let grammar = request.common.grammar.clone();
     let state_for_task = Arc::clone(&state);
     let stream = sse(move |tx| {
         tokio::spawn(async move {
@@ -350,7 +365,17 @@ pub(super) async fn completions(
                 usage.prompt_tokens += ids.len();
                 let submitted = match first.take() {
                     Some(submitted) => submitted,
-                    None => match submit(&state, ready, ids, params, logprobs, arrived).await {
+                    None => match submit(
+                        &state,
+                        ready,
+                        ids,
+                        params,
+                        grammar.clone(),
+                        logprobs,
+                        arrived,
+                    )
+                    .await
+                    {
                         Ok(submitted) => submitted,
                         Err(e) => {
                             let _ = tx.send(data(&e.body())).await;

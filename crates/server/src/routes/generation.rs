@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
+use ember_engine::constraint::Grammar;
 use ember_engine::{FinishReason, GenerateParams};
 use tokio::sync::mpsc;
 
@@ -90,14 +91,33 @@ pub(super) struct Submitted {
     cancel: CancelOnDrop,
 }
 
+/// Queues a generation of `prompt`, its output held to `grammar` (with the request field that
+/// named it, for errors) when given.
 pub(super) async fn submit(
     state: &AppState,
     ready: &Ready,
     prompt: Vec<u32>,
     params: GenerateParams,
+    grammar: Option<(&'static str, Grammar)>,
     logprobs: Option<usize>,
     arrived: Instant,
 ) -> AppResult<Submitted> {
+    // Compiled before queuing, off the runtime (the first one builds the token trie): a bad
+    // schema is a 400, never a failed stream.
+    let constraint = match grammar {
+        None => None,
+        Some((param, grammar)) => {
+            let compiler = Arc::clone(&ready.constraints);
+            Some(
+                off_the_runtime(move || {
+                    compiler
+                        .compile(&grammar)
+                        .map_err(|e| ApiError::invalid(param, format!("`{param}`: {e}")))
+                })
+                .await?,
+            )
+        }
+    };
     let (events_tx, mut events) = mpsc::unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));
     let job = Job {
@@ -107,6 +127,7 @@ pub(super) async fn submit(
             step_logits: logprobs.is_some(),
             ..params
         },
+        constraint,
         logprobs,
         cancel: Arc::clone(&cancel),
         events: events_tx,

@@ -182,6 +182,8 @@ pub(crate) async fn completion(
     if n_probs > 0 {
         obj.insert("logprobs".into(), json!(n_probs));
     }
+    // llama-server counts its penalties over the last 64 tokens unless told otherwise.
+    obj.entry("repeat_last_n").or_insert(json!(64));
     let request = openai::parse_completion(
         Value::Object(obj).to_string().as_bytes(),
         &ready.sampling_defaults,
@@ -214,7 +216,17 @@ pub(crate) async fn completion(
     let params = plan(&state, ready, ids.len(), &request.common)?;
     let settings = generation_settings(&state, ready, &params, &request.common.stop);
     let prompt_tokens = ids.len();
-    let submitted = submit(&state, ready, ids, params, request.logprobs, arrived).await?;
+    let grammar = request.common.grammar.clone();
+    let submitted = submit(
+        &state,
+        ready,
+        ids,
+        params,
+        grammar,
+        request.logprobs,
+        arrived,
+    )
+    .await?;
     let mut output = Output::new(submitted, request.common.stop.clone(), None, arrived);
     let summary = move |output: &Output, content: String, first: Option<Instant>| {
         let now = Instant::now();

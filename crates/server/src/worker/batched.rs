@@ -60,8 +60,9 @@ pub(super) fn run(
             }
             stream.committed = Instant::now();
             stream.started = stream.committed;
+            let constraint = stream.job.constraint.take();
             let (prompt, params) = (&stream.job.prompt, stream.job.params);
-            if let Err(e) = engine.submit(next_id, prompt, params) {
+            if let Err(e) = engine.submit(next_id, prompt, params, constraint) {
                 stream.fail(&e.to_string(), &metrics);
                 continue;
             }

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
+use ember_engine::constraint::Constraint;
 use ember_engine::detokenizer::StreamDecoder;
 use ember_engine::sampler::{logprob_of, top_logprobs};
 use ember_engine::tokenizer::Tokenizer;
@@ -25,6 +26,8 @@ use crate::metrics::Metrics;
 pub struct Job {
     pub prompt: Vec<u32>,
     pub params: GenerateParams,
+    /// What the output must match, compiled before the job was queued.
+    pub constraint: Option<Constraint>,
     /// Report each token's log-probability and this many alternatives.
     pub logprobs: Option<usize>,
     pub cancel: Arc<AtomicBool>,

@@ -34,12 +34,13 @@ pub(super) fn run(
             .prompt_tokens
             .fetch_add(stream.job.prompt.len() as u64, Ordering::Relaxed);
         let (prompt, params) = (stream.job.prompt.clone(), stream.job.params);
+        let constraint = stream.job.constraint.take();
         let stop = {
             let (cancel, abort) = (Arc::clone(&stream.job.cancel), Arc::clone(&abort));
             move || cancel.load(Ordering::Relaxed) || abort.load(Ordering::Relaxed)
         };
         let mut announced = false;
-        let result = engine.generate_until(&prompt, &params, &stop, |step| {
+        let result = engine.generate_until(&prompt, &params, constraint, &stop, |step| {
             if stop() {
                 return ControlFlow::Break(());
             }
