@@ -135,14 +135,26 @@ fn bad_bodies() -> Vec<(String, Vec<u8>)> {
             ],
         ),
         ("best_of", vec![json!(2)]),
-        ("frequency_penalty", vec![json!(0.5), json!("x")]),
-        ("presence_penalty", vec![json!(1)]),
+        ("frequency_penalty", vec![json!(2.5), json!("x")]),
+        ("presence_penalty", vec![json!(-3)]),
+        ("repetition_penalty", vec![json!(0), json!(-1), json!("x")]),
+        ("repeat_last_n", vec![json!(-2), json!(1.5)]),
         ("logit_bias", vec![json!({"1": 5}), json!("x")]),
         ("tools", vec![json!([{"type": "function"}]), json!("x")]),
         ("tool_choice", vec![json!("required"), json!({})]),
         (
             "response_format",
-            vec![json!({"type": "json_object"}), json!("x")],
+            vec![
+                json!({"type": "xml"}),
+                json!({"type": "json_schema"}),
+                json!({"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}),
+                json!("x"),
+            ],
+        ),
+        ("json_schema", vec![json!("x"), json!({"type": 5})]),
+        (
+            "grammar",
+            vec![json!(5), json!("root ::= missing"), json!("root ::= [z-a]")],
         ),
     ];
     let chat_only: Vec<(&str, Vec<Value>)> = vec![
@@ -244,7 +256,7 @@ fn bad_bodies() -> Vec<(String, Vec<u8>)> {
     }
 
     // Unknown roles.
-    for role in ["wizard", "tool", "function", "", "USER", "user ", "ipython"] {
+    for role in ["wizard", "function", "", "USER", "user ", "ipython"] {
         let body = with(&chat, "messages", json!([{"role": role, "content": "hi"}]));
         add(format!("role {role:?}"), body.to_string().into_bytes());
         let body = with(

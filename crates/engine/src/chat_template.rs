@@ -27,12 +27,20 @@ pub enum TemplateError {
 }
 
 /// One chat message as the template sees it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reasoning_content: Option<String>,
+    /// An assistant's tool calls as templates read them (transformers' shape):
+    /// `[{"id", "type": "function", "function": {"name", "arguments": {…}}}]`, the arguments
+    /// an object, not the API's JSON text.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    /// A `tool` message: the call it answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 impl ChatMessage {
@@ -40,7 +48,7 @@ impl ChatMessage {
         Self {
             role: role.into(),
             content: content.into(),
-            reasoning_content: None,
+            ..Self::default()
         }
     }
 }

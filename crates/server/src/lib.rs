@@ -18,6 +18,7 @@ pub mod openai;
 mod routes;
 mod server;
 pub mod text;
+pub mod tools;
 pub mod worker;
 
 pub use cors::CorsOrigins;

@@ -32,11 +32,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         if args.no_think {
             kwargs.insert("enable_thinking".into(), false.into());
         }
-        let message = ChatMessage {
-            role: "user".into(),
-            content: args.prompt.clone(),
-            reasoning_content: None,
-        };
+        let message = ChatMessage::new("user", args.prompt.clone());
         engine.encode_chat(&[message], &kwargs)?
     } else {
         engine.encode_prompt(&args.prompt)?

@@ -7,6 +7,7 @@ use serde_json::{Map, Value};
 
 use super::{MAX_STOP_STRINGS, MAX_TOKENS_LIMIT, MAX_TOP_LOGPROBS};
 use crate::error::ApiError;
+use crate::tools::{ToolChoice, Tools};
 
 // ---------------------------------------------------------------------------------------------
 // Requests
@@ -48,6 +49,8 @@ pub struct ChatRequest {
     pub logprobs: bool,
     /// 0..=[`MAX_TOP_LOGPROBS`]; non-zero only when `logprobs` is true.
     pub top_logprobs: usize,
+    /// `tools`, `tool_choice` and `parallel_tool_calls`.
+    pub tools: Tools,
 }
 
 /// One prompt of a text-completion request.
@@ -95,12 +98,115 @@ pub fn parse_chat(body: &[u8], defaults: &SamplingParams) -> Result<ChatRequest,
             "`top_logprobs` requires `logprobs` to be true",
         ));
     }
+    let tools = parse_tools(&obj)?;
+    if tools.active() && common.grammar.is_some() && tools.choice != ToolChoice::Auto {
+        return Err(ApiError::invalid(
+            "tool_choice",
+            "a required or named tool call and an output format both constrain the reply; send one of them",
+        ));
+    }
     Ok(ChatRequest {
         common,
         messages,
         chat_template_kwargs,
         logprobs,
         top_logprobs,
+        tools,
+    })
+}
+
+/// OpenAI's `tools` (functions only), `tool_choice` and `parallel_tool_calls`.
+fn parse_tools(obj: &Map<String, Value>) -> Result<Tools, ApiError> {
+    let definitions = match field(obj, "tools") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(items)) => items.clone(),
+        Some(other) => return Err(wrong_type("tools", "an array", other)),
+    };
+    let mut names = Vec::with_capacity(definitions.len());
+    for (i, tool) in definitions.iter().enumerate() {
+        let p = format!("tools[{i}]");
+        let Value::Object(t) = tool else {
+            return Err(wrong_type(&p, "an object", tool));
+        };
+        match str_field(field(t, "type"), &format!("{p}.type"))? {
+            Some("function") => {}
+            other => {
+                return Err(ApiError::invalid(
+                    format!("{p}.type"),
+                    format!("`{p}.type` must be \"function\", got {other:?}"),
+                ));
+            }
+        }
+        let q = format!("{p}.function");
+        let Some(Value::Object(function)) = field(t, "function") else {
+            return Err(ApiError::invalid(&q, format!("`{q}` must be an object")));
+        };
+        let name = str_field(field(function, "name"), &format!("{q}.name"))?.unwrap_or("");
+        let valid = !name.is_empty()
+            && name.len() <= 64
+            && name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+        if !valid {
+            return Err(ApiError::invalid(
+                format!("{q}.name"),
+                format!("`{q}.name` must be 1 to 64 letters, digits, `_` or `-`, got {name:?}"),
+            ));
+        }
+        match field(function, "parameters") {
+            None | Some(Value::Object(_)) => {}
+            Some(other) => return Err(wrong_type(&format!("{q}.parameters"), "an object", other)),
+        }
+        names.push(name.to_owned());
+    }
+    let choice = match field(obj, "tool_choice") {
+        None | Some(Value::Null) => ToolChoice::Auto,
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => ToolChoice::None,
+            "auto" => ToolChoice::Auto,
+            "required" => ToolChoice::Required,
+            other => {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    format!(
+                        "`tool_choice` must be none, auto, required or a function, got {other:?}"
+                    ),
+                ));
+            }
+        },
+        Some(Value::Object(choice)) => {
+            let name = choice
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str)
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        "tool_choice",
+                        "`tool_choice` names a function as {\"type\": \"function\", \"function\": {\"name\": …}}",
+                    )
+                })?;
+            if !names.iter().any(|n| n == name) {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    format!("`tool_choice` names `{name}`, which is not among the `tools`"),
+                ));
+            }
+            ToolChoice::Named(name.to_owned())
+        }
+        Some(other) => return Err(wrong_type("tool_choice", "a string or an object", other)),
+    };
+    if definitions.is_empty() && matches!(choice, ToolChoice::Required | ToolChoice::Named(_)) {
+        return Err(ApiError::invalid(
+            "tool_choice",
+            "`tool_choice` asks for a call but the request has no `tools`",
+        ));
+    }
+    let parallel =
+        bool_field(field(obj, "parallel_tool_calls"), "parallel_tool_calls")?.unwrap_or(true);
+    Ok(Tools {
+        definitions,
+        choice,
+        parallel,
     })
 }
 
@@ -112,6 +218,17 @@ pub fn parse_completion(
     let obj = parse_object(body)?;
     let prompts = parse_prompt(field(&obj, "prompt"))?;
     let common = parse_common(&obj, defaults)?;
+    // Text completions have no tools to call: only the neutral values pass.
+    match field(&obj, "tools") {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(items)) if items.is_empty() => {}
+        Some(_) => return Err(unsupported("tools")),
+    }
+    match field(&obj, "tool_choice") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(s)) if s == "none" || s == "auto" => {}
+        Some(_) => return Err(unsupported("tool_choice")),
+    }
     match field(&obj, "suffix") {
         None => {}
         Some(Value::String(s)) if s.is_empty() => {}
@@ -536,21 +653,17 @@ fn reject_unsupported(obj: &Map<String, Value>) -> Result<(), ApiError> {
         Some(Value::Object(_)) => return Err(unsupported("logit_bias")),
         Some(other) => return Err(wrong_type("logit_bias", "an object", other)),
     }
-    for name in ["tools", "functions"] {
-        match field(obj, name) {
-            None => {}
-            Some(Value::Array(items)) if items.is_empty() => {}
-            Some(Value::Array(_)) => return Err(unsupported(name)),
-            Some(other) => return Err(wrong_type(name, "an array", other)),
-        }
+    // OpenAI's deprecated function calling: `tools` replaced it.
+    match field(obj, "functions") {
+        None => {}
+        Some(Value::Array(items)) if items.is_empty() => {}
+        Some(Value::Array(_)) => return Err(unsupported("functions")),
+        Some(other) => return Err(wrong_type("functions", "an array", other)),
     }
-    // With no tools, "none" and "auto" both mean a plain answer.
-    for name in ["tool_choice", "function_call"] {
-        match field(obj, name) {
-            None => {}
-            Some(Value::String(s)) if s == "none" || s == "auto" => {}
-            Some(_) => return Err(unsupported(name)),
-        }
+    match field(obj, "function_call") {
+        None => {}
+        Some(Value::String(s)) if s == "none" || s == "auto" => {}
+        Some(_) => return Err(unsupported("function_call")),
     }
     Ok(())
 }
@@ -593,11 +706,12 @@ fn parse_message(index: usize, value: &Value) -> Result<ChatMessage, ApiError> {
         "system" | "developer" => "system",
         "user" => "user",
         "assistant" => "assistant",
+        "tool" => "tool",
         other => {
             return Err(ApiError::invalid(
                 &role_param,
                 format!(
-                    "unsupported role `{other}` in `{role_param}` (expected system, developer, user or assistant)"
+                    "unsupported role `{other}` in `{role_param}` (expected system, developer, user, assistant or tool)"
                 ),
             ));
         }
@@ -606,7 +720,8 @@ fn parse_message(index: usize, value: &Value) -> Result<ChatMessage, ApiError> {
 
     let content_param = format!("{p}.content");
     let content = match field(obj, "content") {
-        None if assistant => String::new(),
+        // An assistant's turn that only calls tools has no content.
+        None | Some(Value::Null) if assistant => String::new(),
         None => {
             return Err(ApiError::invalid(
                 &content_param,
@@ -630,11 +745,21 @@ fn parse_message(index: usize, value: &Value) -> Result<ChatMessage, ApiError> {
         }
     };
 
-    match field(obj, "tool_calls") {
-        None => {}
-        Some(Value::Array(calls)) if calls.is_empty() => {}
-        Some(_) => return Err(unsupported(&format!("{p}.tool_calls"))),
-    }
+    let tool_calls = match field(obj, "tool_calls") {
+        None | Some(Value::Null) => None,
+        Some(Value::Array(calls)) if calls.is_empty() => None,
+        Some(Value::Array(calls)) if assistant => Some(parse_tool_calls(&p, calls)?),
+        Some(Value::Array(_)) => {
+            return Err(ApiError::invalid(
+                format!("{p}.tool_calls"),
+                format!("only an assistant message has `tool_calls`, not a {given_role} message"),
+            ));
+        }
+        Some(other) => return Err(wrong_type(&format!("{p}.tool_calls"), "an array", other)),
+    };
+    let tool_call_id = str_field(field(obj, "tool_call_id"), &format!("{p}.tool_call_id"))?
+        .filter(|_| role == "tool")
+        .map(str::to_owned);
 
     let reasoning_param = format!("{p}.reasoning_content");
     let reasoning_content = str_field(field(obj, "reasoning_content"), &reasoning_param)?;
@@ -643,7 +768,50 @@ fn parse_message(index: usize, value: &Value) -> Result<ChatMessage, ApiError> {
         content,
         // Only an assistant's turn has reasoning; on other roles it is ignored.
         reasoning_content: reasoning_content.filter(|_| assistant).map(str::to_owned),
+        tool_calls,
+        tool_call_id,
     })
+}
+
+/// An assistant message's `tool_calls` as templates read them: each call's `arguments`, JSON
+/// text in the API, parsed into the object transformers hands its templates.
+fn parse_tool_calls(p: &str, calls: &[Value]) -> Result<Value, ApiError> {
+    let mut out = Vec::with_capacity(calls.len());
+    for (i, call) in calls.iter().enumerate() {
+        let q = format!("{p}.tool_calls[{i}]");
+        let function = call
+            .get("function")
+            .and_then(Value::as_object)
+            .ok_or_else(|| ApiError::invalid(&q, format!("`{q}.function` must be an object")))?;
+        let name = str_field(field(function, "name"), &format!("{q}.function.name"))?
+            .ok_or_else(|| ApiError::invalid(&q, format!("`{q}.function.name` is required")))?;
+        let arguments = match field(function, "arguments") {
+            None | Some(Value::Null) => Value::Object(Map::new()),
+            Some(Value::String(text)) => serde_json::from_str(text).map_err(|e| {
+                ApiError::invalid(
+                    format!("{q}.function.arguments"),
+                    format!("`{q}.function.arguments` is not valid JSON: {e}"),
+                )
+            })?,
+            Some(args @ Value::Object(_)) => args.clone(),
+            Some(other) => {
+                return Err(wrong_type(
+                    &format!("{q}.function.arguments"),
+                    "a JSON string",
+                    other,
+                ));
+            }
+        };
+        let mut entry = serde_json::json!({
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        });
+        if let Some(id) = call.get("id").and_then(Value::as_str) {
+            entry["id"] = id.into();
+        }
+        out.push(entry);
+    }
+    Ok(Value::Array(out))
 }
 
 fn content_part<'a>(param: &str, part: &'a Value) -> Result<&'a str, ApiError> {

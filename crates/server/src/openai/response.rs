@@ -3,6 +3,7 @@
 use serde_json::{Map, Value, json};
 
 use super::MIN_LOGPROB;
+use crate::tools::ToolCall;
 
 // ---------------------------------------------------------------------------------------------
 // Responses
@@ -65,11 +66,40 @@ pub fn chat_completion(
     finish_reason: &str,
     usage: &Usage,
 ) -> Value {
+    chat_completion_with_tools(
+        meta,
+        Some(content),
+        &[],
+        reasoning,
+        logprobs,
+        finish_reason,
+        usage,
+    )
+}
+
+/// [`chat_completion`] of a reply that may call tools: `content` `None` (JSON null) when the
+/// reply is only calls, `tool_calls` each with its id.
+pub fn chat_completion_with_tools(
+    meta: &ResponseMeta,
+    content: Option<&str>,
+    tool_calls: &[(String, ToolCall)],
+    reasoning: Option<&str>,
+    logprobs: Option<&[TokenLogprob]>,
+    finish_reason: &str,
+    usage: &Usage,
+) -> Value {
     let mut message = Map::new();
     message.insert("role".into(), "assistant".into());
-    message.insert("content".into(), content.into());
+    message.insert("content".into(), content.map_or(Value::Null, Value::from));
     if let Some(reasoning) = reasoning {
         message.insert("reasoning_content".into(), reasoning.into());
+    }
+    if !tool_calls.is_empty() {
+        let calls: Vec<Value> = tool_calls
+            .iter()
+            .map(|(id, call)| tool_call_json(None, id, call))
+            .collect();
+        message.insert("tool_calls".into(), calls.into());
     }
     json!({
         "id": meta.id,
@@ -85,6 +115,19 @@ pub fn chat_completion(
         }],
         "usage": usage_json(usage),
     })
+}
+
+/// A call as OpenAI writes it; in a stream's delta also its `index` among the reply's calls.
+pub fn tool_call_json(index: Option<usize>, id: &str, call: &ToolCall) -> Value {
+    let mut value = json!({
+        "id": id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    });
+    if let Some(index) = index {
+        value["index"] = index.into();
+    }
+    value
 }
 
 /// One `chat.completion.chunk` of a stream; `finish_reason` is `None` until the last one.

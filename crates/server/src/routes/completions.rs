@@ -18,10 +18,12 @@ use super::generation::{Output, Piece, off_the_runtime, plan, refuse_certainly_t
 use super::{AppResult, RawBody, engine_error, ready};
 use crate::error::ApiError;
 use crate::openai::{
-    self, CompletionChoice, CompletionLogprobs, PromptInput, ResponseMeta, TokenLogprob, Usage,
+    self, ChatRequest, CompletionChoice, CompletionLogprobs, PromptInput, ResponseMeta,
+    TokenLogprob, Usage,
 };
 use crate::server::{AppState, Ready};
 use crate::text::ReasoningParser;
+use crate::tools::{StreamPiece, ToolCall, ToolFormat, ToolStream};
 
 fn meta(state: &AppState, ready: &Ready, prefix: &str) -> ResponseMeta {
     ResponseMeta {
@@ -121,6 +123,7 @@ pub(super) async fn chat_completions(
     let ready = ready(&state)?;
     let mut request = openai::parse_chat(&body, &ready.sampling_defaults)?;
     drop(body);
+    let tool_format = tool_calls_of(ready, &mut request)?;
     let text_bytes: usize = request
         .messages
         .iter()
@@ -182,12 +185,21 @@ pub(super) async fn chat_completions(
             .as_ref()
             .map(|_| reasoning_text.as_str())
             .filter(|r| !r.is_empty());
-        let body = openai::chat_completion(
+        let (content, calls) = match tool_format {
+            Some(format) => match format.split(&content) {
+                (_, calls) if calls.is_empty() => (Some(content), calls),
+                (rest, calls) => (rest, calls),
+            },
+            None => (Some(content), Vec::new()),
+        };
+        let calls: Vec<(String, ToolCall)> = calls.into_iter().map(|c| (call_id(), c)).collect();
+        let body = openai::chat_completion_with_tools(
             &meta,
-            &content,
+            content.as_deref(),
+            &calls,
             reasoning_out,
             logprobs.map(|_| logprob_list.as_slice()),
-            output.finish_reason(),
+            finish_reason(&output, calls.len()),
             &usage,
         );
         return Ok(Json(body).into_response());
@@ -213,11 +225,20 @@ pub(super) async fn chat_completions(
             {
                 return;
             }
+            let mut tools = tool_format.map(ToolStream::new);
             loop {
                 let Ok(next) = next_streamed(&mut output, &state, &tx).await else {
                     return;
                 };
-                let Some(piece) = next else { break };
+                let Some(mut piece) = next else { break };
+                // With tools, content passes through the call reader: text that may open a
+                // call waits, and whole calls go out as `tool_calls` deltas.
+                let mut calls = Vec::new();
+                if let Some(tools) = &mut tools {
+                    let (content, read) = split_pieces(tools.push(&piece.content));
+                    piece.content = content;
+                    calls = read;
+                }
                 let lp: Option<Vec<TokenLogprob>> = logprobs.map(|_| {
                     piece
                         .token
@@ -226,6 +247,9 @@ pub(super) async fn chat_completions(
                         .into_iter()
                         .collect()
                 });
+                if !send_calls(&tx, &meta, tools.as_ref(), calls).await {
+                    return;
+                }
                 if piece.content.is_empty()
                     && piece.reasoning.is_empty()
                     && lp.as_ref().is_none_or(|l| l.is_empty())
@@ -245,12 +269,29 @@ pub(super) async fn chat_completions(
                     return; // The client left; dropping `output` cancels the job.
                 }
             }
+            if let Some(stream) = &mut tools {
+                let (content, calls) = split_pieces(stream.finish());
+                if !content.is_empty() {
+                    let delta = openai::chat_delta(false, Some(&content), None);
+                    if tx
+                        .send(data(&openai::chat_chunk(&meta, delta, None, None)))
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+                if !send_calls(&tx, &meta, tools.as_ref(), calls).await {
+                    return;
+                }
+            }
+            let calls = tools.as_ref().map_or(0, ToolStream::calls);
             let _ = tx
                 .send(data(&openai::chat_chunk(
                     &meta,
                     json!({}),
                     None,
-                    Some(output.finish_reason()),
+                    Some(finish_reason(&output, calls)),
                 )))
                 .await;
             if include_usage {
@@ -271,6 +312,82 @@ pub(super) async fn chat_completions(
         })
     });
     Ok(stream)
+}
+
+/// The tool-call format of a request that offers tools (a 400 when the model's template shows
+/// none ember reads); its tools go to the template, and a required or named call becomes the
+/// request's output constraint.
+pub(super) fn tool_calls_of(
+    ready: &Ready,
+    request: &mut ChatRequest,
+) -> AppResult<Option<ToolFormat>> {
+    if !request.tools.active() {
+        return Ok(None);
+    }
+    let template = ready.encoder.chat_template_source().unwrap_or_default();
+    let format = ToolFormat::detect(template).ok_or_else(|| {
+        ApiError::invalid(
+            "tools",
+            "this model's chat template shows no tool-call format ember reads (Hermes \
+             `<tool_call>` blocks, as Qwen's, or Llama 3's JSON); send the request without `tools`",
+        )
+    })?;
+    request.chat_template_kwargs.insert(
+        "tools".into(),
+        Value::Array(request.tools.definitions.clone()),
+    );
+    if let Some(grammar) = format.constraint(&request.tools) {
+        request.common.grammar = Some(("tool_choice", grammar));
+    }
+    Ok(Some(format))
+}
+
+/// OpenAI's `call_` ids.
+fn call_id() -> String {
+    format!("call_{}", &random_hex()[..24])
+}
+
+/// A reply that called tools ends with `tool_calls`, as OpenAI's do.
+fn finish_reason(output: &Output, calls: usize) -> &'static str {
+    match output.finish_reason() {
+        "stop" if calls > 0 => "tool_calls",
+        other => other,
+    }
+}
+
+/// The content and the calls among a call reader's pieces.
+fn split_pieces(pieces: Vec<StreamPiece>) -> (String, Vec<ToolCall>) {
+    let (mut content, mut calls) = (String::new(), Vec::new());
+    for piece in pieces {
+        match piece {
+            StreamPiece::Content(c) => content.push_str(&c),
+            StreamPiece::Call(call) => calls.push(call),
+        }
+    }
+    (content, calls)
+}
+
+/// Sends each call as its own `tool_calls` delta (numbered after those sent before); false
+/// when the client is gone.
+async fn send_calls(
+    tx: &mpsc::Sender<Result<SseEvent, Infallible>>,
+    meta: &ResponseMeta,
+    stream: Option<&ToolStream>,
+    calls: Vec<ToolCall>,
+) -> bool {
+    let first = stream.map_or(0, |s| s.calls()) - calls.len();
+    for (i, call) in calls.iter().enumerate() {
+        let delta =
+            json!({"tool_calls": [openai::tool_call_json(Some(first + i), &call_id(), call)]});
+        if tx
+            .send(data(&openai::chat_chunk(meta, delta, None, None)))
+            .await
+            .is_err()
+        {
+            return false;
+        }
+    }
+    true
 }
 
 pub(super) async fn completions(

@@ -110,7 +110,9 @@ pub(crate) async fn apply_template(
     RawBody(body): RawBody,
 ) -> AppResult<Json<Value>> {
     let ready = ready(&state)?;
-    let request = openai::parse_chat(&body, &ready.sampling_defaults)?;
+    let mut request = openai::parse_chat(&body, &ready.sampling_defaults)?;
+    // The tools a chat completion would show the model.
+    super::completions::tool_calls_of(ready, &mut request)?;
     let encoder = ready.encoder.clone();
     let prompt = off_the_runtime(move || {
         encoder
