@@ -9,6 +9,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use common::{Server, assert_error_shape, fixture};
 use serde_json::{Value, json};
@@ -20,7 +21,14 @@ struct ToolsModel(PathBuf);
 
 impl ToolsModel {
     fn new() -> ToolsModel {
-        let dir = std::env::temp_dir().join(format!("ember-tools-model-{}", std::process::id()));
+        // One folder per test: tests run at once, and rewriting a model file that another
+        // server has mapped would pull it from under that server.
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "ember-tools-model-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
         std::fs::create_dir_all(&dir).unwrap();
         for entry in std::fs::read_dir(fixture("qwen3-f32")).unwrap() {
             let path = entry.unwrap().path();
