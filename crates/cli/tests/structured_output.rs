@@ -145,7 +145,14 @@ fn replies_parse_and_validate_against_their_schemas() {
 
 #[test]
 fn a_grammar_of_one_string_yields_exactly_it() {
-    let server = Server::start(QWEN, &[]);
+    // The batched loop and, with one sequence at a time, the serial road.
+    for parallel in ["4", "1"] {
+        let server = Server::start(QWEN, &["--parallel", parallel]);
+        grammar_of_one_string(&server);
+    }
+}
+
+fn grammar_of_one_string(server: &Server) {
     let want = "The answer is 42.";
     for grammar in [
         format!("root ::= \"{want}\""),
@@ -153,14 +160,14 @@ fn a_grammar_of_one_string_yields_exactly_it() {
         format!("%llguidance {{}}\nstart: \"{want}\"\n"),
     ] {
         let r = ok(
-            &server,
+            server,
             "/completion",
             &json!({"prompt": "Q:", "n_predict": 50, "grammar": grammar}),
         );
         assert_eq!(r["content"], want, "{grammar}");
         assert_eq!(r["stop_type"], "eos", "{grammar}: {r}");
         let r = ok(
-            &server,
+            server,
             "/v1/chat/completions",
             &chat(
                 "Q?",

@@ -75,7 +75,9 @@ impl Picker {
 
     /// Takes `token` as picked: the reply's counts and the constraint move past it.
     pub(super) fn accept(&mut self, token: u32) -> Result<()> {
-        *self.reply_counts.entry(token).or_insert(0) += 1;
+        if self.penalties.any() {
+            *self.reply_counts.entry(token).or_insert(0) += 1;
+        }
         if let Some(c) = &mut self.constraint {
             c.accept(token).map_err(Error::Constraint)?;
         }
