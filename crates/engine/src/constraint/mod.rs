@@ -166,6 +166,8 @@ impl ConstraintCompiler {
         let mut factory = ParserFactory::new(&env, caps, &SlicedBiasComputer::general_slices())
             .map_err(|e| unavailable(&e))?;
         factory.quiet();
+        drop(words);
+        give_back_freed_heap();
         tracing::info!(
             "structured output ready: a trie of {vocab} tokens in {:.0} ms",
             started.elapsed().as_secs_f64() * 1e3
@@ -188,6 +190,19 @@ fn bounded_whitespace(mut schema: Value) -> Value {
             .or_insert_with(|| serde_json::json!({"whitespace_pattern": JSON_WHITESPACE}));
     }
     schema
+}
+
+/// Returns the heap the trie's construction freed (the tokenizer's JSON, about 125 MiB for a
+/// 150k vocabulary) to the system: glibc keeps it otherwise, resident for the process's life.
+/// Measured on Qwen2.5's 152k vocabulary: +133 MiB resident after the first constrained
+/// request without this, +64 MiB with it (the trie and llguidance's token slices), and no
+/// more after further requests.
+fn give_back_freed_heap() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only releases free memory; it takes no pointers.
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }
 
 /// The tokenizer as llguidance sees it: every token's bytes (special tokens behind the 0xff
