@@ -105,3 +105,43 @@ fn connections_past_the_limit_get_a_503_and_the_server_recovers() {
         std::thread::sleep(Duration::from_millis(200));
     }
 }
+
+#[test]
+fn heads_hyper_refuses_are_answered_in_the_json_error_shape() {
+    let server = Server::start(MODEL, &[]);
+    let answer = |request: &[u8]| -> (String, Value) {
+        let mut stream = TcpStream::connect(server.addr()).unwrap();
+        // The server may answer and close before the whole request is sent.
+        let _ = stream.write_all(request);
+        let got = read_until_closed(&mut stream, Duration::from_secs(20))
+            .expect("the connection is closed after the answer");
+        let text = String::from_utf8_lossy(&got).into_owned();
+        let (head, body) = text.split_once("\r\n\r\n").expect("a head and a body");
+        let body: Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("{text}: {e}"));
+        (head.to_owned(), body)
+    };
+    // A 1 MB header.
+    let mut huge = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ".to_vec();
+    huge.extend(std::iter::repeat_n(b'a', 1 << 20));
+    huge.extend_from_slice(b"\r\n\r\n");
+    let (head, body) = answer(&huge);
+    assert!(head.starts_with("HTTP/1.1 431 "), "{head}");
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("content-type: application/json"),
+        "{head}"
+    );
+    common::assert_error_shape(&body);
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("headers are too large")
+    );
+    // Not HTTP at all.
+    let (head, body) = answer(b"THIS IS NOT HTTP\r\n\r\n");
+    assert!(head.starts_with("HTTP/1.1 400 "), "{head}");
+    common::assert_error_shape(&body);
+    // And the server goes on.
+    assert_eq!(server.get("/health").status, 200);
+}

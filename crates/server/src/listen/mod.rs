@@ -2,7 +2,10 @@
 //! request headers within a time limit (and an idle keep-alive connection is closed after
 //! it: hyper times the wait for each request's head), and past a number of open connections a
 //! new one gets a 503 in the API's JSON shape and is closed, before the process runs out of
-//! file descriptors and `/health` with it.
+//! file descriptors and `/health` with it. A request head hyper refuses itself (too large,
+//! or not HTTP) is answered in the API's JSON error shape too ([`json_errors`]).
+
+mod json_errors;
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -18,6 +21,11 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
 use tower::ServiceExt;
+
+use self::json_errors::JsonErrors;
+
+/// The most bytes of a request's head (its request line and headers): past them, a 431.
+const MAX_HEAD_BYTES: usize = 64 << 10;
 
 /// How connections are held to account.
 #[derive(Clone, Copy, Debug)]
@@ -82,8 +90,9 @@ pub(crate) async fn serve(
         let connection = http1::Builder::new()
             .timer(TokioTimer::new())
             .header_read_timeout(limits.header_timeout)
+            .max_buf_size(MAX_HEAD_BYTES)
             .serve_connection(
-                TokioIo::new(stream),
+                TokioIo::new(JsonErrors::new(stream)),
                 TowerToHyperService::new(service.clone()),
             );
         let connection = graceful.watch(connection);
