@@ -149,6 +149,16 @@ pub struct ServeArgs {
     /// Seed of a request that sets none [default: none, a fresh one per request].
     #[arg(long)]
     pub seed: Option<u64>,
+    /// Repetition penalty of a request that sets none (1: off) [default: the model's
+    /// generation_config.json `repetition_penalty`, else 1].
+    #[arg(long, value_parser = parse_positive)]
+    pub repeat_penalty: Option<f32>,
+    /// Presence penalty of a request that sets none (-2..2; 0: off).
+    #[arg(long, value_parser = parse_penalty, allow_negative_numbers = true)]
+    pub presence_penalty: Option<f32>,
+    /// Frequency penalty of a request that sets none (-2..2; 0: off).
+    #[arg(long, value_parser = parse_penalty, allow_negative_numbers = true)]
+    pub frequency_penalty: Option<f32>,
     /// Connections open at once; one more gets a 503 and is closed [default: the process's
     /// file descriptor limit less 64, at most 1024].
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
@@ -400,6 +410,22 @@ fn parse_unit(s: &str) -> Result<f32, String> {
     match s.parse::<f32>() {
         Ok(p) if (0.0..=1.0).contains(&p) => Ok(p),
         _ => Err(format!("{s}: a number between 0 and 1")),
+    }
+}
+
+/// A finite number above 0 (the repetition penalty).
+fn parse_positive(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(x) if x > 0.0 && x.is_finite() => Ok(x),
+        _ => Err(format!("{s}: a number above 0 (1 is off)")),
+    }
+}
+
+/// A presence or frequency penalty, in -2..=2 as OpenAI's.
+fn parse_penalty(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(x) if (-2.0..=2.0).contains(&x) => Ok(x),
+        _ => Err(format!("{s}: a number between -2 and 2 (0 is off)")),
     }
 }
 

@@ -291,3 +291,51 @@ fn penalties_apply_as_ember_run_applies_them() {
     assert_ne!(windowed, plain);
     assert_ne!(whole, plain);
 }
+
+#[test]
+fn penalty_flags_are_defaults_a_request_overrides() {
+    let flagged = Server::start(
+        QWEN,
+        &["--repeat-penalty", "1.5", "--presence-penalty", "0.5"],
+    );
+    let props = flagged.get("/props").json();
+    let params = &props["default_generation_settings"]["params"];
+    assert_eq!(
+        (
+            params["repeat_penalty"].as_f64(),
+            params["presence_penalty"].as_f64()
+        ),
+        (Some(1.5), Some(0.5))
+    );
+    let text = |server: &Server, extra: Value| {
+        let mut body = json!({"prompt": "the the the the", "max_tokens": 16, "temperature": 0,
+                              "ignore_eos": true});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        ok(server, "/v1/completions", &body)["choices"][0]["text"].clone()
+    };
+    let plain = Server::start(QWEN, &[]);
+    assert_eq!(
+        text(&flagged, json!({})),
+        text(
+            &plain,
+            json!({"repetition_penalty": 1.5, "presence_penalty": 0.5})
+        )
+    );
+    // A request's own fields win over the flags.
+    assert_eq!(
+        text(
+            &flagged,
+            json!({"repetition_penalty": 1, "presence_penalty": 0})
+        ),
+        text(&plain, json!({}))
+    );
+    assert!(
+        flagged
+            .log()
+            .contains("repetition_penalty 1.5, presence_penalty 0.5"),
+        "{}",
+        flagged.log()
+    );
+}

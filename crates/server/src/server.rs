@@ -321,7 +321,8 @@ fn fingerprint(engine: &ember_engine::Engine) -> String {
 }
 
 /// Sampling defaults set on the command line (`--temp`, `--top-k`, `--top-p`, `--min-p`,
-/// `--seed`): each, where set, replaces the model's default; a request's own field wins.
+/// `--seed`, `--repeat-penalty`, `--presence-penalty`, `--frequency-penalty`): each, where
+/// set, replaces the model's default; a request's own field wins.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct SamplingOverrides {
     pub temperature: Option<f32>,
@@ -329,6 +330,9 @@ pub struct SamplingOverrides {
     pub top_p: Option<f32>,
     pub min_p: Option<f32>,
     pub seed: Option<u64>,
+    pub repetition_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
 }
 
 /// The model's sampling defaults with the command line's over them, logged once.
@@ -340,19 +344,36 @@ fn sampling_defaults(engine: &ember_engine::Engine, flags: &SamplingOverrides) -
     p.top_p = flags.top_p.unwrap_or(p.top_p);
     p.min_p = flags.min_p.unwrap_or(p.min_p);
     p.seed = flags.seed.or(p.seed);
+    let q = &mut p.penalties;
+    q.repetition = flags.repetition_penalty.unwrap_or(q.repetition);
+    q.presence = flags.presence_penalty.unwrap_or(q.presence);
+    q.frequency = flags.frequency_penalty.unwrap_or(q.frequency);
     let flagged = flags.temperature.is_some()
         || flags.top_k.is_some()
         || flags.top_p.is_some()
         || flags.min_p.is_some()
-        || flags.seed.is_some();
+        || flags.seed.is_some()
+        || flags.repetition_penalty.is_some()
+        || flags.presence_penalty.is_some()
+        || flags.frequency_penalty.is_some();
+    let q = p.penalties;
+    let penalties = if q.any() {
+        format!(
+            ", repetition_penalty {}, presence_penalty {}, frequency_penalty {}",
+            q.repetition, q.presence, q.frequency
+        )
+    } else {
+        String::new()
+    };
     tracing::info!(
-        "sampling defaults: temperature {}, top_k {}, top_p {}, min_p {}{} (from {}{}); a \
+        "sampling defaults: temperature {}, top_k {}, top_p {}, min_p {}{}{} (from {}{}); a \
          request's own fields win",
         p.temperature,
         p.top_k,
         p.top_p,
         p.min_p,
         p.seed.map(|s| format!(", seed {s}")).unwrap_or_default(),
+        penalties,
         model.source,
         if flagged {
             ", with the command line's over them"

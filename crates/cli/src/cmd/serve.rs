@@ -46,6 +46,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
             top_p: args.top_p,
             min_p: args.min_p,
             seed: args.seed,
+            repetition_penalty: args.repeat_penalty,
+            presence_penalty: args.presence_penalty,
+            frequency_penalty: args.frequency_penalty,
         },
         default_max_tokens: match args.n_predict {
             -1 => None,

@@ -314,7 +314,7 @@ impl Engine {
             self.decode_greedy_until(&rest, limit, stop, |token| accept(tokens, token, None))?;
         } else if limit > 0 {
             let last = self.prefill_all_but_the_last_chunk(&rest, stop)?;
-            let mut logits = self.forward(last, Logits::Last)?;
+            let mut logits = picker.prepare_beside(|| self.forward(last, Logits::Last))?;
             for made in 1.. {
                 let token = picker.pick(logits, tokens, prompt_len)?;
                 picker.accept(token)?;
@@ -324,7 +324,7 @@ impl Engine {
                 if picker.is_complete() {
                     break;
                 }
-                logits = self.forward(&[token], Logits::Last)?;
+                logits = picker.prepare_beside(|| self.forward(&[token], Logits::Last))?;
             }
         }
         // A complete grammar ends the reply as an end-of-sequence token would.

@@ -38,6 +38,18 @@ impl Picker {
         self.sampler.params().is_greedy() && !self.penalties.any() && self.constraint.is_none()
     }
 
+    /// Runs `work` (the forward pass whose logits the next pick takes) while the constraint's
+    /// next mask is computed on a thread beside it.
+    pub(super) fn prepare_beside<T>(&mut self, work: impl FnOnce() -> T) -> T {
+        match &mut self.constraint {
+            None => work(),
+            Some(c) => std::thread::scope(|scope| {
+                scope.spawn(|| c.prepare());
+                work()
+            }),
+        }
+    }
+
     /// The constraint, taken out to compute its next mask beside a forward pass
     /// ([`Constraint::prepare`]); give it back with [`Self::restore_constraint`].
     pub(super) fn take_constraint(&mut self) -> Option<Constraint> {

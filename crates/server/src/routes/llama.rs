@@ -137,6 +137,9 @@ pub(crate) async fn props(State(state): State<Arc<AppState>>) -> AppResult<Json<
                 "top_p": d.top_p,
                 "min_p": d.min_p,
                 "seed": d.seed.map_or(json!(-1), |s| json!(s)),
+                "repeat_penalty": d.penalties.repetition,
+                "presence_penalty": d.penalties.presence,
+                "frequency_penalty": d.penalties.frequency,
                 "n_predict": state.default_max_tokens.map_or(json!(-1), |n| json!(n)),
             },
         },
@@ -349,6 +352,12 @@ fn generation_settings(
         "top_p": s.top_p,
         "min_p": s.min_p,
         "seed": s.seed.map_or(json!(-1), |seed| json!(seed)),
+        "repeat_penalty": s.penalties.repetition,
+        "repeat_last_n": s.penalties.last_n.map_or(json!(-1), |n| {
+            if n == usize::MAX { json!(-1) } else { json!(n) }
+        }),
+        "presence_penalty": s.penalties.presence,
+        "frequency_penalty": s.penalties.frequency,
         "stop": stop,
         "ignore_eos": params.ignore_eos,
         "cache_prompt": params.cache_prompt,
