@@ -3,8 +3,15 @@
 //! A decode step runs a few hundred small parallel regions (one per matrix product, norm,
 //! attention), so handing work out must cost far less than a microsecond. Workers spin on an
 //! epoch counter for a short while after each region and only then sleep on a condition
-//! variable; the caller wakes sleepers only when there are any. Work is split statically, so
-//! which thread computes what never depends on timing.
+//! variable; the caller wakes sleepers only when there are any.
+//!
+//! Two kinds of region. [`ThreadPool::broadcast`] runs a closure once on every thread (work
+//! split statically by thread index) and waits for all. [`ThreadPool::share`] cuts the work
+//! into pieces that threads claim in turn, and does not wait for a thread that has not joined
+//! by the time every piece is claimed: when another process takes a core (a busy machine),
+//! a descheduled worker would otherwise hold every region up for a scheduler time slice, and
+//! two threads ran slower than one. Which thread computes a piece then depends on timing; the
+//! pieces do not, so a kernel whose pieces write disjoint outputs gives the same bits.
 
 use std::any::Any;
 use std::cell::UnsafeCell;
@@ -25,8 +32,17 @@ struct Shared {
     /// The current region's closure; written by the caller before the epoch moves.
     job: UnsafeCell<Option<Job>>,
     epoch: AtomicU64,
-    /// Workers still running the current region.
+    /// Workers still running the current region (a broadcast).
     pending: AtomicUsize,
+    /// What the region of an epoch is, published by the caller just after it moves the epoch:
+    /// `epoch << 1`, plus 1 for a [`ThreadPool::share`] (which workers join only while it is
+    /// open, the caller waiting only for those that joined). A worker acts on a region only
+    /// once it reads its own epoch here, never on a neighbour's kind.
+    region_kind: AtomicU64,
+    /// The epoch of the shared region open to joining, 0 for none.
+    open: AtomicU64,
+    /// Workers inside the open shared region.
+    joined: AtomicUsize,
     sleepers: AtomicUsize,
     shutdown: AtomicBool,
     sleep_lock: Mutex<()>,
@@ -55,6 +71,9 @@ impl ThreadPool {
             job: UnsafeCell::new(None),
             epoch: AtomicU64::new(0),
             pending: AtomicUsize::new(0),
+            region_kind: AtomicU64::new(0),
+            open: AtomicU64::new(0),
+            joined: AtomicUsize::new(0),
             sleepers: AtomicUsize::new(0),
             shutdown: AtomicBool::new(false),
             sleep_lock: Mutex::new(()),
@@ -102,7 +121,8 @@ impl ThreadPool {
             *shared.job.get() = Some(job);
         }
         shared.pending.store(self.workers.len(), Ordering::Relaxed);
-        shared.epoch.fetch_add(1, Ordering::SeqCst);
+        let epoch = shared.epoch.fetch_add(1, Ordering::SeqCst) + 1;
+        shared.region_kind.store(epoch << 1, Ordering::SeqCst);
         if shared.sleepers.load(Ordering::SeqCst) > 0 {
             let _guard = shared.sleep_lock.lock().unwrap_or_else(|p| p.into_inner());
             shared.wake.notify_all();
@@ -132,21 +152,82 @@ impl ThreadPool {
         }
     }
 
-    /// Splits `0..n` into one contiguous range per thread (never more ranges than items) and
-    /// runs `f` on each. The split depends only on `n` and the thread count.
+    /// Runs `f(thread, piece)` over `0..n` cut into pieces of `piece` items (the last may be
+    /// shorter), each piece once, claimed by whichever thread is free; `thread` indexes
+    /// per-thread scratch. Returns when every piece is done. A worker that has not joined when
+    /// the pieces run out is not waited for (see the module's docs).
+    pub fn share(&self, n: usize, piece: usize, f: &(dyn Fn(usize, Range<usize>) + Sync)) {
+        let piece = piece.max(1);
+        let pieces = n.div_ceil(piece);
+        let next = AtomicUsize::new(0);
+        let run = |thread: usize| {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= pieces {
+                    break;
+                }
+                f(thread, i * piece..((i + 1) * piece).min(n));
+            }
+        };
+        if self.workers.is_empty() || pieces <= 1 {
+            run(0);
+            return;
+        }
+        let _region = self.region.lock().unwrap_or_else(|p| p.into_inner());
+        let shared = &*self.shared;
+        let job_ref: &(dyn Fn(usize) + Sync) = &run;
+        // SAFETY: see `Shared`; the caller waits below for every worker that joined, and a
+        // worker touches the job only after joining while the region is open.
+        unsafe {
+            let job: Job = std::mem::transmute::<&(dyn Fn(usize) + Sync), Job>(job_ref);
+            *shared.job.get() = Some(job);
+        }
+        let epoch = shared.epoch.fetch_add(1, Ordering::SeqCst) + 1;
+        shared.open.store(epoch, Ordering::SeqCst);
+        shared.region_kind.store(epoch << 1 | 1, Ordering::SeqCst);
+        if shared.sleepers.load(Ordering::SeqCst) > 0 {
+            let _guard = shared.sleep_lock.lock().unwrap_or_else(|p| p.into_inner());
+            shared.wake.notify_all();
+        }
+        let own = catch_unwind(AssertUnwindSafe(|| run(0)));
+        // Every piece is claimed: close the region, then wait for the workers inside it.
+        shared.open.store(0, Ordering::SeqCst);
+        let mut spins = 0u32;
+        while shared.joined.load(Ordering::SeqCst) != 0 {
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(1024) {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        // SAFETY: no worker is inside the region, and none can join a closed one.
+        unsafe { *shared.job.get() = None };
+        if let Err(payload) = own {
+            resume_unwind(payload);
+        }
+        if let Some(payload) = shared
+            .panic
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            resume_unwind(payload);
+        }
+    }
+
+    /// Splits `0..n` into contiguous ranges, about four a thread, and runs `f` on each, on
+    /// whichever thread is free ([`Self::share`]). The ranges depend only on `n` and the thread
+    /// count.
     pub fn for_each_range(&self, n: usize, f: impl Fn(Range<usize>) + Sync) {
-        let parts = self.n_threads().min(n);
-        if parts <= 1 {
+        if self.n_threads() == 1 || n <= 1 {
             if n > 0 {
                 f(0..n);
             }
             return;
         }
-        self.broadcast(&|index| {
-            if index < parts {
-                f(split_range(n, parts, index));
-            }
-        });
+        let piece = n.div_ceil(self.n_threads() * 4);
+        self.share(n, piece, &|_, range| f(range));
     }
 
     /// Like [`for_each_range`](Self::for_each_range), but ranges start and end on multiples of
@@ -195,14 +276,38 @@ fn worker_loop(shared: &Shared, index: usize) {
             }
             shared.sleepers.fetch_sub(1, Ordering::SeqCst);
         }
-        // SAFETY: the epoch moved, so the caller stored a job that stays valid until `pending`
-        // reaches zero.
-        let job = unsafe { (*shared.job.get()).expect("a region's job is set before its epoch") };
-        let result = catch_unwind(AssertUnwindSafe(|| unsafe { (*job)(index) }));
-        if let Err(payload) = result {
-            *shared.panic.lock().unwrap_or_else(|p| p.into_inner()) = Some(payload);
+        let kind = shared.region_kind.load(Ordering::SeqCst);
+        if kind >> 1 != seen {
+            // Not yet published (the caller moves the epoch first), or a later region has
+            // begun (a late worker): look at the epoch again.
+            std::hint::spin_loop();
+            seen = seen.wrapping_sub(1);
+            continue;
         }
-        shared.pending.fetch_sub(1, Ordering::AcqRel);
+        if kind & 1 == 0 {
+            // A broadcast: it cannot end before this worker has run it.
+            run_job(shared, index);
+            shared.pending.fetch_sub(1, Ordering::AcqRel);
+            continue;
+        }
+        // A shared region: join it only while it is still open (a late worker may find every
+        // piece taken and the caller gone).
+        shared.joined.fetch_add(1, Ordering::SeqCst);
+        if shared.open.load(Ordering::SeqCst) == seen {
+            run_job(shared, index);
+        }
+        shared.joined.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Runs the current region's job as thread `index`, a panic kept for the caller.
+fn run_job(shared: &Shared, index: usize) {
+    // SAFETY: the caller stored the job before the epoch moved and keeps it valid until this
+    // worker is done (it waits on `pending`, or on `joined` for a shared region).
+    let job = unsafe { (*shared.job.get()).expect("a region's job is set before its epoch") };
+    let result = catch_unwind(AssertUnwindSafe(|| unsafe { (*job)(index) }));
+    if let Err(payload) = result {
+        *shared.panic.lock().unwrap_or_else(|p| p.into_inner()) = Some(payload);
     }
 }
 
@@ -252,6 +357,67 @@ mod tests {
             });
             assert!(seen.iter().all(|s| s.load(Ordering::Relaxed) == 1), "n={n}");
         }
+    }
+
+    #[test]
+    fn shared_regions_run_every_piece_once_between_broadcasts() {
+        let pool = ThreadPool::new(4);
+        let mut seed = 7u64;
+        for round in 0..1000 {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let n = (seed >> 33) as usize % 200;
+            let piece = 1 + (seed >> 50) as usize % 9;
+            let seen: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            pool.share(n, piece, &|thread, range| {
+                assert!(thread < 4);
+                assert!(range.len() <= piece && range.start % piece == 0);
+                // Uneven pieces, so workers join late or not at all.
+                if (range.start / piece + round).is_multiple_of(7) {
+                    std::thread::yield_now();
+                }
+                for i in range {
+                    seen[i].fetch_add(1, Ordering::Relaxed);
+                }
+            });
+            assert!(
+                seen.iter().all(|s| s.load(Ordering::Relaxed) == 1),
+                "round {round}"
+            );
+            // A broadcast right after: every thread exactly once, late workers included.
+            if round % 3 == 0 {
+                let hits: Vec<AtomicUsize> = (0..4).map(|_| AtomicUsize::new(0)).collect();
+                pool.broadcast(&|i| {
+                    hits[i].fetch_add(1, Ordering::Relaxed);
+                });
+                assert!(
+                    hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
+                    "round {round}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_shared_region_does_not_wait_for_a_worker_that_never_joins() {
+        // Workers asleep (past their spin) join late or not at all; the caller finishes alone.
+        let pool = ThreadPool::new(2);
+        std::thread::sleep(SPIN_BEFORE_SLEEP * 3);
+        let count = AtomicUsize::new(0);
+        pool.share(1000, 10, &|_, range| {
+            count.fetch_add(range.len(), Ordering::Relaxed);
+        });
+        assert_eq!(count.load(Ordering::Relaxed), 1000);
+        let caught = catch_unwind(AssertUnwindSafe(|| {
+            pool.share(10, 1, &|_, range| {
+                if range.start == 5 {
+                    panic!("a piece failed");
+                }
+            })
+        }));
+        assert!(caught.is_err());
+        pool.share(4, 1, &|_, _| {});
     }
 
     #[test]

@@ -24,7 +24,7 @@ use super::quant_dot::{self, ActJob, ActKind, ActLayout, QIsa, QJob};
 use super::simd::{Bf16, F16, Simd, WeightElem};
 use super::{Isa, SharedPtr, simd_dispatch};
 use crate::dtype::DType;
-use crate::pool::{ThreadPool, split_range};
+use crate::pool::ThreadPool;
 
 /// Weight rows computed together: each activation vector loaded feeds this many FMAs.
 const NR: usize = 6;
@@ -161,12 +161,7 @@ pub fn matmul(
     let w_ptr = SharedPtr(w.data.as_ptr() as *mut u8);
     let dtype = w.dtype;
     let blocks = n.div_ceil(NR);
-    let parts = pool.n_threads().min(blocks);
-    pool.broadcast(&|thread| {
-        if thread >= parts {
-            return;
-        }
-        let blocks = split_range(blocks, parts, thread);
+    pool.share(blocks, piece(pool, blocks), &|thread, blocks| {
         let rows = blocks.start * NR..(blocks.end * NR).min(n);
         let panel = SharedPtr(unsafe { scratch_ptr.get().add(thread * NR * k) });
         let job = Job {
@@ -241,22 +236,17 @@ fn matmul_quantized(
         quantize((0, m));
     } else {
         let units = m.div_ceil(quant_dot::TM);
-        let parts = pool.n_threads().min(units);
-        pool.broadcast(&|thread| {
-            if thread < parts {
-                let units = split_range(units, parts, thread);
-                let rows = (
-                    units.start * quant_dot::TM,
-                    (units.end * quant_dot::TM).min(m),
-                );
-                quantize(rows);
-            }
+        pool.share(units, piece(pool, units), &|_, units| {
+            let rows = (
+                units.start * quant_dot::TM,
+                (units.end * quant_dot::TM).min(m),
+            );
+            quantize(rows);
         });
     }
 
     let y_ptr = SharedPtr(y.as_mut_ptr());
     let groups = n.div_ceil(quant_dot::QR);
-    let parts = pool.n_threads().min(groups);
     let block_rows = (QUANT_ACTIVATION_BLOCK_BYTES / layout.stride).max(quant_dot::QM)
         / quant_dot::QM
         * quant_dot::QM;
@@ -265,11 +255,7 @@ fn matmul_quantized(
     let dtype = w.dtype;
     let w_ptr = w.data.as_ptr() as usize;
     let row_bytes = dtype.row_bytes(k);
-    pool.broadcast(&|thread| {
-        if thread >= parts {
-            return;
-        }
-        let groups = split_range(groups, parts, thread);
+    pool.share(groups, piece(pool, groups), &|thread, groups| {
         let rows = (
             groups.start * quant_dot::QR,
             (groups.end * quant_dot::QR).min(n),
@@ -295,6 +281,17 @@ fn matmul_quantized(
         );
     });
 }
+
+/// Items of a product's piece: about [`PIECES_PER_THREAD`] pieces a thread, so that a thread
+/// another process holds off its core leaves most of its share to the others, while a piece
+/// stays long enough to stream its rows at full rate. A row's result never depends on its
+/// piece, so neither do the bits.
+fn piece(pool: &ThreadPool, items: usize) -> usize {
+    items.div_ceil(pool.n_threads() * PIECES_PER_THREAD).max(1)
+}
+
+/// See [`piece`].
+const PIECES_PER_THREAD: usize = 4;
 
 /// One thread's share: weight rows `rows_start..rows_end` against every activation row.
 #[derive(Clone, Copy)]

@@ -27,7 +27,7 @@ pub(super) unsafe fn attend_items_f16<S: Simd>(job: Job) {
     // `ggml_vec_dot_f16`'s partial sums, for the scores and the weighted sum alike.
     const LANES: usize = 64;
     let mut acc = vec![0f32; LANES / 4 * d];
-    for item in (job.thread..job.items).step_by(job.parts) {
+    for item in job.first..job.end {
         let (h, i) = (item / n, item % n);
         let visible = job.pos0 + i + 1;
         let kv_offset = (h / group) * d;

@@ -152,7 +152,6 @@ pub fn causal_attention(
     let per_thread = scratch.len() / pool.n_threads();
     assert!(per_thread >= context, "attention: scratch too small");
     let items = n * n_heads;
-    let parts = pool.n_threads().min(items);
     let job = Job {
         q: SharedPtr(q.as_ptr() as *mut f32),
         keys: SharedPtr(kv.keys.ptr()),
@@ -167,17 +166,27 @@ pub fn causal_attention(
         shape,
         scale,
         items,
-        parts,
+        first: 0,
+        end: 0,
         thread: 0,
     };
     let isa = Isa::detect();
-    pool.broadcast(&|thread| {
-        if thread < parts {
-            match kv.keys {
-                KvSlice::F32(_) => attend_f32(isa, Job { thread, ..job }),
-                KvSlice::F16(_) => attend_f16(isa, Job { thread, ..job }),
-                KvSlice::Bf16(_) => attend_bf16(isa, Job { thread, ..job }),
-            }
+    // Pieces of items claimed by whichever thread is free: a later query sees more keys, so
+    // free threads taking the next piece keep the work even (and a thread held off its core
+    // by another process leaves its share to the others). An item's result never depends on
+    // its piece.
+    let piece = items.div_ceil(pool.n_threads() * 4).max(1);
+    pool.share(items, piece, &|thread, range| {
+        let job = Job {
+            thread,
+            first: range.start,
+            end: range.end,
+            ..job
+        };
+        match kv.keys {
+            KvSlice::F32(_) => attend_f32(isa, job),
+            KvSlice::F16(_) => attend_f16(isa, job),
+            KvSlice::Bf16(_) => attend_bf16(isa, job),
         }
     });
 }
@@ -197,7 +206,9 @@ struct Job {
     shape: AttentionShape,
     scale: f32,
     items: usize,
-    parts: usize,
+    /// The items this call computes, and the thread whose scratch it uses.
+    first: usize,
+    end: usize,
     thread: usize,
 }
 
@@ -239,11 +250,9 @@ unsafe fn attend_items<S: Simd, E: WeightElem>(job: Job) {
     let group = n_heads / n_kv_heads;
     let kv_row = n_kv_heads * d;
     let scores = unsafe { job.scratch.get().add(job.thread * job.per_thread) };
-    // Items go head by head, so one head's keys and values stay in cache across its queries;
-    // they are dealt out in turn, since a later query sees more keys and contiguous shares of
-    // a prompt would leave the first thread idle while the last works.
+    // Items go head by head, so one head's keys and values stay in cache across its queries.
     let n = job.items / n_heads;
-    for item in (job.thread..job.items).step_by(job.parts) {
+    for item in job.first..job.end {
         let (h, i) = (item / n, item % n);
         let visible = job.pos0 + i + 1;
         let kv_offset = (h / group) * d;
