@@ -232,12 +232,13 @@ pub(super) async fn chat_completions(
                 };
                 let Some(mut piece) = next else { break };
                 // With tools, content passes through the call reader: text that may open a
-                // call waits, and whole calls go out as `tool_calls` deltas.
-                let mut calls = Vec::new();
-                if let Some(tools) = &mut tools {
-                    let (content, read) = split_pieces(tools.push(&piece.content));
-                    piece.content = content;
-                    calls = read;
+                // call waits, and whole calls go out as `tool_calls` deltas, in order.
+                if let Some(stream) = &mut tools {
+                    let pieces = stream.push(&piece.content);
+                    let Some(rest) = send_pieces(&tx, &meta, stream, pieces).await else {
+                        return;
+                    };
+                    piece.content = rest;
                 }
                 let lp: Option<Vec<TokenLogprob>> = logprobs.map(|_| {
                     piece
@@ -247,9 +248,6 @@ pub(super) async fn chat_completions(
                         .into_iter()
                         .collect()
                 });
-                if !send_calls(&tx, &meta, tools.as_ref(), calls).await {
-                    return;
-                }
                 if piece.content.is_empty()
                     && piece.reasoning.is_empty()
                     && lp.as_ref().is_none_or(|l| l.is_empty())
@@ -270,19 +268,16 @@ pub(super) async fn chat_completions(
                 }
             }
             if let Some(stream) = &mut tools {
-                let (content, calls) = split_pieces(stream.finish());
-                if !content.is_empty() {
-                    let delta = openai::chat_delta(false, Some(&content), None);
-                    if tx
-                        .send(data(&openai::chat_chunk(&meta, delta, None, None)))
-                        .await
-                        .is_err()
-                    {
+                let pieces = stream.finish();
+                let Some(rest) = send_pieces(&tx, &meta, stream, pieces).await else {
+                    return;
+                };
+                if !rest.is_empty() {
+                    let delta = openai::chat_delta(false, Some(&rest), None);
+                    let chunk = openai::chat_chunk(&meta, delta, None, None);
+                    if tx.send(data(&chunk)).await.is_err() {
                         return;
                     }
-                }
-                if !send_calls(&tx, &meta, tools.as_ref(), calls).await {
-                    return;
                 }
             }
             let calls = tools.as_ref().map_or(0, ToolStream::calls);
@@ -355,39 +350,42 @@ fn finish_reason(output: &Output, calls: usize) -> &'static str {
     }
 }
 
-/// The content and the calls among a call reader's pieces.
-fn split_pieces(pieces: Vec<StreamPiece>) -> (String, Vec<ToolCall>) {
-    let (mut content, mut calls) = (String::new(), Vec::new());
-    for piece in pieces {
-        match piece {
-            StreamPiece::Content(c) => content.push_str(&c),
-            StreamPiece::Call(call) => calls.push(call),
-        }
-    }
-    (content, calls)
-}
-
-/// Sends each call as its own `tool_calls` delta (numbered after those sent before); false
-/// when the client is gone.
-async fn send_calls(
+/// Sends a call reader's pieces in order up to its last call (content before a call as its
+/// own delta, each call as a `tool_calls` delta numbered after those sent before), and returns
+/// the content after the last call, for the caller's delta; `None` when the client is gone.
+async fn send_pieces(
     tx: &mpsc::Sender<Result<SseEvent, Infallible>>,
     meta: &ResponseMeta,
-    stream: Option<&ToolStream>,
-    calls: Vec<ToolCall>,
-) -> bool {
-    let first = stream.map_or(0, |s| s.calls()) - calls.len();
-    for (i, call) in calls.iter().enumerate() {
-        let delta =
-            json!({"tool_calls": [openai::tool_call_json(Some(first + i), &call_id(), call)]});
-        if tx
-            .send(data(&openai::chat_chunk(meta, delta, None, None)))
-            .await
-            .is_err()
-        {
-            return false;
+    stream: &ToolStream,
+    pieces: Vec<StreamPiece>,
+) -> Option<String> {
+    let new_calls = pieces
+        .iter()
+        .filter(|p| matches!(p, StreamPiece::Call(_)))
+        .count();
+    let mut index = stream.calls() - new_calls;
+    let mut content = String::new();
+    for piece in pieces {
+        let call = match piece {
+            StreamPiece::Content(c) => {
+                content.push_str(&c);
+                continue;
+            }
+            StreamPiece::Call(call) => call,
+        };
+        if !content.is_empty() {
+            let before = openai::chat_delta(false, Some(&content), None);
+            let chunk = openai::chat_chunk(meta, before, None, None);
+            tx.send(data(&chunk)).await.ok()?;
+            content.clear();
         }
+        let delta = json!({"tool_calls": [openai::tool_call_json(Some(index), &call_id(), &call)]});
+        tx.send(data(&openai::chat_chunk(meta, delta, None, None)))
+            .await
+            .ok()?;
+        index += 1;
     }
-    true
+    Some(content)
 }
 
 pub(super) async fn completions(
