@@ -7,14 +7,19 @@
 //! - `null` means the same as an absent field everywhere (OpenAI's SDKs send either).
 //! - Integers may be written as integral floats (`16.0`), as pydantic-based servers accept.
 //! - Fields OpenAI has that ember does not implement are rejected when set to anything but
-//!   their neutral value (`frequency_penalty: 0`, `tools: []`, `response_format: {"type":
-//!   "text"}`): a request is never silently answered as if they had been honoured. Fields ember
+//!   their neutral value (`logit_bias: {}`, `n: 1`): a request is never silently answered as
+//!   if they had been honoured. Fields ember
 //!   does not know at all (`user`, `metadata`, `store`, ...) are ignored.
 //!
-//! [`request`] parses and checks bodies; [`response`] builds the JSON sent back.
+//! [`request`] parses and checks bodies (with [`sampling_fields`] for the sampling fields,
+//! penalties and output constraints, [`tool_fields`] for tools, [`fields`] for reading one
+//! field); [`response`] builds the JSON sent back.
 
+mod fields;
 mod request;
 mod response;
+mod sampling_fields;
+mod tool_fields;
 
 pub use request::*;
 pub use response::*;

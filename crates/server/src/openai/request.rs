@@ -2,9 +2,15 @@
 
 use ember_engine::chat_template::ChatMessage;
 use ember_engine::constraint::Grammar;
-use ember_engine::sampler::{Penalties, SamplingError, SamplingParams};
+use ember_engine::sampler::SamplingParams;
 use serde_json::{Map, Value};
 
+use super::fields::{
+    as_integer, bool_field, field, int_field, number_field, str_field, type_name, unsupported,
+    wrong_type,
+};
+use super::sampling_fields::{parse_grammar, parse_sampling};
+use super::tool_fields::{parse_tool_calls, parse_tools};
 use super::{MAX_STOP_STRINGS, MAX_TOKENS_LIMIT, MAX_TOP_LOGPROBS};
 use crate::error::ApiError;
 use crate::tools::{ToolChoice, Tools};
@@ -112,101 +118,6 @@ pub fn parse_chat(body: &[u8], defaults: &SamplingParams) -> Result<ChatRequest,
         logprobs,
         top_logprobs,
         tools,
-    })
-}
-
-/// OpenAI's `tools` (functions only), `tool_choice` and `parallel_tool_calls`.
-fn parse_tools(obj: &Map<String, Value>) -> Result<Tools, ApiError> {
-    let definitions = match field(obj, "tools") {
-        None | Some(Value::Null) => Vec::new(),
-        Some(Value::Array(items)) => items.clone(),
-        Some(other) => return Err(wrong_type("tools", "an array", other)),
-    };
-    let mut names = Vec::with_capacity(definitions.len());
-    for (i, tool) in definitions.iter().enumerate() {
-        let p = format!("tools[{i}]");
-        let Value::Object(t) = tool else {
-            return Err(wrong_type(&p, "an object", tool));
-        };
-        match str_field(field(t, "type"), &format!("{p}.type"))? {
-            Some("function") => {}
-            other => {
-                return Err(ApiError::invalid(
-                    format!("{p}.type"),
-                    format!("`{p}.type` must be \"function\", got {other:?}"),
-                ));
-            }
-        }
-        let q = format!("{p}.function");
-        let Some(Value::Object(function)) = field(t, "function") else {
-            return Err(ApiError::invalid(&q, format!("`{q}` must be an object")));
-        };
-        let name = str_field(field(function, "name"), &format!("{q}.name"))?.unwrap_or("");
-        let valid = !name.is_empty()
-            && name.len() <= 64
-            && name
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
-        if !valid {
-            return Err(ApiError::invalid(
-                format!("{q}.name"),
-                format!("`{q}.name` must be 1 to 64 letters, digits, `_` or `-`, got {name:?}"),
-            ));
-        }
-        match field(function, "parameters") {
-            None | Some(Value::Object(_)) => {}
-            Some(other) => return Err(wrong_type(&format!("{q}.parameters"), "an object", other)),
-        }
-        names.push(name.to_owned());
-    }
-    let choice = match field(obj, "tool_choice") {
-        None | Some(Value::Null) => ToolChoice::Auto,
-        Some(Value::String(s)) => match s.as_str() {
-            "none" => ToolChoice::None,
-            "auto" => ToolChoice::Auto,
-            "required" => ToolChoice::Required,
-            other => {
-                return Err(ApiError::invalid(
-                    "tool_choice",
-                    format!(
-                        "`tool_choice` must be none, auto, required or a function, got {other:?}"
-                    ),
-                ));
-            }
-        },
-        Some(Value::Object(choice)) => {
-            let name = choice
-                .get("function")
-                .and_then(|f| f.get("name"))
-                .and_then(Value::as_str)
-                .ok_or_else(|| {
-                    ApiError::invalid(
-                        "tool_choice",
-                        "`tool_choice` names a function as {\"type\": \"function\", \"function\": {\"name\": …}}",
-                    )
-                })?;
-            if !names.iter().any(|n| n == name) {
-                return Err(ApiError::invalid(
-                    "tool_choice",
-                    format!("`tool_choice` names `{name}`, which is not among the `tools`"),
-                ));
-            }
-            ToolChoice::Named(name.to_owned())
-        }
-        Some(other) => return Err(wrong_type("tool_choice", "a string or an object", other)),
-    };
-    if definitions.is_empty() && matches!(choice, ToolChoice::Required | ToolChoice::Named(_)) {
-        return Err(ApiError::invalid(
-            "tool_choice",
-            "`tool_choice` asks for a call but the request has no `tools`",
-        ));
-    }
-    let parallel =
-        bool_field(field(obj, "parallel_tool_calls"), "parallel_tool_calls")?.unwrap_or(true);
-    Ok(Tools {
-        definitions,
-        choice,
-        parallel,
     })
 }
 
@@ -355,86 +266,6 @@ fn parse_common(
     })
 }
 
-/// The output constraint a request asks for, from whichever of OpenAI's and llama.cpp's
-/// fields names one (two at once are an error).
-fn parse_grammar(obj: &Map<String, Value>) -> Result<Option<(&'static str, Grammar)>, ApiError> {
-    let mut found: Vec<(&'static str, Grammar)> = Vec::new();
-    match field(obj, "response_format") {
-        None | Some(Value::Null) => {}
-        Some(Value::Object(format)) => {
-            let p = "response_format";
-            match str_field(field(format, "type"), "response_format.type")? {
-                Some("text") => {}
-                // llama-server also takes a `schema` here.
-                Some("json_object") => found.push((
-                    p,
-                    match field(format, "schema") {
-                        Some(schema @ Value::Object(_)) => Grammar::JsonSchema(schema.clone()),
-                        _ => Grammar::JsonObject,
-                    },
-                )),
-                Some("json_schema") => {
-                    let q = "response_format.json_schema";
-                    let schema = match field(format, "json_schema") {
-                        Some(Value::Object(spec)) => match field(spec, "schema") {
-                            Some(schema @ Value::Object(_)) => schema.clone(),
-                            // OpenAI's `schema` is optional: without one, any JSON object.
-                            None => serde_json::json!({"type": "object"}),
-                            Some(other) => {
-                                return Err(wrong_type(&format!("{q}.schema"), "an object", other));
-                            }
-                        },
-                        Some(other) => return Err(wrong_type(q, "an object", other)),
-                        None => {
-                            return Err(ApiError::invalid(
-                                q,
-                                "`response_format.json_schema` is required when the type is json_schema",
-                            ));
-                        }
-                    };
-                    found.push((p, Grammar::JsonSchema(schema)));
-                }
-                Some(other) => {
-                    return Err(ApiError::invalid(
-                        "response_format.type",
-                        format!(
-                            "`response_format.type` must be text, json_object or json_schema, got {other:?}"
-                        ),
-                    ));
-                }
-                None => {
-                    return Err(ApiError::invalid(
-                        "response_format.type",
-                        "`response_format.type` is required",
-                    ));
-                }
-            }
-        }
-        Some(other) => return Err(wrong_type("response_format", "an object", other)),
-    }
-    match field(obj, "json_schema") {
-        None | Some(Value::Null) => {}
-        Some(schema @ Value::Object(_)) => {
-            found.push(("json_schema", Grammar::JsonSchema(schema.clone())))
-        }
-        Some(other) => return Err(wrong_type("json_schema", "an object", other)),
-    }
-    match field(obj, "grammar") {
-        None | Some(Value::Null) => {}
-        Some(Value::String(g)) if g.trim().is_empty() => {}
-        Some(Value::String(g)) => found.push(("grammar", Grammar::from_llama_grammar(g))),
-        Some(other) => return Err(wrong_type("grammar", "a string", other)),
-    }
-    match &found[..] {
-        [] => Ok(None),
-        [(a, g)] => Ok(Some((a, g.clone()))),
-        [(a, _), (b, _), ..] => Err(ApiError::invalid(
-            *b,
-            format!("`{a}` and `{b}` both constrain the output; send one of them"),
-        )),
-    }
-}
-
 fn max_tokens_field(obj: &Map<String, Value>, name: &str) -> Result<Option<usize>, ApiError> {
     match int_field(field(obj, name), name)? {
         None => Ok(None),
@@ -448,141 +279,6 @@ fn max_tokens_field(obj: &Map<String, Value>, name: &str) -> Result<Option<usize
         )),
         Some(n) => Ok(Some(n as usize)),
     }
-}
-
-/// The request's sampling; what it leaves out comes from `defaults` (the model's, see
-/// `ember_engine::SamplingDefaults`, with the server's flags over them).
-fn parse_sampling(
-    obj: &Map<String, Value>,
-    defaults: &SamplingParams,
-) -> Result<SamplingParams, ApiError> {
-    let temperature = match number_field(field(obj, "temperature"), "temperature")? {
-        None => f64::from(defaults.temperature),
-        Some(t) if (0.0..=2.0).contains(&t) => t,
-        Some(t) => {
-            return Err(ApiError::invalid(
-                "temperature",
-                format!("`temperature` must be between 0 and 2, got {t}"),
-            ));
-        }
-    };
-    let top_p = match number_field(field(obj, "top_p"), "top_p")? {
-        None => f64::from(defaults.top_p),
-        Some(p) if p > 0.0 && p <= 1.0 => p,
-        Some(p) => {
-            return Err(ApiError::invalid(
-                "top_p",
-                format!("`top_p` must be in (0, 1], got {p}"),
-            ));
-        }
-    };
-    let top_k = match int_field(field(obj, "top_k"), "top_k")? {
-        None => defaults.top_k,
-        Some(-1) | Some(0) => 0,
-        // Larger than any vocabulary means off too; the sampler handles that.
-        Some(k) if k > 0 => usize::try_from(k).unwrap_or(usize::MAX),
-        Some(k) => {
-            return Err(ApiError::invalid(
-                "top_k",
-                format!("`top_k` must be -1, 0 (both mean off) or a positive integer, got {k}"),
-            ));
-        }
-    };
-    let min_p = match number_field(field(obj, "min_p"), "min_p")? {
-        None => f64::from(defaults.min_p),
-        Some(p) if (0.0..=1.0).contains(&p) => p,
-        Some(p) => {
-            return Err(ApiError::invalid(
-                "min_p",
-                format!("`min_p` must be between 0 and 1, got {p}"),
-            ));
-        }
-    };
-    let seed = match int_field(field(obj, "seed"), "seed")? {
-        None => defaults.seed,
-        Some(s) => Some(u64::try_from(s).map_err(|_| {
-            ApiError::invalid(
-                "seed",
-                format!("`seed` must be an integer in 0..={}, got {s}", u64::MAX),
-            )
-        })?),
-    };
-    let sampling = SamplingParams {
-        temperature: temperature as f32,
-        top_k,
-        top_p: top_p as f32,
-        min_p: min_p as f32,
-        seed,
-        penalties: parse_penalties(obj, &defaults.penalties)?,
-    };
-    // The ranges above are at least as strict; this catches what rounding to f32 changes
-    // (a top_p of 1e-60 becomes 0).
-    sampling.validate().map_err(|e| {
-        let param = match e {
-            SamplingError::Temperature(_) => "temperature",
-            SamplingError::TopP(_) => "top_p",
-            SamplingError::MinP(_) => "min_p",
-            SamplingError::RepetitionPenalty(_) => "repetition_penalty",
-            SamplingError::PresencePenalty(_) => "presence_penalty",
-            SamplingError::FrequencyPenalty(_) => "frequency_penalty",
-        };
-        ApiError::invalid(param, e.to_string())
-    })?;
-    Ok(sampling)
-}
-
-/// OpenAI's `presence_penalty` and `frequency_penalty`, vLLM's `repetition_penalty` (llama.cpp's
-/// `repeat_penalty`) and llama.cpp's `repeat_last_n` (-1: the whole sequence; absent: OpenAI's
-/// and vLLM's counting, see [`Penalties::last_n`]).
-fn parse_penalties(obj: &Map<String, Value>, defaults: &Penalties) -> Result<Penalties, ApiError> {
-    let within = |name: &str, default: f32| -> Result<f32, ApiError> {
-        match number_field(field(obj, name), name)? {
-            None => Ok(default),
-            Some(x) if (-2.0..=2.0).contains(&x) => Ok(x as f32),
-            Some(x) => Err(ApiError::invalid(
-                name,
-                format!("`{name}` must be between -2 and 2, got {x}"),
-            )),
-        }
-    };
-    let presence = within("presence_penalty", defaults.presence)?;
-    let frequency = within("frequency_penalty", defaults.frequency)?;
-    let mut repetition = None;
-    for name in ["repetition_penalty", "repeat_penalty"] {
-        match (number_field(field(obj, name), name)?, repetition) {
-            (None, _) => {}
-            (Some(x), _) if !(x > 0.0 && x.is_finite()) => {
-                return Err(ApiError::invalid(
-                    name,
-                    format!("`{name}` must be a number > 0 (1 is off), got {x}"),
-                ));
-            }
-            (Some(x), Some((y, first))) if x != y => {
-                return Err(ApiError::invalid(
-                    name,
-                    format!("`{first}` ({y}) and `{name}` ({x}) disagree; send one of them"),
-                ));
-            }
-            (Some(x), _) => repetition = Some((x, name)),
-        }
-    }
-    let last_n = match int_field(field(obj, "repeat_last_n"), "repeat_last_n")? {
-        None => defaults.last_n,
-        Some(-1) => Some(usize::MAX),
-        Some(n) if n >= 0 => Some(usize::try_from(n).unwrap_or(usize::MAX)),
-        Some(n) => {
-            return Err(ApiError::invalid(
-                "repeat_last_n",
-                format!("`repeat_last_n` must be -1 (all), 0 (off) or a positive integer, got {n}"),
-            ));
-        }
-    };
-    Ok(Penalties {
-        repetition: repetition.map_or(defaults.repetition, |(x, _)| x as f32),
-        presence,
-        frequency,
-        last_n,
-    })
 }
 
 fn parse_stop(value: Option<&Value>) -> Result<Vec<String>, ApiError> {
@@ -773,47 +469,6 @@ fn parse_message(index: usize, value: &Value) -> Result<ChatMessage, ApiError> {
     })
 }
 
-/// An assistant message's `tool_calls` as templates read them: each call's `arguments`, JSON
-/// text in the API, parsed into the object transformers hands its templates.
-fn parse_tool_calls(p: &str, calls: &[Value]) -> Result<Value, ApiError> {
-    let mut out = Vec::with_capacity(calls.len());
-    for (i, call) in calls.iter().enumerate() {
-        let q = format!("{p}.tool_calls[{i}]");
-        let function = call
-            .get("function")
-            .and_then(Value::as_object)
-            .ok_or_else(|| ApiError::invalid(&q, format!("`{q}.function` must be an object")))?;
-        let name = str_field(field(function, "name"), &format!("{q}.function.name"))?
-            .ok_or_else(|| ApiError::invalid(&q, format!("`{q}.function.name` is required")))?;
-        let arguments = match field(function, "arguments") {
-            None | Some(Value::Null) => Value::Object(Map::new()),
-            Some(Value::String(text)) => serde_json::from_str(text).map_err(|e| {
-                ApiError::invalid(
-                    format!("{q}.function.arguments"),
-                    format!("`{q}.function.arguments` is not valid JSON: {e}"),
-                )
-            })?,
-            Some(args @ Value::Object(_)) => args.clone(),
-            Some(other) => {
-                return Err(wrong_type(
-                    &format!("{q}.function.arguments"),
-                    "a JSON string",
-                    other,
-                ));
-            }
-        };
-        let mut entry = serde_json::json!({
-            "type": "function",
-            "function": {"name": name, "arguments": arguments},
-        });
-        if let Some(id) = call.get("id").and_then(Value::as_str) {
-            entry["id"] = id.into();
-        }
-        out.push(entry);
-    }
-    Ok(Value::Array(out))
-}
-
 fn content_part<'a>(param: &str, part: &'a Value) -> Result<&'a str, ApiError> {
     let Value::Object(obj) = part else {
         return Err(wrong_type(param, "an object", part));
@@ -921,83 +576,6 @@ fn token_ids(items: &[Value], param: &str) -> Result<Vec<u32>, ApiError> {
 }
 
 // Field readers. Each takes the value (None when absent or null) and the param to blame.
-
-/// The field `key` of `obj`, with `null` read as absent.
-fn field<'a>(obj: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
-    obj.get(key).filter(|v| !v.is_null())
-}
-
-fn type_name(value: &Value) -> &'static str {
-    match value {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
-}
-
-fn wrong_type(param: &str, expected: &str, got: &Value) -> ApiError {
-    ApiError::invalid(
-        param,
-        format!("`{param}` must be {expected}, got {}", type_name(got)),
-    )
-}
-
-fn unsupported(param: &str) -> ApiError {
-    ApiError::invalid(param, format!("`{param}` is not supported"))
-}
-
-fn bool_field(value: Option<&Value>, param: &str) -> Result<Option<bool>, ApiError> {
-    match value {
-        None => Ok(None),
-        Some(Value::Bool(b)) => Ok(Some(*b)),
-        Some(other) => Err(wrong_type(param, "a boolean", other)),
-    }
-}
-
-fn str_field<'a>(value: Option<&'a Value>, param: &str) -> Result<Option<&'a str>, ApiError> {
-    match value {
-        None => Ok(None),
-        Some(Value::String(s)) => Ok(Some(s)),
-        Some(other) => Err(wrong_type(param, "a string", other)),
-    }
-}
-
-fn number_field(value: Option<&Value>, param: &str) -> Result<Option<f64>, ApiError> {
-    match value {
-        None => Ok(None),
-        Some(Value::Number(n)) => Ok(n.as_f64()),
-        Some(other) => Err(wrong_type(param, "a number", other)),
-    }
-}
-
-fn int_field(value: Option<&Value>, param: &str) -> Result<Option<i128>, ApiError> {
-    match value {
-        None => Ok(None),
-        Some(v @ Value::Number(_)) => match as_integer(v) {
-            Some(n) => Ok(Some(n)),
-            None => Err(ApiError::invalid(
-                param,
-                format!("`{param}` must be an integer, got {v}"),
-            )),
-        },
-        Some(other) => Err(wrong_type(param, "an integer", other)),
-    }
-}
-
-/// A JSON number that is an integer (`16` or `16.0`), widened so no range check overflows.
-fn as_integer(value: &Value) -> Option<i128> {
-    if let Some(i) = value.as_i64() {
-        return Some(i.into());
-    }
-    if let Some(u) = value.as_u64() {
-        return Some(u.into());
-    }
-    let f = value.as_f64()?;
-    (f.fract() == 0.0 && f.abs() < 1e30).then_some(f as i128)
-}
 
 #[cfg(test)]
 #[path = "request_tests.rs"]

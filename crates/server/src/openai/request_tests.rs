@@ -4,6 +4,7 @@ use axum::http::StatusCode;
 use serde_json::json;
 
 use super::*;
+use ember_engine::sampler::Penalties;
 use ember_engine::{LLAMA_SERVER_DEFAULTS, OPENAI_DEFAULTS};
 
 fn chat(body: Value) -> Result<ChatRequest, ApiError> {
