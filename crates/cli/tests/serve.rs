@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use common::{
     Server, SseStream, TempFile, assert_error_shape, ember_run, ember_run_args, expected, fixture,
-    ids, mentions_word, metric,
+    ids, mentions_word, metric, ok, with,
 };
 use ember_engine::tokenizer::Tokenizer;
 use serde_json::{Value, json};
@@ -54,19 +54,6 @@ fn greedy_chat(content: &str, max_tokens: usize) -> Value {
         "max_tokens": max_tokens,
         "ignore_eos": true,
     })
-}
-
-fn with(mut body: Value, extra: Value) -> Value {
-    for (key, value) in extra.as_object().unwrap() {
-        body[key] = value.clone();
-    }
-    body
-}
-
-fn ok(server: &Server, path: &str, body: &Value) -> Value {
-    let (status, response) = server.post_json(path, body);
-    assert_eq!(status, 200, "{path} {body}: {response}");
-    response
 }
 
 fn error(server: &Server, path: &str, body: &Value, want: u16) -> Value {

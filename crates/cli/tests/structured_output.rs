@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{Server, SseStream, assert_error_shape, ember_run_args};
+use common::{Server, SseStream, assert_error_shape, ember_run_args, ok, with};
 use serde_json::{Value, json};
 
 const QWEN: &str = "qwen3-f32";
@@ -37,21 +37,12 @@ fn person_schema() -> Value {
 }
 
 fn chat(content: &str, extra: Value) -> Value {
-    let mut body = json!({
+    let body = json!({
         "messages": [{"role": "user", "content": content}],
         "max_tokens": 400,
         "temperature": 0,
     });
-    for (k, v) in extra.as_object().unwrap() {
-        body[k] = v.clone();
-    }
-    body
-}
-
-fn ok(server: &Server, path: &str, body: &Value) -> Value {
-    let (status, response) = server.post_json(path, body);
-    assert_eq!(status, 200, "{path} {body}: {response}");
-    response
+    with(body, extra)
 }
 
 fn assert_valid(schema: &Value, text: &str, what: &str) {
@@ -253,11 +244,11 @@ fn penalties_apply_as_ember_run_applies_them() {
     let server = Server::start(QWEN, &[]);
     let prompt = "the the the the";
     let completion = |extra: Value| {
-        let mut body = json!({"prompt": prompt, "max_tokens": 24, "temperature": 0,
-                              "ignore_eos": true});
-        for (k, v) in extra.as_object().unwrap() {
-            body[k] = v.clone();
-        }
+        let body = with(
+            json!({"prompt": prompt, "max_tokens": 24, "temperature": 0,
+                              "ignore_eos": true}),
+            extra,
+        );
         ok(&server, "/v1/completions", &body)["choices"][0]["text"]
             .as_str()
             .unwrap()
@@ -308,11 +299,11 @@ fn penalty_flags_are_defaults_a_request_overrides() {
         (Some(1.5), Some(0.5))
     );
     let text = |server: &Server, extra: Value| {
-        let mut body = json!({"prompt": "the the the the", "max_tokens": 16, "temperature": 0,
-                              "ignore_eos": true});
-        for (k, v) in extra.as_object().unwrap() {
-            body[k] = v.clone();
-        }
+        let body = with(
+            json!({"prompt": "the the the the", "max_tokens": 16, "temperature": 0,
+                              "ignore_eos": true}),
+            extra,
+        );
         ok(server, "/v1/completions", &body)["choices"][0]["text"].clone()
     };
     let plain = Server::start(QWEN, &[]);

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use common::{Server, assert_error_shape, fixture};
+use common::{Server, assert_error_shape, fixture, ok, with};
 use serde_json::{Value, json};
 
 const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/openai_tools.py");
@@ -64,22 +64,13 @@ fn tools() -> Value {
 }
 
 fn chat(extra: Value) -> Value {
-    let mut body = json!({
+    let body = json!({
         "messages": [{"role": "user", "content": "Weather in Paris?"}],
         "tools": tools(),
         "max_tokens": 120,
         "temperature": 0,
     });
-    for (k, v) in extra.as_object().unwrap() {
-        body[k] = v.clone();
-    }
-    body
-}
-
-fn ok(server: &Server, path: &str, body: &Value) -> Value {
-    let (status, response) = server.post_json(path, body);
-    assert_eq!(status, 200, "{path} {body}: {response}");
-    response
+    with(body, extra)
 }
 
 fn assert_weather_arguments(arguments: &str) {

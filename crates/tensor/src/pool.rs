@@ -56,6 +56,45 @@ struct Shared {
 unsafe impl Sync for Shared {}
 unsafe impl Send for Shared {}
 
+impl Shared {
+    /// Wakes the workers asleep on the condition variable, if any.
+    fn wake_sleepers(&self) {
+        if self.sleepers.load(Ordering::SeqCst) > 0 {
+            let _guard = self.sleep_lock.lock().unwrap_or_else(|p| p.into_inner());
+            self.wake.notify_all();
+        }
+    }
+
+    /// Ends the caller's region: the job cleared, and the caller's own panic (`own`) or a
+    /// worker's passed on.
+    ///
+    /// # Safety
+    /// No worker runs the job any more, nor can start it.
+    unsafe fn end_region(&self, own: std::thread::Result<()>) {
+        // SAFETY: the caller's promise.
+        unsafe { *self.job.get() = None };
+        if let Err(payload) = own {
+            resume_unwind(payload);
+        }
+        if let Some(payload) = self.panic.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            resume_unwind(payload);
+        }
+    }
+}
+
+/// The caller's wait for the workers still in its region (`count` of them) to leave.
+fn spin_until_zero(count: &AtomicUsize) {
+    let mut spins = 0u32;
+    while count.load(Ordering::SeqCst) != 0 {
+        spins = spins.wrapping_add(1);
+        if spins.is_multiple_of(1024) {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+}
+
 /// Compute threads; the calling thread takes part as thread 0.
 pub struct ThreadPool {
     shared: Arc<Shared>,
@@ -123,33 +162,11 @@ impl ThreadPool {
         shared.pending.store(self.workers.len(), Ordering::Relaxed);
         let epoch = shared.epoch.fetch_add(1, Ordering::SeqCst) + 1;
         shared.region_kind.store(epoch << 1, Ordering::SeqCst);
-        if shared.sleepers.load(Ordering::SeqCst) > 0 {
-            let _guard = shared.sleep_lock.lock().unwrap_or_else(|p| p.into_inner());
-            shared.wake.notify_all();
-        }
+        shared.wake_sleepers();
         let own = catch_unwind(AssertUnwindSafe(|| f(0)));
-        let mut spins = 0u32;
-        while shared.pending.load(Ordering::Acquire) != 0 {
-            spins = spins.wrapping_add(1);
-            if spins.is_multiple_of(1024) {
-                std::thread::yield_now();
-            } else {
-                std::hint::spin_loop();
-            }
-        }
+        spin_until_zero(&shared.pending);
         // SAFETY: every worker has finished with the job.
-        unsafe { *shared.job.get() = None };
-        if let Err(payload) = own {
-            resume_unwind(payload);
-        }
-        if let Some(payload) = shared
-            .panic
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-        {
-            resume_unwind(payload);
-        }
+        unsafe { shared.end_region(own) };
     }
 
     /// Runs `f(thread, piece)` over `0..n` cut into pieces of `piece` items (the last may be
@@ -185,35 +202,13 @@ impl ThreadPool {
         let epoch = shared.epoch.fetch_add(1, Ordering::SeqCst) + 1;
         shared.open.store(epoch, Ordering::SeqCst);
         shared.region_kind.store(epoch << 1 | 1, Ordering::SeqCst);
-        if shared.sleepers.load(Ordering::SeqCst) > 0 {
-            let _guard = shared.sleep_lock.lock().unwrap_or_else(|p| p.into_inner());
-            shared.wake.notify_all();
-        }
+        shared.wake_sleepers();
         let own = catch_unwind(AssertUnwindSafe(|| run(0)));
         // Every piece is claimed: close the region, then wait for the workers inside it.
         shared.open.store(0, Ordering::SeqCst);
-        let mut spins = 0u32;
-        while shared.joined.load(Ordering::SeqCst) != 0 {
-            spins = spins.wrapping_add(1);
-            if spins.is_multiple_of(1024) {
-                std::thread::yield_now();
-            } else {
-                std::hint::spin_loop();
-            }
-        }
+        spin_until_zero(&shared.joined);
         // SAFETY: no worker is inside the region, and none can join a closed one.
-        unsafe { *shared.job.get() = None };
-        if let Err(payload) = own {
-            resume_unwind(payload);
-        }
-        if let Some(payload) = shared
-            .panic
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-        {
-            resume_unwind(payload);
-        }
+        unsafe { shared.end_region(own) };
     }
 
     /// Splits `0..n` into contiguous ranges, about four a thread, and runs `f` on each, on

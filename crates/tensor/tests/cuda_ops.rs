@@ -589,29 +589,23 @@ trait Product {
     ) -> Result<(), CudaError>;
 }
 
-impl Product for Gemm {
-    fn run<I: FloatElem, O: FloatElem>(
-        &mut self,
-        a: cuda::DevSlice<'_, I>,
-        w: &DevMat<'_>,
-        out: &mut cuda::DevSliceMut<'_, O>,
-        accumulate: bool,
-    ) -> Result<(), CudaError> {
-        self.matmul(a, w, out, accumulate)
-    }
+macro_rules! product {
+    ($gemm:ty) => {
+        impl Product for $gemm {
+            fn run<I: FloatElem, O: FloatElem>(
+                &mut self,
+                a: cuda::DevSlice<'_, I>,
+                w: &DevMat<'_>,
+                out: &mut cuda::DevSliceMut<'_, O>,
+                accumulate: bool,
+            ) -> Result<(), CudaError> {
+                self.matmul(a, w, out, accumulate)
+            }
+        }
+    };
 }
-
-impl Product for SlicedGemm {
-    fn run<I: FloatElem, O: FloatElem>(
-        &mut self,
-        a: cuda::DevSlice<'_, I>,
-        w: &DevMat<'_>,
-        out: &mut cuda::DevSliceMut<'_, O>,
-        accumulate: bool,
-    ) -> Result<(), CudaError> {
-        self.matmul(a, w, out, accumulate)
-    }
-}
+product!(Gemm);
+product!(SlicedGemm);
 
 fn check_gemm<I: Elem, O: Elem + Default>(
     ctx: &Ctx,

@@ -73,6 +73,21 @@ pub fn ember_run_args(model: &str, args: &[&str]) -> String {
     String::from_utf8(out.stdout).expect("ember run prints UTF-8")
 }
 
+/// `body` with `extra`'s fields set over it.
+pub fn with(mut body: Value, extra: Value) -> Value {
+    for (key, value) in extra.as_object().expect("extra fields as an object") {
+        body[key] = value.clone();
+    }
+    body
+}
+
+/// POSTs `body` as JSON and returns the 200 answer (any other status fails the test).
+pub fn ok(server: &Server, path: &str, body: &Value) -> Value {
+    let (status, response) = server.post_json(path, body);
+    assert_eq!(status, 200, "{path} {body}: {response}");
+    response
+}
+
 /// A temporary file that is removed when dropped.
 pub struct TempFile(pub PathBuf);
 

@@ -273,19 +273,22 @@ impl Constraint {
             .as_ref()
             .map_err(Clone::clone)?;
         let may_end = mask.is_allowed(self.trie_eos);
-        let mut allowed = 0usize;
-        for (id, logit) in logits.iter_mut().enumerate() {
-            let id = id as u32;
-            let ok = if self.eos.contains(&id) {
-                may_end
-            } else {
-                mask.is_allowed(id)
-            };
-            if ok {
-                allowed += 1;
-            } else {
+        // The end tokens follow `may_end`, not the mask (the trie knows only the first).
+        let ends: Vec<(usize, f32)> = self
+            .eos
+            .iter()
+            .filter_map(|&e| logits.get(e as usize).map(|&l| (e as usize, l)))
+            .collect();
+        let mut allowed = mask.num_set();
+        mask.iter_unset_entries(|id| {
+            if let Some(logit) = logits.get_mut(id) {
                 *logit = f32::NEG_INFINITY;
             }
+        });
+        for (e, logit) in ends {
+            allowed -= usize::from(mask.is_allowed(e as u32));
+            logits[e] = if may_end { logit } else { f32::NEG_INFINITY };
+            allowed += usize::from(may_end);
         }
         if allowed == 0 {
             return Err(ConstraintError::Matcher(

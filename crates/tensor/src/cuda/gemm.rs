@@ -70,28 +70,9 @@ impl Gemm {
         out: &mut DevSliceMut<'_, O>,
         accumulate: bool,
     ) -> Result<(), CudaError> {
-        const OP: &str = "gemm";
         let input = A::FLOAT;
-        ensure!(
-            input != Float::F32 && w.dtype == input,
-            OP,
-            "activations {input} and weights {} (both bf16 or both f16)",
-            w.dtype
-        );
+        let m = product_rows("gemm", &a, w, out)?;
         let (n, k) = (w.rows, w.cols);
-        ensure!(
-            k > 0 && a.len().is_multiple_of(k),
-            OP,
-            "{} activations in rows of {k}",
-            a.len()
-        );
-        let m = a.len() / k;
-        ensure!(
-            out.len() == m * n,
-            OP,
-            "out of {} values for {m}×{n}",
-            out.len()
-        );
         if m == 0 || n == 0 {
             return Ok(());
         }
@@ -140,6 +121,38 @@ impl Gemm {
         }
         .map_err(CudaError::blas("cublasLtMatmul"))
     }
+}
+
+/// The rows `m` of a product `out [m, n] = a [m, k] · W [n, k]ᵀ` of 16-bit activations and
+/// weights of the same type, after checking the shapes agree (errors name `op`).
+pub(super) fn product_rows<A: FloatElem, O: FloatElem>(
+    op: &'static str,
+    a: &DevSlice<'_, A>,
+    w: &DevMat<'_>,
+    out: &DevSliceMut<'_, O>,
+) -> Result<usize, CudaError> {
+    let input = A::FLOAT;
+    ensure!(
+        input != Float::F32 && w.dtype == input,
+        op,
+        "activations {input} and weights {} (both bf16 or both f16)",
+        w.dtype
+    );
+    let (n, k) = (w.rows, w.cols);
+    ensure!(
+        k > 0 && a.len().is_multiple_of(k),
+        op,
+        "{} activations in rows of {k}",
+        a.len()
+    );
+    let m = a.len() / k;
+    ensure!(
+        out.len() == m * n,
+        op,
+        "out of {} values for {m}×{n}",
+        out.len()
+    );
+    Ok(m)
 }
 
 fn data_type(f: Float) -> sys::cudaDataType {

@@ -2,6 +2,7 @@
 //! same bits whatever other rows share the launch (see sliced_gemm.cu for how).
 
 use super::device::launch;
+use super::gemm::product_rows;
 use super::kernels::{Float, Kernel};
 use super::{
     CudaDevice, CudaError, DevMat, DevSlice, DevSliceMut, DeviceBuffer, FloatElem, config3, ensure,
@@ -166,26 +167,13 @@ impl SlicedGemm {
     ) -> Result<(), CudaError> {
         const OP: &str = "sliced_gemm";
         let input = A::FLOAT;
-        ensure!(
-            input != Float::F32 && w.dtype == input,
-            OP,
-            "activations {input} and weights {} (both bf16 or both f16)",
-            w.dtype
-        );
+        let m = product_rows(OP, &a, w, out)?;
         ensure!(O::FLOAT != Float::F16, OP, "f16 output (f32 or bf16 only)");
         let (n, k) = (w.rows, w.cols);
         ensure!(
-            k > 0 && k.is_multiple_of(8) && a.len().is_multiple_of(k),
+            k.is_multiple_of(8),
             OP,
-            "{} activations in rows of {k} (a multiple of 8)",
-            a.len()
-        );
-        let m = a.len() / k;
-        ensure!(
-            out.len() == m * n,
-            OP,
-            "out of {} values for {m}×{n}",
-            out.len()
+            "rows of {k} values (a multiple of 8: 16-byte pieces)"
         );
         ensure!(
             [w.data.device_ptr(), a.device_ptr()]

@@ -197,7 +197,8 @@ __device__ __forceinline__ void sliced_gemm(const SlicedGemmArgs& a) {
         }
     };
 
-    if (!SPLIT) {
+    // f(i, j, e, token, row) for each element of this lane's tiles inside the output.
+    auto each_output = [&](auto f) {
 #pragma unroll
         for (int i = 0; i < WM; ++i)
 #pragma unroll
@@ -205,23 +206,20 @@ __device__ __forceinline__ void sliced_gemm(const SlicedGemmArgs& a) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int row = row_of(i, e), tok = token_of(j, e);
-                    if (row < a.n && tok < a.m) store(tok, row, total[i][j][e]);
+                    if (row < a.n && tok < a.m) f(i, j, e, tok, row);
                 }
+    };
+
+    if (!SPLIT) {
+        each_output([&](int i, int j, int e, int tok, int row) { store(tok, row, total[i][j][e]); });
         return;
     }
 
     // Split: this slice's sums out, then the tile's last block adds the slices in order.
     const size_t plane = (size_t)a.m * a.n;
-#pragma unroll
-    for (int i = 0; i < WM; ++i)
-#pragma unroll
-        for (int j = 0; j < WN; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int row = row_of(i, e), tok = token_of(j, e);
-                if (row < a.n && tok < a.m)
-                    a.partials[blockIdx.z * plane + (size_t)tok * a.n + row] = acc[i][j][e];
-            }
+    each_output([&](int i, int j, int e, int tok, int row) {
+        a.partials[blockIdx.z * plane + (size_t)tok * a.n + row] = acc[i][j][e];
+    });
     __threadfence();
     unsigned* ticket = a.tickets + blockIdx.y * gridDim.x + blockIdx.x;
     // Every thread's sums are out before thread 0 takes the ticket (the barrier), and the
@@ -231,19 +229,12 @@ __device__ __forceinline__ void sliced_gemm(const SlicedGemmArgs& a) {
         __syncthreads_or(threadIdx.x == 0 && atomicAdd(ticket, 1u) == (unsigned)(a.slices - 1));
     if (!last) return;
     __threadfence();  // the other blocks' sums, seen after their tickets
-#pragma unroll
-    for (int i = 0; i < WM; ++i)
-#pragma unroll
-        for (int j = 0; j < WN; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int row = row_of(i, e), tok = token_of(j, e);
-                if (row >= a.n || tok >= a.m) continue;
-                const float* p = a.partials + (size_t)tok * a.n + row;
-                float sum = 0.0f;
-                for (int z = 0; z < a.slices; ++z) sum += __ldcg(p + z * plane);
-                store(tok, row, sum);
-            }
+    each_output([&](int, int, int, int tok, int row) {
+        const float* p = a.partials + (size_t)tok * a.n + row;
+        float sum = 0.0f;
+        for (int z = 0; z < a.slices; ++z) sum += __ldcg(p + z * plane);
+        store(tok, row, sum);
+    });
     if (threadIdx.x == 0) *ticket = 0;
 }
 
