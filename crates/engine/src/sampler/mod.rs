@@ -5,125 +5,13 @@ use std::collections::BinaryHeap;
 
 use ember_tensor::cpu::{argmax, max_ignoring_nan};
 
-/// Per-request sampling settings. The default is greedy decoding.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct SamplingParams {
-    /// 0 means greedy (argmax).
-    pub temperature: f32,
-    /// Keep the k most likely tokens; 0 = off.
-    pub top_k: usize,
-    /// Nucleus sampling mass; 1 = off.
-    pub top_p: f32,
-    /// Drop tokens with p < min_p * p_max; 0 = off.
-    pub min_p: f32,
-    /// Fixed seed for reproducible draws; `None` seeds from entropy.
-    pub seed: Option<u64>,
-    /// Penalties on tokens already seen, applied to the logits before any of the above
-    /// (greedy picks included).
-    pub penalties: Penalties,
-}
+mod params;
+mod rng;
 
-impl Default for SamplingParams {
-    fn default() -> Self {
-        Self {
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-            seed: None,
-            penalties: Penalties::default(),
-        }
-    }
-}
-
-/// Penalties on repeating tokens (the default: none).
-///
-/// For each token `t` seen `c > 0` times: `logit /= repetition` when positive, else `logit *=
-/// repetition` (CTRL's, as transformers, vLLM and llama.cpp apply it); then `logit -=
-/// presence + c · frequency` (OpenAI's).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Penalties {
-    /// 1 = off; above 1 discourages repeats.
-    pub repetition: f32,
-    /// 0 = off; in [-2, 2].
-    pub presence: f32,
-    /// 0 = off; in [-2, 2].
-    pub frequency: f32,
-    /// Which tokens count. `None`, as OpenAI and vLLM count them: presence and frequency over
-    /// the reply, repetition over the prompt and the reply. `Some(n)`, as llama.cpp's
-    /// `repeat_last_n`: all three over the last `n` tokens of prompt and reply (0 = off).
-    pub last_n: Option<usize>,
-}
-
-impl Default for Penalties {
-    fn default() -> Self {
-        Penalties::NONE
-    }
-}
-
-impl Penalties {
-    pub const NONE: Penalties = Penalties {
-        repetition: 1.0,
-        presence: 0.0,
-        frequency: 0.0,
-        last_n: None,
-    };
-
-    /// Whether any logit can change.
-    pub fn any(&self) -> bool {
-        self.last_n != Some(0)
-            && (self.repetition != 1.0 || self.presence != 0.0 || self.frequency != 0.0)
-    }
-}
-
-/// An out-of-range sampling parameter; names the field.
-#[derive(Debug, Clone, Copy, PartialEq, thiserror::Error)]
-pub enum SamplingError {
-    #[error("temperature must be a finite number >= 0, got {0}")]
-    Temperature(f32),
-    #[error("top_p must be in (0, 1], got {0}")]
-    TopP(f32),
-    #[error("min_p must be in [0, 1], got {0}")]
-    MinP(f32),
-    #[error("repetition_penalty must be a finite number > 0, got {0}")]
-    RepetitionPenalty(f32),
-    #[error("presence_penalty must be in [-2, 2], got {0}")]
-    PresencePenalty(f32),
-    #[error("frequency_penalty must be in [-2, 2], got {0}")]
-    FrequencyPenalty(f32),
-}
-
-impl SamplingParams {
-    pub fn validate(&self) -> Result<(), SamplingError> {
-        // Written so that NaN fails every check.
-        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return Err(SamplingError::Temperature(self.temperature));
-        }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(SamplingError::TopP(self.top_p));
-        }
-        if !(self.min_p >= 0.0 && self.min_p <= 1.0) {
-            return Err(SamplingError::MinP(self.min_p));
-        }
-        let p = &self.penalties;
-        if !(p.repetition.is_finite() && p.repetition > 0.0) {
-            return Err(SamplingError::RepetitionPenalty(p.repetition));
-        }
-        if !(-2.0..=2.0).contains(&p.presence) {
-            return Err(SamplingError::PresencePenalty(p.presence));
-        }
-        if !(-2.0..=2.0).contains(&p.frequency) {
-            return Err(SamplingError::FrequencyPenalty(p.frequency));
-        }
-        Ok(())
-    }
-
-    /// True when sampling reduces to argmax.
-    pub fn is_greedy(&self) -> bool {
-        // A NaN temperature (unvalidated params) also goes to argmax.
-        self.temperature.is_nan() || self.temperature <= 0.0 || self.top_k == 1
-    }
-}
+pub use params::{Penalties, SamplingError, SamplingParams};
+#[cfg(test)]
+use rng::splitmix64;
+use rng::{Xoshiro256StarStar, entropy_seed};
 
 #[derive(Debug, Clone, Copy)]
 struct Candidate {
@@ -632,66 +520,6 @@ pub fn logprob_of(logits: &[f32], id: u32) -> f32 {
     }
 }
 
-/// xoshiro256** (Blackman & Vigna), seeded through splitmix64 as its authors
-/// recommend. Small, fast, and reproducible across platforms.
-#[derive(Debug, Clone)]
-struct Xoshiro256StarStar {
-    s: [u64; 4],
-}
-
-fn splitmix64(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-impl Xoshiro256StarStar {
-    fn seed_from_u64(seed: u64) -> Self {
-        let mut state = seed;
-        // splitmix64 never yields four zero words, the one invalid state.
-        let s = [
-            splitmix64(&mut state),
-            splitmix64(&mut state),
-            splitmix64(&mut state),
-            splitmix64(&mut state),
-        ];
-        Self { s }
-    }
-
-    fn next_u64(&mut self) -> u64 {
-        let s = &mut self.s;
-        let result = s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
-        let t = s[1] << 17;
-        s[2] ^= s[0];
-        s[3] ^= s[1];
-        s[1] ^= s[2];
-        s[0] ^= s[3];
-        s[2] ^= t;
-        s[3] = s[3].rotate_left(45);
-        result
-    }
-
-    /// Uniform in [0, 1) with 24 bits of precision.
-    fn next_f32(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 * (1.0 / (1u64 << 24) as f32)
-    }
-}
-
-/// A seed for unseeded requests: std's per-process random hash keys mixed
-/// with the clock and a counter, so concurrent samplers differ.
-fn entropy_seed() -> u64 {
-    use std::hash::BuildHasher;
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64);
-    let count = COUNTER.fetch_add(1, Ordering::Relaxed);
-    std::collections::hash_map::RandomState::new().hash_one((nanos, count))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -717,24 +545,6 @@ mod tests {
             counts[sampler.sample(logits) as usize] += 1;
         }
         counts
-    }
-
-    #[test]
-    fn xoshiro_and_splitmix_reference_values() {
-        // Reference outputs of the C implementations.
-        let mut rng = Xoshiro256StarStar { s: [1, 2, 3, 4] };
-        let out: Vec<u64> = (0..4).map(|_| rng.next_u64()).collect();
-        assert_eq!(out, [11520, 0, 1509978240, 1215971899390074240]);
-        let mut state = 1234567;
-        let out: Vec<u64> = (0..3).map(|_| splitmix64(&mut state)).collect();
-        assert_eq!(
-            out,
-            [
-                6457827717110365317,
-                3203168211198807973,
-                9817491932198370423
-            ]
-        );
     }
 
     #[test]
