@@ -139,12 +139,15 @@ fn quant_kernels(pool: &ThreadPool, owner: &BufferOwner, threads: usize) {
 
 /// One core, weights in L2: the kernels' compute rate.
 fn hot_kernels(owner: &BufferOwner, only: Option<&str>) {
-    let k = 4096;
+    let k: usize = std::env::var("HOTK")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4096);
     let x: Vec<f32> = (0..k).map(|i| (i % 13) as f32 * 0.01 - 0.06).collect();
     let mut y = vec![0f32; 4096];
     let one = ThreadPool::new(1);
     let mut scratch = vec![0f32; matmul_scratch_len(1, 512, 4096)];
-    let (n, reps) = (256usize, 400usize);
+    let (n, reps) = (256usize * 4096 / k, 400usize);
     for dtype in [
         DType::Q4_K,
         DType::Q6_K,
