@@ -365,9 +365,10 @@ mod x86 {
                 )))
             }
         }
+        /// Into L2, as the quantized kernels do (`quant_dot::avx2`'s `prefetch` says why).
         #[inline(always)]
         unsafe fn prefetch(p: *const u8) {
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(p.cast()) }
         }
         #[inline(always)]
         unsafe fn hsum(v: __m512) -> f32 {
@@ -498,9 +499,10 @@ mod x86 {
                 )))
             }
         }
+        /// Into L2, as the quantized kernels do (`quant_dot::avx2`'s `prefetch` says why).
         #[inline(always)]
         unsafe fn prefetch(p: *const u8) {
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(p.cast()) }
         }
         #[inline(always)]
         unsafe fn hsum(v: __m256) -> f32 {
