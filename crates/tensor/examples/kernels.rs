@@ -1,9 +1,9 @@
 //! Kernel micro-benchmarks: `cargo run --release -p ember-tensor --example kernels [threads]
-//! [quant | hot [type] | matvec | gemm [type] | attention]`. Prints the read bandwidth of the probe beside
+//! [quant | hot [type [k]] | matvec | gemm [type] | attention]`. Prints the read bandwidth of the probe beside
 //! matrix-vector and matrix-matrix rates; with `quant`, only the quantized ones. The "hot"
 //! lines run one thread on a matrix that fits in L2: what one core's kernel can consume, which
 //! must exceed its share of the probe for decode to be bound by memory. `hot` runs only those
-//! (for `perf stat`), optionally only for one type (`hot q4_k`). `matvec` runs decode's
+//! (for `perf stat`), optionally only for one type and row length (`hot q4_k 1536`). `matvec` runs decode's
 //! products at a 1.5B model's shapes from memory, each against a probe read just before it;
 //! `gemm` one thread's prefill products (512 activation rows) at those shapes, in GMAC/s;
 //! `attention` a 512-token prompt's causal attention over an f16 and an f32 cache (a 1.5B
@@ -195,6 +195,10 @@ fn model_matvecs(pool: &ThreadPool, owner: &BufferOwner, threads: usize) {
         (DType::Q4_K, 20_000, 8960),
         (DType::Q6_K, 151_936, 1536),
         (DType::Q6_K, 20_000, 8960),
+        // A 135M model's (SmolLM2): 576 wide, the MLP output 1536 wide, a Q8_0 output layer.
+        (DType::Q4_1, 300_000, 576),
+        (DType::Q4_1, 100_000, 1536),
+        (DType::Q8_0, 200_000, 576),
     ] {
         let x: Vec<f32> = (0..k).map(|i| (i % 13) as f32 * 0.01 - 0.06).collect();
         let mut y = vec![0f32; n];

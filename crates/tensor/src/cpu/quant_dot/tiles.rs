@@ -75,7 +75,10 @@ unsafe fn tile_q32<Q: Qv, const M: usize, const T: u8>(
                 let p0 = w[r].add(b0 * bb);
                 let p1 = w[r].add(b1 * bb);
                 if M == 1 {
-                    Q::prefetch(p0.add(prefetch_ahead(nb * bb)));
+                    // Both ends of the pair: a Q8_0 pair (68 bytes) is longer than a line.
+                    let ahead = prefetch_ahead(nb * bb);
+                    Q::prefetch(p0.add(ahead));
+                    Q::prefetch(p0.add(ahead + 2 * bb - 1));
                 }
                 put16(&mut d0, r, rd16(p0));
                 put16(&mut d1, r, rd16(p1));
