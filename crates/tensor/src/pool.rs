@@ -10,8 +10,10 @@
 //! into pieces that threads claim in turn, and does not wait for a thread that has not joined
 //! by the time every piece is claimed: when another process takes a core (a busy machine),
 //! a descheduled worker would otherwise hold every region up for a scheduler time slice, and
-//! two threads ran slower than one. Which thread computes a piece then depends on timing; the
-//! pieces do not, so a kernel whose pieces write disjoint outputs gives the same bits.
+//! two threads ran slower than one. A worker pushed off its core in the middle of a piece still
+//! holds its region up, so a caller kept waiting too long runs shared regions alone for a
+//! while ([`Pace`]). Which thread computes a piece depends on timing; the pieces do not, so a
+//! kernel whose pieces write disjoint outputs gives the same bits.
 
 use std::any::Any;
 use std::cell::UnsafeCell;
@@ -99,7 +101,67 @@ fn spin_until_zero(count: &AtomicUsize) {
 pub struct ThreadPool {
     shared: Arc<Shared>,
     workers: Vec<JoinHandle<()>>,
-    region: Mutex<()>,
+    /// Held for a region; what the caller has seen of its workers lately.
+    region: Mutex<Pace>,
+}
+
+/// How long the caller has waited for workers lately, and whether it is working alone for a
+/// while because of it ([`ThreadPool::share`]).
+///
+/// A worker that another process's thread pushes off its core in the middle of a piece holds
+/// its region up until the scheduler gives it a turn again (milliseconds, against the
+/// microseconds a region takes); with a busy loop on one of two cores, two threads decoded at
+/// 0.75× the speed of one. So the caller measures its waits: when they pass
+/// [`STRAGGLE_LIMIT`] of a [`PACE_WINDOW`], it runs shared regions alone for [`SOLO_SPELL`]
+/// (the workers fall asleep and give their cores back), then tries its workers again.
+struct Pace {
+    window_start: Instant,
+    waited: Duration,
+    solo_until: Option<Instant>,
+}
+
+/// See [`Pace`].
+const PACE_WINDOW: Duration = Duration::from_millis(50);
+/// See [`Pace`].
+const STRAGGLE_LIMIT: f64 = 0.25;
+/// See [`Pace`].
+const SOLO_SPELL: Duration = Duration::from_millis(500);
+
+impl Pace {
+    fn new() -> Pace {
+        Pace {
+            window_start: Instant::now(),
+            waited: Duration::ZERO,
+            solo_until: None,
+        }
+    }
+
+    /// Whether the next shared region runs on the caller alone; closes a window that has run
+    /// its time.
+    fn solo(&mut self) -> bool {
+        let now = Instant::now();
+        if let Some(until) = self.solo_until {
+            if now < until {
+                return true;
+            }
+            self.solo_until = None;
+            self.start_window(now);
+        }
+        let elapsed = now - self.window_start;
+        if elapsed >= PACE_WINDOW {
+            if self.waited.as_secs_f64() > STRAGGLE_LIMIT * elapsed.as_secs_f64() {
+                self.solo_until = Some(now + SOLO_SPELL);
+                return true;
+            }
+            self.start_window(now);
+        }
+        false
+    }
+
+    fn start_window(&mut self, now: Instant) {
+        self.window_start = now;
+        self.waited = Duration::ZERO;
+    }
 }
 
 impl ThreadPool {
@@ -131,7 +193,7 @@ impl ThreadPool {
         ThreadPool {
             shared,
             workers,
-            region: Mutex::new(()),
+            region: Mutex::new(Pace::new()),
         }
     }
 
@@ -190,7 +252,11 @@ impl ThreadPool {
             run(0);
             return;
         }
-        let _region = self.region.lock().unwrap_or_else(|p| p.into_inner());
+        let mut pace = self.region.lock().unwrap_or_else(|p| p.into_inner());
+        if pace.solo() {
+            run(0);
+            return;
+        }
         let shared = &*self.shared;
         let job_ref: &(dyn Fn(usize) + Sync) = &run;
         // SAFETY: see `Shared`; the caller waits below for every worker that joined, and a
@@ -206,7 +272,11 @@ impl ThreadPool {
         let own = catch_unwind(AssertUnwindSafe(|| run(0)));
         // Every piece is claimed: close the region, then wait for the workers inside it.
         shared.open.store(0, Ordering::SeqCst);
-        spin_until_zero(&shared.joined);
+        if shared.joined.load(Ordering::SeqCst) != 0 {
+            let waiting = Instant::now();
+            spin_until_zero(&shared.joined);
+            pace.waited += waiting.elapsed();
+        }
         // SAFETY: no worker is inside the region, and none can join a closed one.
         unsafe { shared.end_region(own) };
     }
@@ -392,6 +462,32 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn a_caller_kept_waiting_by_its_workers_runs_alone_for_a_while() {
+        let pool = ThreadPool::new(2);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        // Worker pieces that stall (as a worker pushed off its core does) keep the caller
+        // waiting, until it stops opening regions to them.
+        while pool.region.lock().unwrap().solo_until.is_none() {
+            assert!(Instant::now() < deadline, "the caller never went on alone");
+            pool.share(8, 1, &|thread, _| {
+                if thread != 0 {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            });
+        }
+        let on_workers = AtomicUsize::new(0);
+        pool.share(64, 1, &|thread, _| {
+            if thread != 0 {
+                on_workers.fetch_add(1, Ordering::Relaxed);
+            }
+        });
+        assert_eq!(on_workers.load(Ordering::Relaxed), 0);
+        // The spell ends: the workers get their turn again.
+        pool.region.lock().unwrap().solo_until = Some(Instant::now());
+        assert!(!pool.region.lock().unwrap().solo());
     }
 
     #[test]
