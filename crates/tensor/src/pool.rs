@@ -150,6 +150,13 @@ impl Pace {
         let elapsed = now - self.window_start;
         if elapsed >= PACE_WINDOW {
             if self.waited.as_secs_f64() > STRAGGLE_LIMIT * elapsed.as_secs_f64() {
+                tracing::debug!(
+                    "compute threads kept the caller waiting {:.1} of the last {:.1} ms: \
+                     running alone for {} ms",
+                    self.waited.as_secs_f64() * 1e3,
+                    elapsed.as_secs_f64() * 1e3,
+                    SOLO_SPELL.as_millis()
+                );
                 self.solo_until = Some(now + SOLO_SPELL);
                 return true;
             }

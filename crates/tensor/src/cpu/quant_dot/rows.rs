@@ -67,7 +67,7 @@ pub(crate) struct QJob {
     /// Activation rows a prefill block keeps in cache while weight rows stream past.
     pub block_rows: usize,
     pub y: *mut f32,
-    /// Activation rows taken by the wide road ([`wide_rows`]: none, or all `m`), from `tiles`
+    /// Activation rows `0..wide` taken by the wide road ([`wide_rows`]), from `tiles`
     /// ([`build_tiles`]), with this thread's `panel` ([`panel_bytes`]).
     pub wide: usize,
     pub tiles: *const u8,
@@ -141,7 +141,9 @@ unsafe fn rows<Q: Qv, K: Kernel>(job: QJob) {
     }
     if wide > 0 {
         unsafe { rows_wide::<Q, K>(job) };
-        return;
+        if wide == m {
+            return;
+        }
     }
     // A tile past the last row repeats it and its result is dropped: no extra code for edges.
     let w_rows = |j: usize| -> [*const u8; QR] {
@@ -171,7 +173,8 @@ unsafe fn rows<Q: Qv, K: Kernel>(job: QJob) {
             }
             return;
         }
-        let mut i0 = 0;
+        // Rows below `wide` took the wide road.
+        let mut i0 = wide;
         while i0 < m {
             let i_end = (i0 + block_rows).min(m);
             let mut j = start;

@@ -164,7 +164,7 @@ fn run(
     run_wide(isa, dtype, w, n, acts, layout, m, wide_rows(isa, dtype, m))
 }
 
-/// [`run`] with the wide road taking `wide` rows (0 or `m`), whatever the set and batch.
+/// [`run`] with the wide road taking rows `0..wide`, whatever the set and batch.
 #[allow(clippy::too_many_arguments)]
 fn run_wide(
     isa: QIsa,
@@ -492,6 +492,7 @@ fn every_row_gives_its_bits_alone_in_any_batch() {
                     if matches!(dtype, DType::Q4_K | DType::Q6_K) {
                         // The wide road, which only VNNI takes from 16 rows on, forced.
                         roads.push((m, " (wide road forced)"));
+                        roads.push((m / 2, " (half on the wide road)"));
                     }
                     for (wide, how) in roads {
                         let got = run_wide(isa, dtype, &w, n, &acts, layout, m, wide);

@@ -74,12 +74,10 @@ unsafe fn tile_q32<Q: Qv, const M: usize, const T: u8>(
             for r in 0..QR {
                 let p0 = w[r].add(b0 * bb);
                 let p1 = w[r].add(b1 * bb);
-                if M == 1 {
-                    // Both ends of the pair: a Q8_0 pair (68 bytes) is longer than a line.
-                    let ahead = prefetch_ahead(nb * bb);
-                    Q::prefetch(p0.add(ahead));
-                    Q::prefetch(p0.add(ahead + 2 * bb - 1));
-                }
+                // Both ends of the pair: a Q8_0 pair (68 bytes) is longer than a line.
+                let ahead = prefetch_ahead(nb * bb);
+                Q::prefetch(p0.add(ahead));
+                Q::prefetch(p0.add(ahead + 2 * bb - 1));
                 put16(&mut d0, r, rd16(p0));
                 put16(&mut d1, r, rd16(p1));
                 if T == Q8_0 {
@@ -162,11 +160,9 @@ unsafe fn tile_q41<Q: Qv, const M: usize>(
                 }
                 let mut sums = [[Q::zero(); 4]; M];
                 for (h, r) in [2 * pair, 2 * pair + 1].into_iter().enumerate() {
-                    if M == 1 {
-                        let ahead = prefetch_ahead(nb * BB);
-                        Q::prefetch(p[r].add(ahead));
-                        Q::prefetch(p[r].add(ahead + 64));
-                    }
+                    let ahead = prefetch_ahead(nb * BB);
+                    Q::prefetch(p[r].add(ahead));
+                    Q::prefetch(p[r].add(ahead + 64));
                     let (lo, hi) = Q::nib_quad_q41(p[r]);
                     for i in 0..M {
                         let x = a[i].add(32 * b0);
@@ -285,11 +281,9 @@ unsafe fn tile_q45k<Q: Qv, const M: usize, const Q5: bool>(
             let mut ints = [[Q::zero(); QR]; M];
             for r in 0..QR {
                 let blk = blks[r];
-                if M == 1 {
-                    let ahead = prefetch_ahead(nsb * bb);
-                    for line in 0..bb.div_ceil(64) {
-                        Q::prefetch(blk.add(ahead + 64 * line));
-                    }
+                let ahead = prefetch_ahead(nsb * bb);
+                for line in 0..bb.div_ceil(64) {
+                    Q::prefetch(blk.add(ahead + 64 * line));
                 }
                 let scales = Q::scales8(sc[r]);
                 let mut hv = if Q5 {
@@ -383,11 +377,9 @@ unsafe fn tile_q6k<Q: Qv, const M: usize>(
             let mut ints = [[Q::zero(); QR]; M];
             for r in 0..QR {
                 let blk = w[r].add(sb * BB);
-                if M == 1 {
-                    let ahead = prefetch_ahead(nsb * BB);
-                    for line in 0..BB.div_ceil(64) {
-                        Q::prefetch(blk.add(ahead + 64 * line));
-                    }
+                let ahead = prefetch_ahead(nsb * BB);
+                for line in 0..BB.div_ceil(64) {
+                    Q::prefetch(blk.add(ahead + 64 * line));
                 }
                 put16(&mut dw, r, rd16(blk.add(208)));
                 let sc = blk.add(192).cast::<i8>();
