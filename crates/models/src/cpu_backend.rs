@@ -39,6 +39,8 @@ pub struct CpuBackend {
     /// Greedy picks not yet read ([`Backend::pick_ahead`]), oldest first, and the last one.
     picks: VecDeque<u32>,
     last_pick: Option<u32>,
+    /// See [`CpuBackend::owning_weights`].
+    owns_weights: bool,
 }
 
 impl CpuBackend {
@@ -71,7 +73,16 @@ impl CpuBackend {
             segment_tables: Vec::new(),
             picks: VecDeque::with_capacity(PICKS_AHEAD),
             last_pick: None,
+            owns_weights: false,
         })
+    }
+
+    /// Matrices loaded from now on are copied into buffers of this backend's own, each in
+    /// the layout its kernels read best ([`ember_tensor::cpu::WeightLayout::best_for`]): a
+    /// checkpoint's mapping is then no longer needed (nor held) once the model is loaded.
+    pub fn owning_weights(mut self) -> Self {
+        self.owns_weights = true;
+        self
     }
 
     pub fn pool(&self) -> &ThreadPool {
@@ -406,6 +417,7 @@ impl CpuBackend {
         WeightLoader {
             set: source,
             owner: &self.owner,
+            own: self.owns_weights,
         }
     }
 

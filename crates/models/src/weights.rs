@@ -1,23 +1,25 @@
-//! Weights as views into the mapped checkpoint, checked against the shapes the model expects.
+//! Weights as views into the mapped checkpoint, or copies the backend owns (repacked into the
+//! layout its kernels read best), checked against the shapes the model expects.
 
 use std::sync::Arc;
 
 use ember_checkpoint::{TensorRef, TensorSource};
-use ember_tensor::cpu::MatRef;
+use ember_tensor::cpu::{MatRef, WeightLayout};
 use ember_tensor::quant::dequantize_row;
 use ember_tensor::{Buffer, BufferKind, BufferOwner, DType};
 
 use crate::backend::WeightMatrix;
 use crate::error::Result;
 
-/// A `rows × cols` weight matrix, read in place from its file (or from a repacked copy when
-/// the file stores it misaligned for its element type).
+/// A `rows × cols` weight matrix, read in place from its file (or from a copy: when the file
+/// stores it misaligned for its element type, or the backend owns its weights).
 pub struct Matrix {
     buffer: Arc<Buffer>,
     offset: usize,
     pub dtype: DType,
     pub rows: usize,
     pub cols: usize,
+    pub layout: WeightLayout,
 }
 
 impl Matrix {
@@ -29,18 +31,20 @@ impl Matrix {
             self.rows,
             self.cols,
         )
+        .with_layout(self.layout)
     }
 
-    /// Rows `start..end` as a matrix of their own (one expert of a stacked tensor).
-    /// Rows `start..end`, sharing the storage.
+    /// Rows `start..end` as a matrix of their own (one expert of a stacked tensor), sharing
+    /// the storage.
     pub fn slice_rows(&self, start: usize, end: usize) -> Matrix {
+        let group = self.layout.row_group();
+        assert!(start.is_multiple_of(group) && end.is_multiple_of(group));
         let row_bytes = self.dtype.row_bytes(self.cols);
         Matrix {
             buffer: Arc::clone(&self.buffer),
             offset: self.offset + start * row_bytes,
-            dtype: self.dtype,
             rows: end - start,
-            cols: self.cols,
+            ..*self
         }
     }
 
@@ -50,10 +54,7 @@ impl Matrix {
 
     /// One row converted to f32 (an embedding lookup).
     pub fn row_to_f32(&self, row: usize, out: &mut [f32]) {
-        let m = self.as_mat();
-        let row_bytes = self.dtype.row_bytes(self.cols);
-        let bytes = &m.data[row * row_bytes..(row + 1) * row_bytes];
-        dequantize_row(self.dtype, bytes, &mut out[..self.cols]);
+        self.as_mat().dequantize_row(row, out);
     }
 }
 
@@ -88,21 +89,53 @@ impl WeightMatrix for Matrix {
 pub struct WeightLoader<'a> {
     pub set: &'a dyn TensorSource,
     pub owner: &'a BufferOwner,
+    /// Copy every matrix into a buffer of its own, in the layout the CPU's kernels read best
+    /// ([`WeightLayout::best_for`]), so that the checkpoint's mapping need not stay.
+    pub own: bool,
 }
 
 impl WeightLoader<'_> {
     pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix> {
         let t = self.set.get_shaped(name, &[rows, cols])?;
-        self.place(&t, rows, cols)
+        self.place(&t, rows, cols, WeightLayout::best_for(t.dtype, rows))
     }
 
-    /// A 3-d tensor `[experts, rows, cols]`, as one `experts·rows × cols` matrix.
+    /// A 3-d tensor `[experts, rows, cols]`, as one `experts·rows × cols` matrix (rows after
+    /// rows: experts are cut out of it at any row).
     pub fn stacked(&self, name: &str, experts: usize, rows: usize, cols: usize) -> Result<Matrix> {
         let t = self.set.get_shaped(name, &[experts, rows, cols])?;
-        self.place(&t, experts * rows, cols)
+        self.place(&t, experts * rows, cols, WeightLayout::Rows)
     }
 
-    fn place(&self, t: &TensorRef<'_>, rows: usize, cols: usize) -> Result<Matrix> {
+    /// The matrix in place, or (when the loader owns its weights) copied in `owned_layout`.
+    fn place(
+        &self,
+        t: &TensorRef<'_>,
+        rows: usize,
+        cols: usize,
+        owned_layout: WeightLayout,
+    ) -> Result<Matrix> {
+        if self.own {
+            let layout = owned_layout;
+            let how = match layout {
+                WeightLayout::Rows => "copied",
+                WeightLayout::Interleaved16 => "interleaved",
+            };
+            let mut copy = self.owner.alloc(
+                BufferKind::Repacked,
+                format!("{} ({how})", t.name),
+                t.bytes.len(),
+            )?;
+            layout.write(t.dtype, t.bytes, rows, cols, copy.bytes_mut());
+            return Ok(Matrix {
+                buffer: Arc::new(copy),
+                offset: 0,
+                dtype: t.dtype,
+                rows,
+                cols,
+                layout,
+            });
+        }
         let aligned = (t.bytes.as_ptr() as usize).is_multiple_of(t.dtype.alignment());
         let (buffer, offset) = if aligned {
             (Arc::clone(t.buffer), t.offset)
@@ -120,6 +153,7 @@ impl WeightLoader<'_> {
             dtype: t.dtype,
             rows,
             cols,
+            layout: WeightLayout::Rows,
         })
     }
 

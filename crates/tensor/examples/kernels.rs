@@ -1,9 +1,9 @@
 //! Kernel micro-benchmarks: `cargo run --release -p ember-tensor --example kernels [threads]
-//! [quant | hot [type [k]] | matvec | gemm [type] | attention]`. Prints the read bandwidth of the probe beside
+//! [quant | hot [type [k [m]]] | matvec | gemm [type] | attention]`. Prints the read bandwidth of the probe beside
 //! matrix-vector and matrix-matrix rates; with `quant`, only the quantized ones. The "hot"
 //! lines run one thread on a matrix that fits in L2: what one core's kernel can consume, which
 //! must exceed its share of the probe for decode to be bound by memory. `hot` runs only those
-//! (for `perf stat`), optionally only for one type and row length (`hot q4_k 1536`). `matvec` runs decode's
+//! (for `perf stat`), optionally only for one type, row length and batch (`hot q4_k 1536 4`). `matvec` runs decode's
 //! products at a 1.5B model's shapes from memory, each against a probe read just before it;
 //! `gemm` one thread's prefill products (512 activation rows) at those shapes, in GMAC/s;
 //! `attention` a 512-token prompt's causal attention over an f16 and an f32 cache (a 1.5B
@@ -12,8 +12,8 @@
 use std::time::Instant;
 
 use ember_tensor::cpu::{
-    AttentionShape, KvSlice, MatRef, PagedKv, attention_scratch_len, causal_attention, matmul,
-    matmul_scratch_len, read_sum,
+    AttentionShape, KvSlice, MatRef, PagedKv, WeightLayout, attention_scratch_len,
+    causal_attention, matmul, matmul_scratch_len, read_sum,
 };
 use ember_tensor::{Buffer, BufferKind, BufferOwner, DType, ThreadPool};
 
@@ -139,15 +139,18 @@ fn quant_kernels(pool: &ThreadPool, owner: &BufferOwner, threads: usize) {
 
 /// One core, weights in L2: the kernels' compute rate.
 fn hot_kernels(owner: &BufferOwner, only: Option<&str>) {
-    let k: usize = std::env::var("HOTK")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(4096);
-    let x: Vec<f32> = (0..k).map(|i| (i % 13) as f32 * 0.01 - 0.06).collect();
-    let mut y = vec![0f32; 4096];
+    let arg = |i: usize, default: usize| {
+        std::env::args()
+            .nth(i)
+            .and_then(|a| a.parse().ok())
+            .unwrap_or(default)
+    };
+    let (k, m) = (arg(4, 4096), arg(5, 1));
+    let x: Vec<f32> = (0..m * k).map(|i| (i % 13) as f32 * 0.01 - 0.06).collect();
+    let mut y = vec![0f32; m * 4096];
     let one = ThreadPool::new(1);
     let mut scratch = vec![0f32; matmul_scratch_len(1, 512, 4096)];
-    let (n, reps) = (256usize * 4096 / k, 400usize);
+    let (n, reps) = (256usize * 4096 / k / 16 * 16, 400usize);
     for dtype in [
         DType::Q4_K,
         DType::Q6_K,
@@ -160,22 +163,42 @@ fn hot_kernels(owner: &BufferOwner, only: Option<&str>) {
             continue;
         }
         let w = quantized(owner, dtype, n, k);
-        let mat = MatRef::new(dtype, w.bytes(), n, k);
-        let bytes = w.bytes().len() * reps;
-        let rates: Vec<f64> = (0..5)
-            .map(|_| {
-                let t = Instant::now();
-                for _ in 0..reps {
-                    matmul(&one, &x, 1, &mat, &mut y, &mut scratch);
+        let best = WeightLayout::best_for(dtype, n);
+        let mut layouts = vec![(WeightLayout::Rows, w)];
+        if best != WeightLayout::Rows {
+            let mut copy = owner
+                .alloc(BufferKind::Scratch, "w", layouts[0].1.len())
+                .unwrap();
+            best.write(dtype, layouts[0].1.bytes(), n, k, copy.bytes_mut());
+            layouts.push((best, copy));
+        }
+        for (layout, w) in &layouts {
+            let mat = MatRef::new(dtype, w.bytes(), n, k).with_layout(*layout);
+            let bytes = w.bytes().len() * reps;
+            let rates: Vec<f64> = (0..5)
+                .map(|_| {
+                    let t = Instant::now();
+                    for _ in 0..reps {
+                        matmul(&one, &x, m, &mat, &mut y, &mut scratch);
+                    }
+                    bytes as f64 / t.elapsed().as_secs_f64() / 1e9
+                })
+                .collect();
+            println!(
+                "{:<4} {} hot, 1 thread {:6.1} GB/s of weights{}",
+                dtype.name().to_lowercase(),
+                if m == 1 {
+                    "matvec".to_string()
+                } else {
+                    format!("{m} rows")
+                },
+                median(rates),
+                match layout {
+                    WeightLayout::Rows => "",
+                    WeightLayout::Interleaved16 => " (interleaved)",
                 }
-                bytes as f64 / t.elapsed().as_secs_f64() / 1e9
-            })
-            .collect();
-        println!(
-            "{:<4} matvec hot, 1 thread {:6.1} GB/s of weights",
-            dtype.name().to_lowercase(),
-            median(rates)
-        );
+            );
+        }
     }
 }
 

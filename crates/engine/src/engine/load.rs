@@ -12,8 +12,9 @@ use ember_models::{
 use ember_residency::{
     Bound, CODE_ID_BASE, MlockBackend, Region, ResidencySet, executable_regions,
 };
+use ember_tensor::cpu::WeightLayout;
 use ember_tensor::cuda::{self, CudaDevice, CudaResidency};
-use ember_tensor::{BufferKind, BufferOwner, ThreadPool};
+use ember_tensor::{BufferKind, BufferOwner, DType, ThreadPool};
 use serde_json::Value;
 
 use super::{
@@ -129,9 +130,13 @@ impl Engine {
                         KvDtype::F32 | KvDtype::Bf16 => Arithmetic::Transformers,
                     };
                     // A row of logits for each sequence a batched pass may sample.
-                    let backend = CpuBackend::new(
+                    let mut backend = CpuBackend::new(
                         &config, pool, &owner, max_batch, context, parallel, arithmetic,
                     )?;
+                    let owned = owns_weights(&weights);
+                    if owned {
+                        backend = backend.owning_weights();
+                    }
                     let model = Transformer::load(&backend, config, source, context)?;
                     let plan = PoolPlan::new(
                         options,
@@ -155,7 +160,9 @@ impl Engine {
                         context,
                     };
                     let scratch = KeepaliveScratch::Host(Arc::new(Mutex::new(scratch)));
-                    (Box::new(runner), scratch, Some(weights), plan)
+                    // Owned weights need the file's mapping no more: it goes, and with it
+                    // the pages the residency set would otherwise hold twice.
+                    (Box::new(runner), scratch, (!owned).then_some(weights), plan)
                 }
                 Some(device) => {
                     // Every kernel compiled (or read from the disk cache) now, not inside the
@@ -528,6 +535,22 @@ fn choose_device(
             }
         }
     }
+}
+
+/// Whether the CPU backend copies a checkpoint's matrices out of its mapping: a GGUF with
+/// Q4_K matrices on a CPU whose kernels read them interleaved ([`WeightLayout::best_for`]).
+/// Copying the rest too lets the mapping go after load, instead of its pages being held
+/// beside the interleaved copies.
+fn owns_weights(weights: &WeightFiles) -> bool {
+    let WeightFiles::Gguf(file) = weights else {
+        return false;
+    };
+    let interleaves = WeightLayout::best_for(DType::Q4_K, 16) != WeightLayout::Rows;
+    interleaves
+        && file.tensor_names().any(|name| {
+            file.get_gguf(name, name)
+                .is_ok_and(|t| t.dtype == DType::Q4_K)
+        })
 }
 
 /// The checkpoint files a model was loaded from.

@@ -38,7 +38,8 @@
 //! The files, by job: [`act`] quantizes activation rows into the layouts the kernels read;
 //! [`qv`] is the vector operations the kernels are written in, implemented by [`portable`],
 //! `avx2` and `avx512`; [`tiles`] holds each weight type's tile; [`wide`] the wide road;
-//! [`rows`] one thread's share of a product, and the dispatch by type and instruction set.
+//! [`rows`] one thread's share of a product, and the dispatch by type and instruction set;
+//! [`x16`] Q4_K weights interleaved sixteen rows at a time and their kernels.
 
 mod act;
 #[cfg(target_arch = "x86_64")]
@@ -52,10 +53,12 @@ mod rows;
 pub(crate) mod tests;
 mod tiles;
 mod wide;
+mod x16;
 
 pub(crate) use act::{ActJob, ActKind, ActLayout, quantize_activations};
 pub(crate) use rows::{QIsa, QJob, quant_rows};
 pub(crate) use wide::{TM, build_tiles, panel_bytes, tiles_bytes, wide_rows};
+pub(crate) use x16::{X16, interleave, plain_row};
 
 /// Weight rows computed together: one f32 lane each.
 pub(crate) const QR: usize = 8;

@@ -11,6 +11,7 @@ use super::portable::Portable;
 use super::qv::Qv;
 use super::tiles::*;
 use super::wide::{TILE_SB, TM, tile_row};
+use super::x16::rows_x16;
 use super::{QM, QR};
 use crate::dtype::DType;
 
@@ -74,6 +75,9 @@ pub(crate) struct QJob {
     pub panel: *mut u8,
     /// Wide tiles a prefill block keeps in cache.
     pub block_tiles: usize,
+    /// Q4_K weights interleaved sixteen rows at a time ([`super::x16`]), on their own tiles
+    /// (`wide` is 0); `rows` are whole groups.
+    pub interleaved: bool,
 }
 
 // SAFETY: each thread writes its own columns of `y`.
@@ -140,10 +144,25 @@ unsafe fn rows<Q: Qv, K: Kernel>(job: QJob) {
         return;
     }
     if wide > 0 {
+        assert!(
+            !job.interleaved,
+            "interleaved rows take their own tiles, not the wide road"
+        );
         unsafe { rows_wide::<Q, K>(job) };
         if wide == m {
             return;
         }
+    }
+    if job.interleaved {
+        // The VNNI kernel, or the portable one for the other sets (the same bits).
+        unsafe {
+            if Q::FAST_DPBUSD {
+                rows_x16::<true>(&job, wide);
+            } else {
+                rows_x16::<false>(&job, wide);
+            }
+        }
+        return;
     }
     // A tile past the last row repeats it and its result is dropped: no extra code for edges.
     let w_rows = |j: usize| -> [*const u8; QR] {

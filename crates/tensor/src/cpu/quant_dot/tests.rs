@@ -2,6 +2,7 @@ use super::act::{ActKind, ActLayout, quantize_activation_row};
 use super::rows::{QIsa, QJob, quant_rows};
 use super::tiles::{hsum_float_8, rdf32};
 use super::wide::{TM, build_tiles, panel_bytes, tiles_bytes, wide_rows};
+use super::x16::{X16, interleave, plain_row};
 use crate::dtype::DType;
 use crate::quant::{
     BlockQ8_0, BlockQ8_1, BlockQ8K, dequantize_row, quantize_row_q8_0, quantize_row_q8_1,
@@ -161,7 +162,17 @@ fn run(
     layout: ActLayout,
     m: usize,
 ) -> Vec<f32> {
-    run_wide(isa, dtype, w, n, acts, layout, m, wide_rows(isa, dtype, m))
+    run_wide(
+        isa,
+        dtype,
+        w,
+        n,
+        acts,
+        layout,
+        m,
+        wide_rows(isa, dtype, m),
+        false,
+    )
 }
 
 /// [`run`] with the wide road taking rows `0..wide`, whatever the set and batch.
@@ -175,6 +186,7 @@ fn run_wide(
     layout: ActLayout,
     m: usize,
     wide: usize,
+    interleaved: bool,
 ) -> Vec<f32> {
     let base = acts.as_ptr().cast::<u8>();
     let base = unsafe { base.add(base.align_offset(64)) };
@@ -210,6 +222,7 @@ fn run_wide(
             panel: panel.as_mut_ptr(),
             // Several blocks: each weight row is unpacked more than once.
             block_tiles: 1,
+            interleaved,
         },
     );
     y
@@ -495,7 +508,7 @@ fn every_row_gives_its_bits_alone_in_any_batch() {
                         roads.push((m / 2, " (half on the wide road)"));
                     }
                     for (wide, how) in roads {
-                        let got = run_wide(isa, dtype, &w, n, &acts, layout, m, wide);
+                        let got = run_wide(isa, dtype, &w, n, &acts, layout, m, wide, false);
                         for (place, &i) in ids.iter().enumerate() {
                             let same = got[place * n..(place + 1) * n]
                                 .iter()
@@ -510,6 +523,41 @@ fn every_row_gives_its_bits_alone_in_any_batch() {
                     }
                 }
             }
+        }
+    }
+}
+
+/// Q4_K rows interleaved sixteen at a time convert back to their plain bytes, and give every
+/// product the bits of the plain rows: on every instruction set (the VNNI kernel, or the
+/// portable one), for batches of 1 to 20 rows.
+#[test]
+fn interleaved_q4k_rows_give_the_bits_of_plain_ones() {
+    let (n, k, rows) = (2 * X16, 3 * 256, 20);
+    let dtype = DType::Q4_K;
+    let row_bytes = dtype.row_bytes(k);
+    let mut seed = 99;
+    let w: Vec<u8> = (0..n)
+        .flat_map(|_| random_row(dtype, k, &mut seed, true))
+        .collect();
+    let mut inter = vec![0u8; w.len()];
+    interleave(&w, n, k, &mut inter);
+    for row in 0..n {
+        let group = &inter[row / X16 * X16 * row_bytes..][..X16 * row_bytes];
+        let mut back = vec![0u8; row_bytes];
+        plain_row(group, k / 256, row % X16, &mut back);
+        assert_eq!(back, w[row * row_bytes..][..row_bytes], "row {row}");
+    }
+    let x: Vec<f32> = (0..rows * k).map(|_| unit(&mut seed) * 3.0).collect();
+    for m in 1..=rows {
+        let (layout, acts) = quantize_acts(dtype, &x, m, k);
+        let want = run(QIsa::Portable, dtype, &w, n, &acts, layout, m);
+        for isa in QIsa::available() {
+            let got = run_wide(isa, dtype, &inter, n, &acts, layout, m, 0, true);
+            let same = got
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{isa:?}: {m} rows");
         }
     }
 }

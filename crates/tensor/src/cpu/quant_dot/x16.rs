@@ -1,0 +1,338 @@
+//! Q4_K weights interleaved sixteen rows at a time, for kernels that hold one weight row per
+//! i32 lane.
+//!
+//! The row-by-row tiles ([`super::tiles`]) sum each weight row in a vector of its own and
+//! reduce eight such vectors across lanes per super-block and activation row, then scale
+//! sub-blocks lane by lane. Interleaved, four values of each of sixteen rows fill one 64-byte
+//! vector, an activation's four values are broadcast to every lane (`vpdpbusd` with a
+//! broadcast operand), and lane `r` accumulates row `r`'s sums as they are: no reduction, no
+//! shuffles. One core, a 1536-wide matrix in L2: 56 GB/s of weights against one activation
+//! row (27 row by row), 22 against four (9.4), 11 against eight (4.7); and from 16 rows on,
+//! a third faster than the wide road ([`super::wide`]) on plain rows, so interleaved weights
+//! never take it.
+//!
+//! A group of 16 rows is `nsb` blocks of [`SB_BYTES`] (16 × 144, the bytes of the plain rows),
+//! one per super-block:
+//!
+//! | bytes      | what                                                                   |
+//! |------------|------------------------------------------------------------------------|
+//! | 0..32      | `d` of rows 0..16 (f16)                                                |
+//! | 32..64     | `dmin` of rows 0..16 (f16)                                             |
+//! | 64..256    | three vectors of 16 u32 lanes, lane `r` row `r`'s scales and mins      |
+//! | 256..2304  | `qs`: for chunk `c < 4` and step `s < 8`, 64 bytes: row `r`'s bytes `32c + 4s .. +4` at `4r` |
+//!
+//! Lane `r` of scale vector `t < 3` holds sub-blocks `2t` and `2t + 1`: bits 0-5 `sc[2t]`, 6-11
+//! `m[2t]`, 16-21 `sc[2t+1]`, 22-27 `m[2t+1]`, so `& 0x3F` and `>> 6 & 0x003F003F` take them
+//! out. The nibbles left free (bits 12-15 and 28-31 of each) carry chunk 3's word, shifted so
+//! that three shifts and masks put it together ([`chunk3`]): 6 bits a value, 12 bytes a row,
+//! as in the plain format.
+//!
+//! Per row, the integer sums (each sub-block's dot product times its scale, and the mins
+//! against the activations' 32-value sums) are exact, and the float steps are those of
+//! [`super::tiles`]' Q4_K tile, lane for lane: a row gives the same bits interleaved or not.
+
+use super::act::ActLayout;
+use super::prefetch_ahead;
+use super::rows::QJob;
+use super::tiles::rdf32;
+use crate::quant::scales_mins_k4_u64;
+
+/// Rows a group interleaves.
+pub(crate) const X16: usize = 16;
+/// Bytes of one plain Q4_K block.
+const BLOCK: usize = 144;
+/// Bytes of a group's super-block.
+const SB_BYTES: usize = X16 * BLOCK;
+const OFF_DMIN: usize = 32;
+const OFF_SCALES: usize = 64;
+const OFF_QS: usize = 256;
+
+/// The word of chunk 3 (sub-blocks 6 and 7) from the free nibbles of the other three.
+#[inline(always)]
+fn chunk3(v0: u32, v1: u32, v2: u32) -> u32 {
+    ((v0 >> 12) & 0x000F_000F) | ((v1 >> 8) & 0x00F0_00F0) | ((v2 >> 4) & 0x0F00_0F00)
+}
+
+/// A chunk's word: scales and mins of sub-blocks `2c`, `2c + 1`.
+#[inline(always)]
+fn chunk_word(sc: &[u8; 8], mn: &[u8; 8], c: usize) -> u32 {
+    let (a, b) = (2 * c, 2 * c + 1);
+    sc[a] as u32 | (mn[a] as u32) << 6 | (sc[b] as u32) << 16 | (mn[b] as u32) << 22
+}
+
+/// Interleaves `rows` plain Q4_K rows (`rows` a multiple of [`X16`]) of `k` columns from
+/// `src` into `dst`, which has the same length.
+pub(crate) fn interleave(src: &[u8], rows: usize, k: usize, dst: &mut [u8]) {
+    let nsb = k / 256;
+    let row_bytes = nsb * BLOCK;
+    assert!(rows.is_multiple_of(X16) && k.is_multiple_of(256));
+    assert!(src.len() == rows * row_bytes && dst.len() == src.len());
+    for g in 0..rows / X16 {
+        for sb in 0..nsb {
+            let out = &mut dst[(g * nsb + sb) * SB_BYTES..][..SB_BYTES];
+            for r in 0..X16 {
+                let blk = &src[(g * X16 + r) * row_bytes + sb * BLOCK..][..BLOCK];
+                out[2 * r..2 * r + 2].copy_from_slice(&blk[0..2]);
+                out[OFF_DMIN + 2 * r..OFF_DMIN + 2 * r + 2].copy_from_slice(&blk[2..4]);
+                let (sc, mn) = scales_mins_k4_u64(blk[4..16].try_into().unwrap());
+                let (sc, mn) = (sc.to_le_bytes(), mn.to_le_bytes());
+                let t3 = chunk_word(&sc, &mn, 3);
+                let mut words = [0u32; 3];
+                for (t, w) in words.iter_mut().enumerate() {
+                    // Chunk 3's nibbles `t` and `t + 4` go to bits 12-15 and 28-31.
+                    let (lo, hi) = ((t3 >> (4 * t)) & 0xF, (t3 >> (16 + 4 * t)) & 0xF);
+                    *w = chunk_word(&sc, &mn, t) | lo << 12 | hi << 28;
+                }
+                for (t, w) in words.iter().enumerate() {
+                    let at = OFF_SCALES + 64 * t + 4 * r;
+                    out[at..at + 4].copy_from_slice(&w.to_le_bytes());
+                }
+                for c in 0..4 {
+                    for s in 0..8 {
+                        let at = OFF_QS + (8 * c + s) * 64 + 4 * r;
+                        let from = 16 + 32 * c + 4 * s;
+                        out[at..at + 4].copy_from_slice(&blk[from..from + 4]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Row `r` of the group at `group` (`nsb` super-blocks) as a plain Q4_K row, into `out`
+/// (`nsb · 144` bytes).
+pub(crate) fn plain_row(group: &[u8], nsb: usize, r: usize, out: &mut [u8]) {
+    for sb in 0..nsb {
+        let g = &group[sb * SB_BYTES..][..SB_BYTES];
+        let blk = &mut out[sb * BLOCK..][..BLOCK];
+        blk[0..2].copy_from_slice(&g[2 * r..2 * r + 2]);
+        blk[2..4].copy_from_slice(&g[OFF_DMIN + 2 * r..OFF_DMIN + 2 * r + 2]);
+        let word = |t: usize| {
+            let at = OFF_SCALES + 64 * t + 4 * r;
+            u32::from_le_bytes(g[at..at + 4].try_into().unwrap())
+        };
+        let (v0, v1, v2) = (word(0), word(1), word(2));
+        let words = [v0, v1, v2, chunk3(v0, v1, v2)];
+        let (mut sc, mut mn) = ([0u8; 8], [0u8; 8]);
+        for (c, w) in words.iter().enumerate() {
+            sc[2 * c] = (w & 63) as u8;
+            mn[2 * c] = (w >> 6 & 63) as u8;
+            sc[2 * c + 1] = (w >> 16 & 63) as u8;
+            mn[2 * c + 1] = (w >> 22 & 63) as u8;
+        }
+        // ggml's packing (the inverse of `get_scale_min_k4`).
+        let q = &mut blk[4..16];
+        for j in 0..4 {
+            q[j] = sc[j] | (sc[j + 4] >> 4) << 6;
+            q[j + 4] = mn[j] | (mn[j + 4] >> 4) << 6;
+            q[j + 8] = (sc[j + 4] & 0xF) | (mn[j + 4] & 0xF) << 4;
+        }
+        for c in 0..4 {
+            for s in 0..8 {
+                let at = OFF_QS + (8 * c + s) * 64 + 4 * r;
+                let to = 16 + 32 * c + 4 * s;
+                blk[to..to + 4].copy_from_slice(&g[at..at + 4]);
+            }
+        }
+    }
+}
+
+/// Where chunk `c`'s low-nibble values (sub-block `2c`) lie in a super-block of activations
+/// quantized for Q4_K ([`super::ActKind::Q8KI`]); the high-nibble ones lie 64 bytes on.
+#[inline(always)]
+fn lo_offset(c: usize) -> usize {
+    128 * (c / 2) + 32 * (c % 2)
+}
+
+/// The tiles' part of `job` for interleaved weights: activation rows `first..m`, four at a
+/// time, against each group of the thread's rows. `VNNI` picks the AVX-512 VNNI kernel, else
+/// the portable one (the same bits).
+///
+/// # Safety
+/// `job` describes valid weights, activations and output; with `VNNI`, the CPU has
+/// AVX-512 VNNI.
+#[inline(always)]
+pub(super) unsafe fn rows_x16<const VNNI: bool>(job: &QJob, first: usize) {
+    let QJob {
+        w,
+        row_bytes,
+        n,
+        rows: (start, end),
+        acts,
+        layout,
+        m,
+        y,
+        ..
+    } = *job;
+    let nsb = layout.k / 256;
+    let ahead = prefetch_ahead(row_bytes);
+    let act = |i: usize| unsafe { acts.add(i * layout.stride) };
+    let store = |out: &[[f32; X16]], i0: usize, j: usize| {
+        for (di, vals) in out.iter().enumerate() {
+            for (r, &v) in vals.iter().enumerate() {
+                unsafe { *y.add((i0 + di) * n + j + r) = v };
+            }
+        }
+    };
+    macro_rules! group {
+        ($m:literal, $g:expr, $i:expr) => {{
+            let a: [*const u8; $m] = std::array::from_fn(|c| act($i + c));
+            #[cfg(target_arch = "x86_64")]
+            let out = if VNNI {
+                unsafe { group_vnni::<$m>($g, nsb, a, &layout, ahead) }
+            } else {
+                group_portable::<$m>($g, nsb, a, &layout)
+            };
+            #[cfg(not(target_arch = "x86_64"))]
+            let out = group_portable::<$m>($g, nsb, a, &layout);
+            out
+        }};
+    }
+    let mut j = start;
+    while j < end {
+        let g = unsafe { w.add(j * row_bytes) };
+        let mut i = first;
+        while i < m {
+            match m - i {
+                1 => store(&group!(1, g, i), i, j),
+                2 => store(&group!(2, g, i), i, j),
+                3 => store(&group!(3, g, i), i, j),
+                _ => store(&group!(4, g, i), i, j),
+            }
+            i += (m - i).min(4);
+        }
+        j += X16;
+    }
+}
+
+/// One group against `M` activation rows: `out[i][r]` the dot of row `r` with row `i`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn group_vnni<const M: usize>(
+    g: *const u8,
+    nsb: usize,
+    a: [*const u8; M],
+    lay: &ActLayout,
+    ahead: usize,
+) -> [[f32; X16]; M] {
+    use std::arch::x86_64::*;
+    unsafe {
+        let low = _mm512_set1_epi8(0x0F);
+        let six = _mm512_set1_epi32(0x3F);
+        let pair = _mm512_set1_epi32(0x003F_003F);
+        let bcast = |p: *const u8| _mm512_set1_epi32(p.cast::<i32>().read_unaligned());
+        let mut acc = [_mm512_setzero_ps(); M];
+        let mut acc_min = [_mm512_setzero_ps(); M];
+        for sb in 0..nsb {
+            let blk = g.add(sb * SB_BYTES);
+            for line in 0..SB_BYTES / 64 {
+                _mm_prefetch::<_MM_HINT_T1>(blk.add(ahead + 64 * line).cast());
+            }
+            let v0 = _mm512_loadu_si512(blk.add(OFF_SCALES).cast());
+            let v1 = _mm512_loadu_si512(blk.add(OFF_SCALES + 64).cast());
+            let v2 = _mm512_loadu_si512(blk.add(OFF_SCALES + 128).cast());
+            let v3 = _mm512_or_si512(
+                _mm512_or_si512(
+                    _mm512_and_si512(_mm512_srli_epi32::<12>(v0), _mm512_set1_epi32(0x000F_000F)),
+                    _mm512_and_si512(_mm512_srli_epi32::<8>(v1), _mm512_set1_epi32(0x00F0_00F0)),
+                ),
+                _mm512_and_si512(_mm512_srli_epi32::<4>(v2), _mm512_set1_epi32(0x0F00_0F00)),
+            );
+            let words = [v0, v1, v2, v3];
+            let mut isum = [_mm512_setzero_si512(); M];
+            let mut msum = [_mm512_setzero_si512(); M];
+            for (c, &word) in words.iter().enumerate() {
+                let mut lo = [_mm512_setzero_si512(); M];
+                let mut hi = [_mm512_setzero_si512(); M];
+                for s in 0..8 {
+                    let v = _mm512_loadu_si512(blk.add(OFF_QS + (8 * c + s) * 64).cast());
+                    let wl = _mm512_and_si512(v, low);
+                    let wh = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low);
+                    for i in 0..M {
+                        let x = a[i].add(256 * sb + lo_offset(c) + 4 * s);
+                        lo[i] = _mm512_dpbusd_epi32(lo[i], wl, bcast(x));
+                        hi[i] = _mm512_dpbusd_epi32(hi[i], wh, bcast(x.add(64)));
+                    }
+                }
+                let sc_lo = _mm512_and_si512(word, six);
+                let sc_hi = _mm512_and_si512(_mm512_srli_epi32::<16>(word), six);
+                let mins = _mm512_and_si512(_mm512_srli_epi32::<6>(word), pair);
+                for i in 0..M {
+                    let scaled = _mm512_add_epi32(
+                        _mm512_mullo_epi32(lo[i], sc_lo),
+                        _mm512_mullo_epi32(hi[i], sc_hi),
+                    );
+                    isum[i] = _mm512_add_epi32(isum[i], scaled);
+                    // The activations' sums of sub-blocks 2c and 2c+1, an i16 pair.
+                    let bs = a[i].add(lay.b + 2 * (8 * sb + 2 * c));
+                    msum[i] = _mm512_dpwssd_epi32(msum[i], mins, bcast(bs));
+                }
+            }
+            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(blk.cast()));
+            let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(OFF_DMIN).cast()));
+            for i in 0..M {
+                let dx = _mm512_set1_ps(rdf32(a[i].add(lay.d), sb));
+                let s1 = _mm512_cvtepi32_ps(isum[i]);
+                let s2 = _mm512_cvtepi32_ps(msum[i]);
+                acc[i] = _mm512_fmadd_ps(s1, _mm512_mul_ps(dw, dx), acc[i]);
+                acc_min[i] = _mm512_fmadd_ps(s2, _mm512_mul_ps(dmin, dx), acc_min[i]);
+            }
+        }
+        let mut out = [[0f32; X16]; M];
+        for i in 0..M {
+            _mm512_storeu_ps(out[i].as_mut_ptr(), _mm512_sub_ps(acc[i], acc_min[i]));
+        }
+        out
+    }
+}
+
+/// [`group_vnni`] in plain Rust, lane by lane: the same integers and float steps.
+fn group_portable<const M: usize>(
+    g: *const u8,
+    nsb: usize,
+    a: [*const u8; M],
+    lay: &ActLayout,
+) -> [[f32; X16]; M] {
+    let f16 = |p: *const u8| half::f16::from_bits(unsafe { p.cast::<u16>().read_unaligned() });
+    let mut acc = [[0f32; X16]; M];
+    let mut acc_min = [[0f32; X16]; M];
+    for sb in 0..nsb {
+        // SAFETY: the caller's promise that `g` holds `nsb` blocks.
+        let blk = unsafe { std::slice::from_raw_parts(g.add(sb * SB_BYTES), SB_BYTES) };
+        let mut row = [0u8; BLOCK];
+        for r in 0..X16 {
+            plain_row(blk, 1, r, &mut row);
+            let (sc, mn) = scales_mins_k4_u64(row[4..16].try_into().unwrap());
+            let (sc, mn) = (sc.to_le_bytes(), mn.to_le_bytes());
+            let dw = f16(row.as_ptr()).to_f32();
+            let dmin = f16(row[2..].as_ptr()).to_f32();
+            for i in 0..M {
+                let x = |o: usize| unsafe { *a[i].add(256 * sb + o).cast::<i8>() } as i32;
+                let bs = |j: usize| unsafe {
+                    a[i].add(lay.b)
+                        .cast::<i16>()
+                        .add(8 * sb + j)
+                        .read_unaligned()
+                } as i32;
+                let (mut isum, mut msum) = (0i32, 0i32);
+                for j in 0..8 {
+                    let (c, high) = (j / 2, j % 2 == 1);
+                    let base = lo_offset(c) + 64 * usize::from(high);
+                    let dot: i32 = (0..32)
+                        .map(|l| {
+                            let byte = row[16 + 32 * c + l];
+                            let q = if high { byte >> 4 } else { byte & 0xF };
+                            q as i32 * x(base + l)
+                        })
+                        .sum();
+                    isum += dot * sc[j] as i32;
+                    msum += mn[j] as i32 * bs(j);
+                }
+                let dx = unsafe { rdf32(a[i].add(lay.d), sb) };
+                acc[i][r] = (isum as f32).mul_add(dw * dx, acc[i][r]);
+                acc_min[i][r] = (msum as f32).mul_add(dmin * dx, acc_min[i][r]);
+            }
+        }
+    }
+    std::array::from_fn(|i| std::array::from_fn(|r| acc[i][r] - acc_min[i][r]))
+}
