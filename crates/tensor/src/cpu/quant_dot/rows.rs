@@ -12,7 +12,7 @@ use super::qv::Qv;
 use super::tiles::*;
 use super::wide::{TILE_SB, TM, tile_row};
 use super::x16::rows_x16;
-use super::{QM, QR};
+use super::{QM, QR, prefetch_ahead};
 use crate::dtype::DType;
 
 /// The instruction sets the integer kernels come in.
@@ -152,6 +152,12 @@ unsafe fn rows<Q: Qv, K: Kernel>(job: QJob) {
         if wide == m {
             return;
         }
+    }
+    // The kernels prefetch a fixed distance ahead of their loads, which leaves the start of
+    // the thread's rows to wait on memory: ask for it now.
+    let first = (end - start) * row_bytes;
+    for offset in (0..first.min(prefetch_ahead(row_bytes))).step_by(64) {
+        unsafe { Q::prefetch(w.add(start * row_bytes + offset)) };
     }
     if job.interleaved {
         // The VNNI kernel, or the portable one for the other sets (the same bits).
