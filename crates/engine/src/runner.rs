@@ -152,8 +152,13 @@ impl Runner for ModelRunner<CpuBackend> {
     }
 
     fn device_label(&self) -> String {
+        let types = self.backend.quantized_types();
+        let kernels = match types.is_empty() {
+            true => String::new(),
+            false => format!("; {}", cpu::quant_kernels(&types)),
+        };
         format!(
-            "cpu ({}, {} threads)",
+            "cpu ({}, {} threads{kernels})",
             cpu::Isa::detect().name(),
             self.threads()
         )

@@ -3,10 +3,11 @@
 
 use std::collections::VecDeque;
 use std::ops::Range;
+use std::sync::Mutex;
 
 use ember_checkpoint::TensorSource;
 use ember_tensor::cpu::{self, AttentionShape, RopeLayout, RopeTables};
-use ember_tensor::{BufferOwner, ThreadPool};
+use ember_tensor::{BufferOwner, DType, ThreadPool};
 
 use crate::backend::{AttentionParams, Backend, PICKS_AHEAD, PassSegment, RopeStyle, Slot};
 use crate::config::ModelConfig;
@@ -41,6 +42,8 @@ pub struct CpuBackend {
     last_pick: Option<u32>,
     /// See [`CpuBackend::owning_weights`].
     owns_weights: bool,
+    /// The quantized types of the matrices loaded, for reports.
+    quantized_types: Mutex<Vec<DType>>,
 }
 
 impl CpuBackend {
@@ -74,7 +77,26 @@ impl CpuBackend {
             picks: VecDeque::with_capacity(PICKS_AHEAD),
             last_pick: None,
             owns_weights: false,
+            quantized_types: Mutex::new(Vec::new()),
         })
+    }
+
+    /// The quantized types of the matrices loaded so far, each once.
+    pub fn quantized_types(&self) -> Vec<DType> {
+        self.quantized_types
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    fn note_type(&self, matrix: &Matrix) {
+        let mut types = self
+            .quantized_types
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if matrix.dtype.is_quantized() && !types.contains(&matrix.dtype) {
+            types.push(matrix.dtype);
+        }
     }
 
     /// Matrices loaded from now on are copied into buffers of this backend's own, each in
@@ -135,7 +157,9 @@ impl Backend for CpuBackend {
         rows: usize,
         cols: usize,
     ) -> Result<Matrix> {
-        self.loader(source).matrix(name, rows, cols)
+        let matrix = self.loader(source).matrix(name, rows, cols)?;
+        self.note_type(&matrix);
+        Ok(matrix)
     }
 
     fn load_stacked(
@@ -146,7 +170,9 @@ impl Backend for CpuBackend {
         rows: usize,
         cols: usize,
     ) -> Result<Matrix> {
-        self.loader(source).stacked(name, count, rows, cols)
+        let matrix = self.loader(source).stacked(name, count, rows, cols)?;
+        self.note_type(&matrix);
+        Ok(matrix)
     }
 
     fn load_vector(&self, source: &dyn TensorSource, name: &str, len: usize) -> Result<Vector> {

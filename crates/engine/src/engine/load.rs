@@ -12,7 +12,7 @@ use ember_models::{
 use ember_residency::{
     Bound, CODE_ID_BASE, MlockBackend, Region, ResidencySet, executable_regions,
 };
-use ember_tensor::cpu::WeightLayout;
+use ember_tensor::cpu::{self, WeightLayout};
 use ember_tensor::cuda::{self, CudaDevice, CudaResidency};
 use ember_tensor::{BufferKind, BufferOwner, DType, ThreadPool};
 use serde_json::Value;
@@ -138,6 +138,9 @@ impl Engine {
                         backend = backend.owning_weights();
                     }
                     let model = Transformer::load(&backend, config, source, context)?;
+                    if !backend.quantized_types().is_empty() {
+                        tracing::info!("cpu kernels, by timing: {}", cpu::quant_kernel_report());
+                    }
                     let plan = PoolPlan::new(
                         options,
                         &model.config,

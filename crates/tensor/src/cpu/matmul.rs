@@ -20,7 +20,7 @@
 //! units' rate. Both compute every element identically, which is what makes prefill and
 //! decode, batched and alone, agree to the bit.
 
-use super::quant_dot::{self, ActJob, ActKind, ActLayout, QIsa, QJob};
+use super::quant_dot::{self, ActJob, ActKind, ActLayout, QJob};
 use super::simd::{Bf16, F16, Simd, WeightElem};
 use super::{Isa, SharedPtr, simd_dispatch};
 use crate::dtype::DType;
@@ -66,8 +66,8 @@ pub enum WeightLayout {
 impl WeightLayout {
     /// The layout this CPU's kernels read a matrix of `rows` rows of `dtype` best in.
     pub fn best_for(dtype: DType, rows: usize) -> WeightLayout {
-        let vnni = QIsa::from_isa(Isa::detect()) == QIsa::Avx512Vnni;
-        if dtype == DType::Q4_K && vnni && rows.is_multiple_of(quant_dot::X16) {
+        let chosen = dtype == DType::Q4_K && quant_dot::choice(dtype).interleaved;
+        if chosen && rows.is_multiple_of(quant_dot::X16) {
             WeightLayout::Interleaved16
         } else {
             WeightLayout::Rows
@@ -206,6 +206,17 @@ impl QuantScratch {
     }
 }
 
+/// The kernels quantized products of `types` run with, chosen by measurement on first use:
+/// `q4_k avx512-vnni x16, q6_k avx512-vnni`.
+pub fn quant_kernels(types: &[DType]) -> String {
+    quant_dot::kernel_summary(types)
+}
+
+/// What each quantized kernel candidate measured when the kernels were chosen.
+pub fn quant_kernel_report() -> String {
+    quant_dot::kernel_report()
+}
+
 /// `y[i, j] = Σ_p x[i, p] · w[j, p]` for `i < m`, `j < w.rows`, `p < w.cols`.
 ///
 /// `scratch` holds at least [`matmul_scratch_len`]`(pool.n_threads(), m, k)` f32s (float
@@ -285,7 +296,7 @@ fn matmul_quantized(
     let (n, k) = (w.rows, w.cols);
     let layout = ActLayout::new(ActKind::for_weights(w.dtype), k);
     let isa = Isa::detect();
-    let qisa = QIsa::from_isa(isa);
+    let qisa = quant_dot::choice(w.dtype).isa;
     let interleaved = w.layout == WeightLayout::Interleaved16;
     // Interleaved rows run every batch faster on their own tiles than on the wide road (a
     // third faster for 16 to 128 rows, one core, weights in L2).

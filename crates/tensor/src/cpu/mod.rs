@@ -23,7 +23,9 @@ pub use elementwise::{
     silu_mul, softmax_in_place,
 };
 pub use isa::Isa;
-pub use matmul::{MatRef, WeightLayout, matmul, matmul_scratch_len};
+pub use matmul::{
+    MatRef, WeightLayout, matmul, matmul_scratch_len, quant_kernel_report, quant_kernels,
+};
 pub use probe::read_sum;
 
 /// A raw pointer that threads of one parallel region share; each thread touches a part of the

@@ -39,13 +39,15 @@
 //! [`qv`] is the vector operations the kernels are written in, implemented by [`portable`],
 //! `avx2` and `avx512`; [`tiles`] holds each weight type's tile; [`wide`] the wide road;
 //! [`rows`] one thread's share of a product, and the dispatch by type and instruction set;
-//! [`x16`] Q4_K weights interleaved sixteen rows at a time and their kernels.
+//! [`x16`] Q4_K weights interleaved sixteen rows at a time and their kernels; [`choice`]
+//! which set and layout each type runs with, by measurement.
 
 mod act;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+mod choice;
 mod portable;
 mod qv;
 mod rows;
@@ -56,7 +58,8 @@ mod wide;
 mod x16;
 
 pub(crate) use act::{ActJob, ActKind, ActLayout, quantize_activations};
-pub(crate) use rows::{QIsa, QJob, quant_rows};
+pub(crate) use choice::{choice, report as kernel_report, summary as kernel_summary};
+pub(crate) use rows::{QJob, quant_rows};
 pub(crate) use wide::{TM, build_tiles, panel_bytes, tiles_bytes, wide_rows};
 pub(crate) use x16::{X16, interleave, plain_row};
 

@@ -37,7 +37,6 @@ impl QIsa {
     }
 
     /// Every set this CPU can run.
-    #[cfg(test)]
     pub(crate) fn available() -> Vec<QIsa> {
         let mut sets = Vec::new();
         for isa in Isa::available() {
