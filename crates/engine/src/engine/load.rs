@@ -541,19 +541,18 @@ fn choose_device(
 }
 
 /// Whether the CPU backend copies a checkpoint's matrices out of its mapping: a GGUF with
-/// Q4_K matrices on a CPU whose kernels read them interleaved ([`WeightLayout::best_for`]).
+/// matrices of a type this CPU's kernels read interleaved ([`WeightLayout::best_for`]).
 /// Copying the rest too lets the mapping go after load, instead of its pages being held
 /// beside the interleaved copies.
 fn owns_weights(weights: &WeightFiles) -> bool {
     let WeightFiles::Gguf(file) = weights else {
         return false;
     };
-    let interleaves = WeightLayout::best_for(DType::Q4_K, 16) != WeightLayout::Rows;
-    interleaves
-        && file.tensor_names().any(|name| {
-            file.get_gguf(name, name)
-                .is_ok_and(|t| t.dtype == DType::Q4_K)
-        })
+    let interleaved = |dtype: DType| WeightLayout::best_for(dtype, 16) != WeightLayout::Rows;
+    file.tensor_names().any(|name| {
+        file.get_gguf(name, name)
+            .is_ok_and(|t| interleaved(t.dtype))
+    })
 }
 
 /// The checkpoint files a model was loaded from.

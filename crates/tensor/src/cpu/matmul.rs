@@ -31,8 +31,8 @@ use crate::quant::dequantize_row;
 const NR: usize = 6;
 /// Activation rows computed together in prefill.
 const MR: usize = 4;
-/// How far ahead of its loads decode prefetches each weight row, in elements.
-const PREFETCH_ELEMENTS: usize = 256;
+/// How far ahead of its loads decode prefetches weights, at least.
+const PREFETCH_BYTES: usize = 16 * 1024;
 /// Bytes of activation rows a prefill block keeps in a core's L2 while panels stream past.
 const ACTIVATION_BLOCK_BYTES: usize = 768 * 1024;
 
@@ -58,15 +58,16 @@ pub enum WeightLayout {
     /// Row after row, as checkpoints store them.
     #[default]
     Rows,
-    /// Q4_K rows interleaved sixteen at a time, in the same bytes (`quant_dot::x16`): what
-    /// the kernels read fastest with AVX-512 VNNI, products of a few activation rows most.
+    /// Q4_K or Q4_1 rows interleaved sixteen at a time, in the same bytes (`quant_dot::x16`):
+    /// what the kernels read fastest with AVX-512 VNNI, products of a few activation rows
+    /// most.
     Interleaved16,
 }
 
 impl WeightLayout {
     /// The layout this CPU's kernels read a matrix of `rows` rows of `dtype` best in.
     pub fn best_for(dtype: DType, rows: usize) -> WeightLayout {
-        let chosen = dtype == DType::Q4_K && quant_dot::choice(dtype).interleaved;
+        let chosen = quant_dot::interleaves(dtype) && quant_dot::choice(dtype).interleaved;
         if chosen && rows.is_multiple_of(quant_dot::X16) {
             WeightLayout::Interleaved16
         } else {
@@ -92,8 +93,8 @@ impl WeightLayout {
         match self {
             WeightLayout::Rows => dst.copy_from_slice(src),
             WeightLayout::Interleaved16 => {
-                assert_eq!(dtype, DType::Q4_K, "only Q4_K interleaves");
-                quant_dot::interleave(src, rows, cols, dst);
+                assert!(quant_dot::interleaves(dtype), "{dtype} does not interleave");
+                quant_dot::interleave(dtype, src, rows, cols, dst);
             }
         }
     }
@@ -166,7 +167,7 @@ impl<'a> MatRef<'a> {
                 let group = row / quant_dot::X16 * quant_dot::X16;
                 let bytes = &self.data[group * row_bytes..][..quant_dot::X16 * row_bytes];
                 let mut plain = vec![0u8; row_bytes];
-                quant_dot::plain_row(bytes, self.cols / 256, row - group, &mut plain);
+                quant_dot::plain_row(self.dtype, bytes, self.cols, row - group, &mut plain);
                 dequantize_row(self.dtype, &plain, out);
             }
         }
@@ -294,10 +295,14 @@ fn matmul_quantized(
     scratch: &mut [f32],
 ) {
     let (n, k) = (w.rows, w.cols);
-    let layout = ActLayout::new(ActKind::for_weights(w.dtype), k);
+    let interleaved = w.layout == WeightLayout::Interleaved16;
+    let kind = match interleaved {
+        true => ActKind::for_interleaved(w.dtype),
+        false => ActKind::for_weights(w.dtype),
+    };
+    let layout = ActLayout::new(kind, k);
     let isa = Isa::detect();
     let qisa = quant_dot::choice(w.dtype).isa;
-    let interleaved = w.layout == WeightLayout::Interleaved16;
     // Interleaved rows run every batch faster on their own tiles than on the wide road (a
     // third faster for 16 to 128 rows, one core, weights in L2).
     let wide = match interleaved {
@@ -528,12 +533,17 @@ unsafe fn tile<S: Simd, W: WeightElem, const R: usize, const C: usize>(
         let mut acc = [[S::zero(); C]; R];
         let mut wv = [S::zero(); C];
         let full = k / S::LANES * S::LANES;
+        // Decode streams each weight row once: ask for the same place in a later tile's rows,
+        // which lie right after these (as the quantized kernels do; see
+        // `quant_dot::prefetch_ahead`): at least one tile and `PREFETCH_BYTES` ahead.
+        let tile_elements = C * k;
+        let ahead = tile_elements
+            * (PREFETCH_BYTES.div_ceil(tile_elements * std::mem::size_of::<W>())).max(1);
         let mut p = 0;
         while p < full {
             if R == 1 {
-                // Decode streams each weight row once: ask for it a few lines ahead.
                 for row in &w {
-                    S::prefetch(row.add(p + PREFETCH_ELEMENTS).cast());
+                    S::prefetch(row.add(p + ahead).cast());
                 }
             }
             for c in 0..C {

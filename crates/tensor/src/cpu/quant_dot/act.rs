@@ -25,6 +25,15 @@ pub(crate) enum ActKind {
 }
 
 impl ActKind {
+    /// The kind for weights of `dtype` interleaved sixteen rows at a time (`super::x16`):
+    /// Q4_1's kernels there read values in order.
+    pub(crate) fn for_interleaved(dtype: DType) -> ActKind {
+        match dtype {
+            DType::Q4_1 => ActKind::Q8,
+            _ => ActKind::for_weights(dtype),
+        }
+    }
+
     pub(crate) fn for_weights(dtype: DType) -> ActKind {
         match dtype {
             DType::Q4_K | DType::Q5_K => ActKind::Q8KI,

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use super::super::Isa;
 use super::act::{ActJob, ActKind, ActLayout, quantize_activations};
 use super::rows::{QIsa, QJob, quant_rows};
-use super::x16::{X16, interleave};
+use super::x16::{X16, interleave, interleaves};
 use crate::dtype::DType;
 
 /// One type's kernels: the set they run with, whether Q4_K weights are interleaved, and what
@@ -146,37 +146,46 @@ fn measure(dtype: DType) -> Choice {
     }
     let mut candidates: Vec<(QIsa, bool)> = Vec::new();
     for &isa in &sets {
-        if dtype == DType::Q4_K && isa == QIsa::Avx512Vnni {
+        if interleaves(dtype) && isa == QIsa::Avx512Vnni {
             candidates.push((isa, true));
         }
         candidates.push((isa, false));
     }
     let plain = weights(dtype);
     let mut interleaved = vec![0u8; plain.len()];
-    if dtype == DType::Q4_K {
-        interleave(&plain, ROWS, COLS, &mut interleaved);
+    if interleaves(dtype) {
+        interleave(dtype, &plain, ROWS, COLS, &mut interleaved);
     }
-    let layout = ActLayout::new(ActKind::for_weights(dtype), COLS);
-    let mut acts = vec![0u64; layout.stride.div_ceil(8) + 8];
-    let base = acts.as_mut_ptr().cast::<u8>();
-    let base = unsafe { base.add(base.align_offset(64)) };
+    // One activation row in each layout the candidates read.
     let x: Vec<f32> = (0..COLS)
         .map(|i| ((i * 37) % 101) as f32 * 0.02 - 1.0)
         .collect();
-    quantize_activations(
-        Isa::detect(),
-        ActJob {
+    let quantized = |kind: ActKind| {
+        let layout = ActLayout::new(kind, COLS);
+        let mut acts = vec![0u64; layout.stride.div_ceil(8) + 8];
+        let offset = acts.as_ptr().cast::<u8>().align_offset(64);
+        let out = unsafe { acts.as_mut_ptr().cast::<u8>().add(offset) };
+        let job = ActJob {
             x: x.as_ptr(),
             rows: (0, 1),
             layout,
-            out: base,
-        },
-    );
+            out,
+        };
+        quantize_activations(Isa::detect(), job);
+        (layout, acts, offset)
+    };
+    let plain_acts = quantized(ActKind::for_weights(dtype));
+    let interleaved_acts = quantized(ActKind::for_interleaved(dtype));
     let mut y = vec![0f32; ROWS];
     let mut best = vec![f64::INFINITY; candidates.len()];
     for _ in 0..ROUNDS {
         for (at, &(isa, inter)) in candidates.iter().enumerate() {
             let w = if inter { &interleaved } else { &plain };
+            let (layout, acts, offset) = match inter {
+                true => &interleaved_acts,
+                false => &plain_acts,
+            };
+            let (base, layout) = (unsafe { acts.as_ptr().cast::<u8>().add(*offset) }, *layout);
             let job = QJob {
                 w: w.as_ptr(),
                 row_bytes: dtype.row_bytes(COLS),

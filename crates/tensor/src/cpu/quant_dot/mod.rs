@@ -39,7 +39,7 @@
 //! [`qv`] is the vector operations the kernels are written in, implemented by [`portable`],
 //! `avx2` and `avx512`; [`tiles`] holds each weight type's tile; [`wide`] the wide road;
 //! [`rows`] one thread's share of a product, and the dispatch by type and instruction set;
-//! [`x16`] Q4_K weights interleaved sixteen rows at a time and their kernels; [`choice`]
+//! [`x16`] Q4_K and Q4_1 weights interleaved sixteen rows at a time and their kernels; [`choice`]
 //! which set and layout each type runs with, by measurement.
 
 mod act;
@@ -61,7 +61,7 @@ pub(crate) use act::{ActJob, ActKind, ActLayout, quantize_activations};
 pub(crate) use choice::{choice, report as kernel_report, summary as kernel_summary};
 pub(crate) use rows::{QJob, quant_rows};
 pub(crate) use wide::{TM, build_tiles, panel_bytes, tiles_bytes, wide_rows};
-pub(crate) use x16::{X16, interleave, plain_row};
+pub(crate) use x16::{X16, interleave, interleaves, plain_row};
 
 /// Weight rows computed together: one f32 lane each.
 pub(crate) const QR: usize = 8;

@@ -11,7 +11,6 @@ use super::portable::Portable;
 use super::qv::Qv;
 use super::tiles::*;
 use super::wide::{TILE_SB, TM, tile_row};
-use super::x16::rows_x16;
 use super::{QM, QR, prefetch_ahead};
 use crate::dtype::DType;
 
@@ -74,7 +73,7 @@ pub(crate) struct QJob {
     pub panel: *mut u8,
     /// Wide tiles a prefill block keeps in cache.
     pub block_tiles: usize,
-    /// Q4_K weights interleaved sixteen rows at a time ([`super::x16`]), on their own tiles
+    /// Weights interleaved sixteen rows at a time ([`super::x16`]), on their own kernels
     /// (`wide` is 0); `rows` are whole groups.
     pub interleaved: bool,
 }
@@ -85,6 +84,10 @@ unsafe impl Sync for QJob {}
 
 /// Runs `job` with the kernels of `dtype` compiled for `isa`.
 pub(crate) fn quant_rows(isa: QIsa, dtype: DType, job: QJob) {
+    if job.interleaved {
+        super::x16::rows(isa, dtype, job);
+        return;
+    }
     match dtype {
         DType::Q8_0 => rows_dispatch::<KQ8_0>(isa, job),
         DType::Q4_0 => rows_dispatch::<KQ4_0>(isa, job),
@@ -157,17 +160,6 @@ unsafe fn rows<Q: Qv, K: Kernel>(job: QJob) {
     let first = (end - start) * row_bytes;
     for offset in (0..first.min(prefetch_ahead(row_bytes))).step_by(64) {
         unsafe { Q::prefetch(w.add(start * row_bytes + offset)) };
-    }
-    if job.interleaved {
-        // The VNNI kernel, or the portable one for the other sets (the same bits).
-        unsafe {
-            if Q::FAST_DPBUSD {
-                rows_x16::<true>(&job, wide);
-            } else {
-                rows_x16::<false>(&job, wide);
-            }
-        }
-        return;
     }
     // A tile past the last row repeats it and its result is dropped: no extra code for edges.
     let w_rows = |j: usize| -> [*const u8; QR] {

@@ -141,7 +141,11 @@ pub(crate) fn reference(dtype: DType, row: &[u8], x: &[f32]) -> (f64, f64) {
 }
 
 fn quantize_acts(dtype: DType, x: &[f32], m: usize, k: usize) -> (ActLayout, Vec<u64>) {
-    let layout = ActLayout::new(ActKind::for_weights(dtype), k);
+    quantize_acts_as(ActKind::for_weights(dtype), x, m, k)
+}
+
+fn quantize_acts_as(kind: ActKind, x: &[f32], m: usize, k: usize) -> (ActLayout, Vec<u64>) {
+    let layout = ActLayout::new(kind, k);
     let mut buf = vec![0u64; (m * layout.stride).div_ceil(8) + 8];
     let base = buf.as_mut_ptr().cast::<u8>();
     let base = unsafe { base.add(base.align_offset(64)) };
@@ -527,37 +531,39 @@ fn every_row_gives_its_bits_alone_in_any_batch() {
     }
 }
 
-/// Q4_K rows interleaved sixteen at a time convert back to their plain bytes, and give every
-/// product the bits of the plain rows: on every instruction set (the VNNI kernel, or the
-/// portable one), for batches of 1 to 20 rows.
+/// Q4_K and Q4_1 rows interleaved sixteen at a time convert back to their plain bytes, and
+/// give every product the bits of the plain rows: on every instruction set (the VNNI kernel,
+/// or the portable one), for batches of 1 to 20 rows.
 #[test]
-fn interleaved_q4k_rows_give_the_bits_of_plain_ones() {
-    let (n, k, rows) = (2 * X16, 3 * 256, 20);
-    let dtype = DType::Q4_K;
-    let row_bytes = dtype.row_bytes(k);
-    let mut seed = 99;
-    let w: Vec<u8> = (0..n)
-        .flat_map(|_| random_row(dtype, k, &mut seed, true))
-        .collect();
-    let mut inter = vec![0u8; w.len()];
-    interleave(&w, n, k, &mut inter);
-    for row in 0..n {
-        let group = &inter[row / X16 * X16 * row_bytes..][..X16 * row_bytes];
-        let mut back = vec![0u8; row_bytes];
-        plain_row(group, k / 256, row % X16, &mut back);
-        assert_eq!(back, w[row * row_bytes..][..row_bytes], "row {row}");
-    }
-    let x: Vec<f32> = (0..rows * k).map(|_| unit(&mut seed) * 3.0).collect();
-    for m in 1..=rows {
-        let (layout, acts) = quantize_acts(dtype, &x, m, k);
-        let want = run(QIsa::Portable, dtype, &w, n, &acts, layout, m);
-        for isa in QIsa::available() {
-            let got = run_wide(isa, dtype, &inter, n, &acts, layout, m, 0, true);
-            let same = got
-                .iter()
-                .zip(&want)
-                .all(|(a, b)| a.to_bits() == b.to_bits());
-            assert!(same, "{isa:?}: {m} rows");
+fn interleaved_rows_give_the_bits_of_plain_ones() {
+    for dtype in [DType::Q4_K, DType::Q4_1] {
+        let (n, k, rows) = (2 * X16, 3 * 256, 20);
+        let row_bytes = dtype.row_bytes(k);
+        let mut seed = 99;
+        let w: Vec<u8> = (0..n)
+            .flat_map(|_| random_row(dtype, k, &mut seed, true))
+            .collect();
+        let mut inter = vec![0u8; w.len()];
+        interleave(dtype, &w, n, k, &mut inter);
+        for row in 0..n {
+            let group = &inter[row / X16 * X16 * row_bytes..][..X16 * row_bytes];
+            let mut back = vec![0u8; row_bytes];
+            plain_row(dtype, group, k, row % X16, &mut back);
+            assert_eq!(back, w[row * row_bytes..][..row_bytes], "{dtype} row {row}");
+        }
+        let x: Vec<f32> = (0..rows * k).map(|_| unit(&mut seed) * 3.0).collect();
+        for m in 1..=rows {
+            let (layout, acts) = quantize_acts(dtype, &x, m, k);
+            let want = run(QIsa::Portable, dtype, &w, n, &acts, layout, m);
+            let (layout, acts) = quantize_acts_as(ActKind::for_interleaved(dtype), &x, m, k);
+            for isa in QIsa::available() {
+                let got = run_wide(isa, dtype, &inter, n, &acts, layout, m, 0, true);
+                let same = got
+                    .iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{dtype} {isa:?}: {m} rows");
+            }
         }
     }
 }

@@ -1,15 +1,7 @@
-//! Q4_K weights interleaved sixteen rows at a time, for kernels that hold one weight row per
-//! i32 lane.
-//!
-//! The row-by-row tiles ([`super::tiles`]) sum each weight row in a vector of its own and
-//! reduce eight such vectors across lanes per super-block and activation row, then scale
-//! sub-blocks lane by lane. Interleaved, four values of each of sixteen rows fill one 64-byte
-//! vector, an activation's four values are broadcast to every lane (`vpdpbusd` with a
-//! broadcast operand), and lane `r` accumulates row `r`'s sums as they are: no reduction, no
-//! shuffles. One core, a 1536-wide matrix in L2: 56 GB/s of weights against one activation
-//! row (27 row by row), 22 against four (9.4), 11 against eight (4.7); and from 16 rows on,
-//! a third faster than the wide road ([`super::wide`]) on plain rows, so interleaved weights
-//! never take it.
+//! Q4_K interleaved. One core, a 1536-wide matrix in L2: 56 GB/s of weights against one
+//! activation row (27 row by row), 22 against four (9.4), 11 against eight (4.7); and from 16
+//! rows on, a third faster than the wide road ([`super::super::wide`]) on plain rows, so
+//! interleaved weights never take it.
 //!
 //! A group of 16 rows is `nsb` blocks of [`SB_BYTES`] (16 × 144, the bytes of the plain rows),
 //! one per super-block:
@@ -29,16 +21,13 @@
 //!
 //! Per row, the integer sums (each sub-block's dot product times its scale, and the mins
 //! against the activations' 32-value sums) are exact, and the float steps are those of
-//! [`super::tiles`]' Q4_K tile, lane for lane: a row gives the same bits interleaved or not.
+//! [`super::super::tiles`]' Q4_K tile, lane for lane: a row gives the same bits interleaved or not.
 
-use super::act::ActLayout;
-use super::prefetch_ahead;
-use super::rows::QJob;
-use super::tiles::rdf32;
+use super::super::act::ActLayout;
+use super::super::tiles::rdf32;
+use super::{GroupKernel, X16};
 use crate::quant::scales_mins_k4_u64;
 
-/// Rows a group interleaves.
-pub(crate) const X16: usize = 16;
 /// Bytes of one plain Q4_K block.
 const BLOCK: usize = 144;
 /// Bytes of a group's super-block.
@@ -144,64 +133,26 @@ fn lo_offset(c: usize) -> usize {
     128 * (c / 2) + 32 * (c % 2)
 }
 
-/// The tiles' part of `job` for interleaved weights: activation rows `first..m`, four at a
-/// time, against each group of the thread's rows. `VNNI` picks the AVX-512 VNNI kernel, else
-/// the portable one (the same bits).
-///
-/// # Safety
-/// `job` describes valid weights, activations and output; with `VNNI`, the CPU has
-/// AVX-512 VNNI.
-#[inline(always)]
-pub(super) unsafe fn rows_x16<const VNNI: bool>(job: &QJob, first: usize) {
-    let QJob {
-        w,
-        row_bytes,
-        n,
-        rows: (start, end),
-        acts,
-        layout,
-        m,
-        y,
-        ..
-    } = *job;
-    let nsb = layout.k / 256;
-    let ahead = prefetch_ahead(row_bytes);
-    let act = |i: usize| unsafe { acts.add(i * layout.stride) };
-    let store = |out: &[[f32; X16]], i0: usize, j: usize| {
-        for (di, vals) in out.iter().enumerate() {
-            for (r, &v) in vals.iter().enumerate() {
-                unsafe { *y.add((i0 + di) * n + j + r) = v };
-            }
+/// The Q4_K kernels.
+pub(super) struct Q4K;
+
+impl GroupKernel for Q4K {
+    const MAX_M: usize = 4;
+    #[inline(always)]
+    unsafe fn group<const M: usize>(
+        vnni: bool,
+        g: *const u8,
+        k: usize,
+        a: [*const u8; M],
+        lay: &ActLayout,
+        ahead: usize,
+    ) -> [[f32; X16]; M] {
+        #[cfg(target_arch = "x86_64")]
+        if vnni {
+            return unsafe { group_vnni::<M>(g, k / 256, a, lay, ahead) };
         }
-    };
-    macro_rules! group {
-        ($m:literal, $g:expr, $i:expr) => {{
-            let a: [*const u8; $m] = std::array::from_fn(|c| act($i + c));
-            #[cfg(target_arch = "x86_64")]
-            let out = if VNNI {
-                unsafe { group_vnni::<$m>($g, nsb, a, &layout, ahead) }
-            } else {
-                group_portable::<$m>($g, nsb, a, &layout)
-            };
-            #[cfg(not(target_arch = "x86_64"))]
-            let out = group_portable::<$m>($g, nsb, a, &layout);
-            out
-        }};
-    }
-    let mut j = start;
-    while j < end {
-        let g = unsafe { w.add(j * row_bytes) };
-        let mut i = first;
-        while i < m {
-            match m - i {
-                1 => store(&group!(1, g, i), i, j),
-                2 => store(&group!(2, g, i), i, j),
-                3 => store(&group!(3, g, i), i, j),
-                _ => store(&group!(4, g, i), i, j),
-            }
-            i += (m - i).min(4);
-        }
-        j += X16;
+        let _ = (vnni, ahead);
+        group_portable::<M>(g, k / 256, a, lay)
     }
 }
 

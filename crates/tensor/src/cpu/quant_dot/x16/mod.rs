@@ -1,0 +1,144 @@
+//! Weights interleaved sixteen rows at a time (Q4_K, Q4_1), for kernels that hold one weight
+//! row per i32 lane.
+//!
+//! The row-by-row tiles ([`super::tiles`]) sum each weight row in a vector of its own and
+//! reduce eight such vectors across lanes per block and activation row. Interleaved, four
+//! values of each of sixteen rows fill one 64-byte vector, an activation's four values are
+//! broadcast to every lane (`vpdpbusd` with a broadcast operand), and lane `r` accumulates
+//! row `r`'s sums as they are: no reduction, no shuffles. A group of 16 rows keeps the bytes
+//! of its plain rows, block by block; each type's file says how they lie.
+//!
+//! Per row, the integer sums are exact and the float steps are those of the type's tile in
+//! [`super::tiles`], lane for lane: a row gives the same bits interleaved or not, alone or in
+//! any batch, on the VNNI kernel or the portable one (which other instruction sets run).
+
+mod q41;
+mod q4k;
+
+use super::act::ActLayout;
+use super::prefetch_ahead;
+use super::rows::{QIsa, QJob};
+use crate::dtype::DType;
+
+/// Rows a group interleaves.
+pub(crate) const X16: usize = 16;
+
+/// Whether `dtype` has interleaved kernels.
+pub(crate) fn interleaves(dtype: DType) -> bool {
+    matches!(dtype, DType::Q4_K | DType::Q4_1)
+}
+
+/// Interleaves `rows` plain rows of `dtype` (`rows` a multiple of [`X16`]), `k` columns, from
+/// `src` into `dst`, which has the same length.
+pub(crate) fn interleave(dtype: DType, src: &[u8], rows: usize, k: usize, dst: &mut [u8]) {
+    let row_bytes = dtype.row_bytes(k);
+    assert!(rows.is_multiple_of(X16) && src.len() == rows * row_bytes);
+    assert_eq!(dst.len(), src.len());
+    match dtype {
+        DType::Q4_K => q4k::interleave(src, rows, k, dst),
+        DType::Q4_1 => q41::interleave(src, rows, k, dst),
+        _ => unreachable!("{dtype} does not interleave"),
+    }
+}
+
+/// Row `r` of the group at `group` (`k` columns of `dtype`) as a plain row, into `out`.
+pub(crate) fn plain_row(dtype: DType, group: &[u8], k: usize, r: usize, out: &mut [u8]) {
+    match dtype {
+        DType::Q4_K => q4k::plain_row(group, k / 256, r, out),
+        DType::Q4_1 => q41::plain_row(group, k / 32, r, out),
+        _ => unreachable!("{dtype} does not interleave"),
+    }
+}
+
+/// One type's kernels over a group.
+trait GroupKernel {
+    /// Activation rows a call takes at most (what its accumulators leave of the registers).
+    const MAX_M: usize;
+    /// The group at `g` (`k` columns) against `M` activation rows: `out[i][r]` the dot of
+    /// weight row `r` with activation row `i`. `vnni` picks the AVX-512 VNNI kernel; `ahead`
+    /// is how far ahead of its loads it prefetches.
+    ///
+    /// # Safety
+    /// The pointers hold a group and `M` activation rows laid out by `lay`; with `vnni`, the
+    /// CPU has AVX-512 VNNI.
+    unsafe fn group<const M: usize>(
+        vnni: bool,
+        g: *const u8,
+        k: usize,
+        a: [*const u8; M],
+        lay: &ActLayout,
+        ahead: usize,
+    ) -> [[f32; X16]; M];
+}
+
+/// `job` over interleaved weights of `dtype`: each group of the thread's rows against every
+/// activation row, as many at a time as the kernel takes.
+pub(crate) fn rows(isa: QIsa, dtype: DType, job: QJob) {
+    let vnni = isa == QIsa::Avx512Vnni;
+    match dtype {
+        DType::Q4_K => rows_with::<q4k::Q4K>(vnni, &job),
+        DType::Q4_1 => rows_with::<q41::Q41>(vnni, &job),
+        _ => unreachable!("{dtype} does not interleave"),
+    }
+}
+
+fn rows_with<K: GroupKernel>(vnni: bool, job: &QJob) {
+    let QJob {
+        w,
+        row_bytes,
+        n,
+        rows: (start, end),
+        acts,
+        layout,
+        m,
+        y,
+        ..
+    } = *job;
+    if start >= end || m == 0 {
+        return;
+    }
+    assert!(start.is_multiple_of(X16) && end.is_multiple_of(X16));
+    let ahead = prefetch_ahead(row_bytes);
+    #[cfg(target_arch = "x86_64")]
+    {
+        // The kernels prefetch `ahead` of their loads, which leaves the start of the
+        // thread's rows to wait on memory: ask for it now.
+        let first = ((end - start) * row_bytes).min(ahead);
+        for offset in (0..first).step_by(64) {
+            let p = unsafe { w.add(start * row_bytes + offset) };
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(p.cast())
+            };
+        }
+    }
+    let act = |i: usize| unsafe { acts.add(i * layout.stride) };
+    let store = |out: &[[f32; X16]], i0: usize, j: usize| {
+        for (di, vals) in out.iter().enumerate() {
+            for (r, &v) in vals.iter().enumerate() {
+                unsafe { *y.add((i0 + di) * n + j + r) = v };
+            }
+        }
+    };
+    macro_rules! group {
+        ($m:literal, $g:expr, $i:expr) => {{
+            let a: [*const u8; $m] = std::array::from_fn(|c| act($i + c));
+            unsafe { K::group::<$m>(vnni, $g, layout.k, a, &layout, ahead) }
+        }};
+    }
+    let mut j = start;
+    while j < end {
+        let g = unsafe { w.add(j * row_bytes) };
+        let mut i = 0;
+        while i < m {
+            let take = (m - i).min(K::MAX_M);
+            match take {
+                1 => store(&group!(1, g, i), i, j),
+                2 => store(&group!(2, g, i), i, j),
+                3 => store(&group!(3, g, i), i, j),
+                _ => store(&group!(4, g, i), i, j),
+            }
+            i += take;
+        }
+        j += X16;
+    }
+}
