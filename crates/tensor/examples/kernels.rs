@@ -4,7 +4,8 @@
 //! lines run one thread on a matrix that fits in L2: what one core's kernel can consume, which
 //! must exceed its share of the probe for decode to be bound by memory. `hot` runs only those
 //! (for `perf stat`), optionally only for one type, row length and batch (`hot q4_k 1536 4`). `matvec` runs decode's
-//! products at a 1.5B model's shapes from memory, each against a probe read just before it;
+//! products at a 1.5B model's shapes from memory (in the layout a model's weights take), each
+//! against a probe read just before it;
 //! `gemm` one thread's prefill products (512 activation rows) at those shapes, in GMAC/s;
 //! `attention` a 512-token prompt's causal attention over an f16 and an f32 cache (a 1.5B
 //! model's 12 heads over 2 of 128), the fastest of 15 runs (the least disturbed by neighbours).
@@ -222,12 +223,18 @@ fn model_matvecs(pool: &ThreadPool, owner: &BufferOwner, threads: usize) {
         (DType::Q4_1, 300_000, 576),
         (DType::Q4_1, 100_000, 1536),
         (DType::Q8_0, 200_000, 576),
+        (DType::Q4_0, 300_000, 576),
+        (DType::Q5_K, 100_000, 1536),
     ] {
         let x: Vec<f32> = (0..k).map(|i| (i % 13) as f32 * 0.01 - 0.06).collect();
         let mut y = vec![0f32; n];
         let mut scratch = vec![0f32; matmul_scratch_len(threads, 1, k)];
         let w = quantized(owner, dtype, n, k);
-        let mat = MatRef::new(dtype, w.bytes(), n, k);
+        // In the layout a model's weights take on this CPU.
+        let layout = WeightLayout::best_for(dtype, n);
+        let mut laid = owner.alloc(BufferKind::Scratch, "w", w.len()).unwrap();
+        layout.write(dtype, w.bytes(), n, k, laid.bytes_mut());
+        let mat = MatRef::new(dtype, laid.bytes(), n, k).with_layout(layout);
         let bytes = w.bytes().len();
         let (rates, ratios): (Vec<f64>, Vec<f64>) = (0..9)
             .map(|_| {

@@ -97,15 +97,15 @@ unsafe fn group_vnni<const M: usize>(
         let mut summs = [_mm512_setzero_ps(); M];
         for b in 0..nb {
             let blk = g.add(b * GROUP_BLOCK);
-            for line in 0..GROUP_BLOCK / 64 {
-                _mm_prefetch::<_MM_HINT_T1>(blk.add(ahead + 64 * line).cast());
-            }
+            // The block's lines one by one beside the work, as Q4_K's kernel does.
+            _mm_prefetch::<_MM_HINT_T1>(blk.add(ahead).cast());
             let dw = _mm512_cvtph_ps(_mm256_loadu_si256(blk.cast()));
             let mw = _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(OFF_M).cast()));
             let scale: [__m512; M] = std::array::from_fn(|i| {
                 _mm512_mul_ps(dw, _mm512_set1_ps(rdf32(a[i].add(lay.d), b)))
             });
             for t in 0..4 {
+                _mm_prefetch::<_MM_HINT_T1>(blk.add(ahead + OFF_QS + 64 * t).cast());
                 let v = _mm512_loadu_si512(blk.add(OFF_QS + 64 * t).cast());
                 let lo = _mm512_and_si512(v, low);
                 let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low);

@@ -176,7 +176,9 @@ unsafe fn group_vnni<const M: usize>(
         let mut acc_min = [_mm512_setzero_ps(); M];
         for sb in 0..nsb {
             let blk = g.add(sb * SB_BYTES);
-            for line in 0..SB_BYTES / 64 {
+            // The block's lines one by one beside the work (a burst of 36 at once streamed
+            // 10% slower): its scales now, each step's `qs` in the step.
+            for line in 0..OFF_QS / 64 {
                 _mm_prefetch::<_MM_HINT_T1>(blk.add(ahead + 64 * line).cast());
             }
             let v0 = _mm512_loadu_si512(blk.add(OFF_SCALES).cast());
@@ -196,7 +198,9 @@ unsafe fn group_vnni<const M: usize>(
                 let mut lo = [_mm512_setzero_si512(); M];
                 let mut hi = [_mm512_setzero_si512(); M];
                 for s in 0..8 {
-                    let v = _mm512_loadu_si512(blk.add(OFF_QS + (8 * c + s) * 64).cast());
+                    let at = OFF_QS + (8 * c + s) * 64;
+                    _mm_prefetch::<_MM_HINT_T1>(blk.add(ahead + at).cast());
+                    let v = _mm512_loadu_si512(blk.add(at).cast());
                     let wl = _mm512_and_si512(v, low);
                     let wh = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low);
                     for i in 0..M {
