@@ -58,9 +58,9 @@ pub enum WeightLayout {
     /// Row after row, as checkpoints store them.
     #[default]
     Rows,
-    /// Q4_K or Q4_1 rows interleaved sixteen at a time, in the same bytes (`quant_dot::x16`):
-    /// what the kernels read fastest with AVX-512 VNNI, products of a few activation rows
-    /// most.
+    /// Q4_K, Q4_0, Q4_1 or Q6_K rows interleaved sixteen at a time, in the same bytes
+    /// (`quant_dot::x16`): what the kernels read fastest with AVX-512 VNNI, products of a few
+    /// activation rows most.
     Interleaved16,
 }
 
@@ -303,12 +303,7 @@ fn matmul_quantized(
     let layout = ActLayout::new(kind, k);
     let isa = Isa::detect();
     let qisa = quant_dot::choice(w.dtype).isa;
-    // Interleaved rows run every batch faster on their own tiles than on the wide road (a
-    // third faster for 16 to 128 rows, one core, weights in L2).
-    let wide = match interleaved {
-        true => 0,
-        false => quant_dot::wide_rows(qisa, w.dtype, m),
-    };
+    let wide = quant_dot::wide_rows(qisa, w.dtype, m, interleaved);
     let places = if wide > 0 {
         QuantScratch::new(pool.n_threads(), m, layout.stride, k)
     } else {

@@ -18,7 +18,7 @@ use super::rows::{QIsa, QJob, quant_rows};
 use super::x16::{X16, interleave, interleaves};
 use crate::dtype::DType;
 
-/// One type's kernels: the set they run with, whether Q4_K weights are interleaved, and what
+/// One type's kernels: the set they run with, whether its weights are interleaved, and what
 /// each candidate measured.
 #[derive(Clone, Debug)]
 pub(crate) struct Choice {
@@ -59,7 +59,7 @@ pub(crate) fn choose() -> &'static (Duration, Vec<Choice>) {
             .map(|&dtype| {
                 if forced {
                     let isa = QIsa::from_isa(Isa::detect());
-                    let interleaved = dtype == DType::Q4_K && isa == QIsa::Avx512Vnni;
+                    let interleaved = interleaves(dtype) && isa == QIsa::Avx512Vnni;
                     Choice {
                         isa,
                         interleaved,

@@ -10,7 +10,8 @@ use super::avx512::Avx512;
 use super::portable::Portable;
 use super::qv::Qv;
 use super::tiles::*;
-use super::wide::{TILE_SB, TM, tile_row};
+use super::wide::{TILE_SB, TM, tile_row, unpack_interleaved};
+use super::x16::X16;
 use super::{QM, QR, prefetch_ahead};
 use crate::dtype::DType;
 
@@ -84,9 +85,15 @@ unsafe impl Sync for QJob {}
 
 /// Runs `job` with the kernels of `dtype` compiled for `isa`.
 pub(crate) fn quant_rows(isa: QIsa, dtype: DType, job: QJob) {
+    // Interleaved weights: rows past the wide road's on their own kernels, the wide road's
+    // (if any) below.
     if job.interleaved {
-        super::x16::rows(isa, dtype, job);
-        return;
+        if job.wide < job.m {
+            super::x16::rows(isa, dtype, job);
+        }
+        if job.wide == 0 {
+            return;
+        }
     }
     match dtype {
         DType::Q8_0 => rows_dispatch::<KQ8_0>(isa, job),
@@ -146,12 +153,9 @@ unsafe fn rows<Q: Qv, K: Kernel>(job: QJob) {
         return;
     }
     if wide > 0 {
-        assert!(
-            !job.interleaved,
-            "interleaved rows take their own tiles, not the wide road"
-        );
         unsafe { rows_wide::<Q, K>(job) };
-        if wide == m {
+        // Interleaved rows past the wide road's take their own kernels ([`quant_rows`]).
+        if wide == m || job.interleaved {
             return;
         }
     }
@@ -245,10 +249,14 @@ unsafe fn rows_wide<Q: Qv, K: Kernel>(job: QJob) {
         let t_end = (t0 + block_tiles).min(n_tiles);
         let mut j = start;
         while j < end {
-            let ws = w_rows(j);
             let cols = (end - j).min(QR);
             unsafe {
-                K::unpack::<Q>(ws, nsb, panel);
+                if job.interleaved {
+                    let group = j / X16 * X16;
+                    unpack_interleaved::<Q, K>(w.add(group * row_bytes), j - group, nsb, panel);
+                } else {
+                    K::unpack::<Q>(w_rows(j), nsb, panel);
+                }
                 for tile in t0..t_end {
                     let out = K::wide::<Q>(panel, tiles.add(tile * tile_bytes), nsb);
                     let lanes = (wide - tile * TM).min(TM);

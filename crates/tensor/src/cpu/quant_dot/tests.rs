@@ -174,7 +174,7 @@ fn run(
         acts,
         layout,
         m,
-        wide_rows(isa, dtype, m),
+        wide_rows(isa, dtype, m, false),
         false,
     )
 }
@@ -505,7 +505,7 @@ fn every_row_gives_its_bits_alone_in_any_batch() {
                     let ids: Vec<usize> = (0..m).map(|j| (start + j) % ROWS).collect();
                     let xs: Vec<f32> = ids.iter().flat_map(|&i| row(i).iter().copied()).collect();
                     let (layout, acts) = quantize_acts(dtype, &xs, m, k);
-                    let mut roads = vec![(wide_rows(isa, dtype, m), "")];
+                    let mut roads = vec![(wide_rows(isa, dtype, m, false), "")];
                     if matches!(dtype, DType::Q4_K | DType::Q6_K) {
                         // The wide road, which only VNNI takes from 16 rows on, forced.
                         roads.push((m, " (wide road forced)"));
@@ -531,12 +531,12 @@ fn every_row_gives_its_bits_alone_in_any_batch() {
     }
 }
 
-/// Q4_K and Q4_1 rows interleaved sixteen at a time convert back to their plain bytes, and
+/// Q4_K, Q4_0, Q4_1 and Q6_K rows interleaved sixteen at a time convert back to their plain bytes, and
 /// give every product the bits of the plain rows: on every instruction set (the VNNI kernel,
-/// or the portable one), for batches of 1 to 20 rows.
+/// or the portable one), for batches of 1 to 20 rows, some or all of them on the wide road.
 #[test]
 fn interleaved_rows_give_the_bits_of_plain_ones() {
-    for dtype in [DType::Q4_K, DType::Q4_1] {
+    for dtype in [DType::Q4_K, DType::Q4_0, DType::Q4_1, DType::Q6_K] {
         let (n, k, rows) = (2 * X16, 3 * 256, 20);
         let row_bytes = dtype.row_bytes(k);
         let mut seed = 99;
@@ -557,12 +557,19 @@ fn interleaved_rows_give_the_bits_of_plain_ones() {
             let want = run(QIsa::Portable, dtype, &w, n, &acts, layout, m);
             let (layout, acts) = quantize_acts_as(ActKind::for_interleaved(dtype), &x, m, k);
             for isa in QIsa::available() {
-                let got = run_wide(isa, dtype, &inter, n, &acts, layout, m, 0, true);
-                let same = got
-                    .iter()
-                    .zip(&want)
-                    .all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "{dtype} {isa:?}: {m} rows");
+                let mut roads = vec![wide_rows(isa, dtype, m, true)];
+                if matches!(dtype, DType::Q4_K | DType::Q6_K) {
+                    // The wide road over interleaved rows, forced.
+                    roads.extend([m, m / 2]);
+                }
+                for wide in roads {
+                    let got = run_wide(isa, dtype, &inter, n, &acts, layout, m, wide, true);
+                    let same = got
+                        .iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{dtype} {isa:?}: {m} rows, {wide} on the wide road");
+                }
             }
         }
     }

@@ -9,6 +9,7 @@ use super::act::ActLayout;
 use super::prefetch_ahead;
 use super::qv::{Qv, put16, rd16};
 use super::wide::{unpack_q4k, unpack_q6k, wide_q4k, wide_q6k};
+use crate::dtype::DType;
 
 /// llama.cpp's `hsum_float_8`: lanes `(l, l+4)`, then `(l, l+2)`, then `(l, l+1)`.
 #[inline(always)]
@@ -25,6 +26,8 @@ pub(super) unsafe fn rdf32(p: *const u8, i: usize) -> f32 {
 /// One weight type's tile: `QR` weight rows (`w`, each `k` columns) against `M` activation
 /// rows (`a`, laid out by `lay`); `out[i][r]` receives row `r`'s dot with activation `i`.
 pub(crate) trait Kernel {
+    /// The weight type.
+    const DTYPE: DType;
     unsafe fn tile<Q: Qv, const M: usize>(
         w: [*const u8; QR],
         a: [*const u8; M],
@@ -451,9 +454,10 @@ unsafe fn tile_q6k<Q: Qv, const M: usize>(
 }
 
 macro_rules! kernel {
-    ($name:ident, $tile:ident $(, $arg:expr)? $(; wide: $unpack:ident, $wide:ident)?) => {
+    ($name:ident, $dtype:ident, $tile:ident $(, $arg:expr)? $(; wide: $unpack:ident, $wide:ident)?) => {
         pub(crate) struct $name;
         impl Kernel for $name {
+            const DTYPE: DType = DType::$dtype;
             #[inline(always)]
             unsafe fn tile<Q: Qv, const M: usize>(
                 w: [*const u8; QR],
@@ -477,9 +481,9 @@ macro_rules! kernel {
     };
 }
 
-kernel!(KQ8_0, tile_q32, 0);
-kernel!(KQ4_0, tile_q32, 1);
-kernel!(KQ4_1, tile_q41);
-kernel!(KQ4K, tile_q45k, false; wide: unpack_q4k, wide_q4k);
-kernel!(KQ5K, tile_q45k, true);
-kernel!(KQ6K, tile_q6k; wide: unpack_q6k, wide_q6k);
+kernel!(KQ8_0, Q8_0, tile_q32, 0);
+kernel!(KQ4_0, Q4_0, tile_q32, 1);
+kernel!(KQ4_1, Q4_1, tile_q41);
+kernel!(KQ4K, Q4_K, tile_q45k, false; wide: unpack_q4k, wide_q4k);
+kernel!(KQ5K, Q5_K, tile_q45k, true);
+kernel!(KQ6K, Q6_K, tile_q6k; wide: unpack_q6k, wide_q6k);

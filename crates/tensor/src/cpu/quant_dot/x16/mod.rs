@@ -1,5 +1,5 @@
-//! Weights interleaved sixteen rows at a time (Q4_K, Q4_1), for kernels that hold one weight
-//! row per i32 lane.
+//! Weights interleaved sixteen rows at a time (Q4_K, Q4_0, Q4_1, Q6_K), for kernels that
+//! hold one weight row per i32 lane.
 //!
 //! The row-by-row tiles ([`super::tiles`]) sum each weight row in a vector of its own and
 //! reduce eight such vectors across lanes per block and activation row. Interleaved, four
@@ -12,8 +12,10 @@
 //! [`super::tiles`], lane for lane: a row gives the same bits interleaved or not, alone or in
 //! any batch, on the VNNI kernel or the portable one (which other instruction sets run).
 
+mod q40;
 mod q41;
 mod q4k;
+mod q6k;
 
 use super::act::ActLayout;
 use super::prefetch_ahead;
@@ -25,7 +27,7 @@ pub(crate) const X16: usize = 16;
 
 /// Whether `dtype` has interleaved kernels.
 pub(crate) fn interleaves(dtype: DType) -> bool {
-    matches!(dtype, DType::Q4_K | DType::Q4_1)
+    matches!(dtype, DType::Q4_K | DType::Q4_0 | DType::Q4_1 | DType::Q6_K)
 }
 
 /// Interleaves `rows` plain rows of `dtype` (`rows` a multiple of [`X16`]), `k` columns, from
@@ -36,7 +38,9 @@ pub(crate) fn interleave(dtype: DType, src: &[u8], rows: usize, k: usize, dst: &
     assert_eq!(dst.len(), src.len());
     match dtype {
         DType::Q4_K => q4k::interleave(src, rows, k, dst),
+        DType::Q4_0 => q40::interleave(src, rows, k, dst),
         DType::Q4_1 => q41::interleave(src, rows, k, dst),
+        DType::Q6_K => q6k::interleave(src, rows, k, dst),
         _ => unreachable!("{dtype} does not interleave"),
     }
 }
@@ -45,8 +49,27 @@ pub(crate) fn interleave(dtype: DType, src: &[u8], rows: usize, k: usize, dst: &
 pub(crate) fn plain_row(dtype: DType, group: &[u8], k: usize, r: usize, out: &mut [u8]) {
     match dtype {
         DType::Q4_K => q4k::plain_row(group, k / 256, r, out),
+        DType::Q4_0 => q40::plain_row(group, k / 32, r, out),
         DType::Q4_1 => q41::plain_row(group, k / 32, r, out),
+        DType::Q6_K => q6k::plain_row(group, k / 256, r, out),
         _ => unreachable!("{dtype} does not interleave"),
+    }
+}
+
+/// Rows `r0..r0 + 8` of one super-block (`block_size` columns) of a group of `dtype` at
+/// `sb` as plain blocks one after another from `out`.
+///
+/// # Safety
+/// `sb` holds a group's super-block; `out` has room for 8 plain blocks.
+pub(crate) unsafe fn plain_rows8(dtype: DType, sb: *const u8, r0: usize, out: *mut u8) {
+    if dtype == DType::Q6_K {
+        return unsafe { q6k::plain_rows8(sb, r0, out) };
+    }
+    let block = dtype.row_bytes(dtype.block_size());
+    let group = unsafe { std::slice::from_raw_parts(sb, X16 * block) };
+    for r in 0..8 {
+        let row = unsafe { std::slice::from_raw_parts_mut(out.add(r * block), block) };
+        plain_row(dtype, group, dtype.block_size(), r0 + r, row);
     }
 }
 
@@ -77,7 +100,9 @@ pub(crate) fn rows(isa: QIsa, dtype: DType, job: QJob) {
     let vnni = isa == QIsa::Avx512Vnni;
     match dtype {
         DType::Q4_K => rows_with::<q4k::Q4K>(vnni, &job),
+        DType::Q4_0 => rows_with::<q40::Q40>(vnni, &job),
         DType::Q4_1 => rows_with::<q41::Q41>(vnni, &job),
+        DType::Q6_K => rows_with::<q6k::Q6K>(vnni, &job),
         _ => unreachable!("{dtype} does not interleave"),
     }
 }
@@ -128,7 +153,8 @@ fn rows_with<K: GroupKernel>(vnni: bool, job: &QJob) {
     let mut j = start;
     while j < end {
         let g = unsafe { w.add(j * row_bytes) };
-        let mut i = 0;
+        // Rows below `wide` took the wide road.
+        let mut i = job.wide;
         while i < m {
             let take = (m - i).min(K::MAX_M);
             match take {

@@ -1,0 +1,159 @@
+//! Q4_0 interleaved. A group of 16 rows is `k / 32` blocks of [`GROUP_BLOCK`] bytes (16 × 18,
+//! the bytes of the plain rows), one per 32-value block:
+//!
+//! | bytes    | what                                                                       |
+//! |----------|----------------------------------------------------------------------------|
+//! | 0..32    | `d` of rows 0..16 (f16)                                                    |
+//! | 32..288  | `qs`: for step `t < 4`, 64 bytes: row `r`'s bytes `4t .. 4t + 4` at `4r`   |
+//!
+//! A step's low nibbles are values `4t..4t+4` of each row, its high nibbles values
+//! `16+4t..`. The tile ([`super::super::tiles`]' `tile_q32`) sums a block's products in one
+//! exact integer per row, less `8·Σx`, and adds `(d_w·d_x)·sum` to one f32 per row in block
+//! order; lane `r` here does the same for row `r`. The activations are plain Q8_0 blocks
+//! ([`super::super::ActKind::Q8`]), values in order.
+
+use super::super::act::ActLayout;
+use super::super::tiles::rdf32;
+use super::{GroupKernel, X16};
+
+/// Bytes of one plain Q4_0 block.
+const BLOCK: usize = 18;
+/// Bytes of a group's block.
+const GROUP_BLOCK: usize = X16 * BLOCK;
+const OFF_QS: usize = 32;
+
+pub(super) fn interleave(src: &[u8], rows: usize, k: usize, dst: &mut [u8]) {
+    let nb = k / 32;
+    let row_bytes = nb * BLOCK;
+    for g in 0..rows / X16 {
+        for b in 0..nb {
+            let out = &mut dst[(g * nb + b) * GROUP_BLOCK..][..GROUP_BLOCK];
+            for r in 0..X16 {
+                let blk = &src[(g * X16 + r) * row_bytes + b * BLOCK..][..BLOCK];
+                out[2 * r..2 * r + 2].copy_from_slice(&blk[0..2]);
+                for t in 0..4 {
+                    let at = OFF_QS + 64 * t + 4 * r;
+                    out[at..at + 4].copy_from_slice(&blk[2 + 4 * t..6 + 4 * t]);
+                }
+            }
+        }
+    }
+}
+
+pub(super) fn plain_row(group: &[u8], nb: usize, r: usize, out: &mut [u8]) {
+    for b in 0..nb {
+        let g = &group[b * GROUP_BLOCK..][..GROUP_BLOCK];
+        let blk = &mut out[b * BLOCK..][..BLOCK];
+        blk[0..2].copy_from_slice(&g[2 * r..2 * r + 2]);
+        for t in 0..4 {
+            let at = OFF_QS + 64 * t + 4 * r;
+            blk[2 + 4 * t..6 + 4 * t].copy_from_slice(&g[at..at + 4]);
+        }
+    }
+}
+
+/// The Q4_0 kernels.
+pub(super) struct Q40;
+
+impl GroupKernel for Q40 {
+    const MAX_M: usize = 4;
+    #[inline(always)]
+    unsafe fn group<const M: usize>(
+        vnni: bool,
+        g: *const u8,
+        k: usize,
+        a: [*const u8; M],
+        lay: &ActLayout,
+        ahead: usize,
+    ) -> [[f32; X16]; M] {
+        #[cfg(target_arch = "x86_64")]
+        if vnni {
+            return unsafe { group_vnni::<M>(g, k / 32, a, lay, ahead) };
+        }
+        let _ = (vnni, ahead);
+        group_portable::<M>(g, k / 32, a, lay)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn group_vnni<const M: usize>(
+    g: *const u8,
+    nb: usize,
+    a: [*const u8; M],
+    lay: &ActLayout,
+    ahead: usize,
+) -> [[f32; X16]; M] {
+    use std::arch::x86_64::*;
+    unsafe {
+        let low = _mm512_set1_epi8(0x0F);
+        let bcast = |p: *const u8| _mm512_set1_epi32(p.cast::<i32>().read_unaligned());
+        let mut acc = [_mm512_setzero_ps(); M];
+        for b in 0..nb {
+            let blk = g.add(b * GROUP_BLOCK);
+            let mut sums = [_mm512_setzero_si512(); M];
+            for t in 0..4 {
+                // The block's lines one by one beside the work, as Q4_K's kernel does.
+                _mm_prefetch::<_MM_HINT_T1>(blk.add(ahead + OFF_QS + 64 * t).cast());
+                let v = _mm512_loadu_si512(blk.add(OFF_QS + 64 * t).cast());
+                let lo = _mm512_and_si512(v, low);
+                let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low);
+                for i in 0..M {
+                    let x = a[i].add(32 * b + 4 * t);
+                    sums[i] = _mm512_dpbusd_epi32(sums[i], lo, bcast(x));
+                    sums[i] = _mm512_dpbusd_epi32(sums[i], hi, bcast(x.add(16)));
+                }
+            }
+            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(blk.cast()));
+            for i in 0..M {
+                // The nibbles stand for `q - 8`.
+                let xsum = a[i].add(lay.a).cast::<i32>().add(b).read();
+                let s = _mm512_sub_epi32(sums[i], _mm512_set1_epi32(8 * xsum));
+                let d = _mm512_mul_ps(dw, _mm512_set1_ps(rdf32(a[i].add(lay.d), b)));
+                acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(d, _mm512_cvtepi32_ps(s)));
+            }
+        }
+        let mut out = [[0f32; X16]; M];
+        for i in 0..M {
+            _mm512_storeu_ps(out[i].as_mut_ptr(), acc[i]);
+        }
+        out
+    }
+}
+
+/// [`group_vnni`] in plain Rust, row by row from the plain bytes: the same integers and
+/// float steps.
+// Indices name rows and lanes across several arrays at once.
+#[allow(clippy::needless_range_loop)]
+fn group_portable<const M: usize>(
+    g: *const u8,
+    nb: usize,
+    a: [*const u8; M],
+    lay: &ActLayout,
+) -> [[f32; X16]; M] {
+    let mut acc = [[0f32; X16]; M];
+    for b in 0..nb {
+        // SAFETY: the caller's promise that `g` holds `nb` blocks.
+        let blk = unsafe { std::slice::from_raw_parts(g.add(b * GROUP_BLOCK), GROUP_BLOCK) };
+        let mut row = [0u8; BLOCK];
+        for r in 0..X16 {
+            plain_row(blk, 1, r, &mut row);
+            let dw = half::f16::from_le_bytes([row[0], row[1]]).to_f32();
+            for i in 0..M {
+                let x = |v: usize| unsafe { *a[i].add(32 * b + v).cast::<i8>() } as i32;
+                let sum: i32 = (0..16)
+                    .map(|v| {
+                        let byte = row[2 + v];
+                        (byte & 0xF) as i32 * x(v) + (byte >> 4) as i32 * x(16 + v)
+                    })
+                    .sum();
+                let (xsum, dx) = unsafe {
+                    let xsum = a[i].add(lay.a).cast::<i32>().add(b).read();
+                    (xsum, rdf32(a[i].add(lay.d), b))
+                };
+                acc[i][r] += dw * dx * (sum - 8 * xsum) as f32;
+            }
+        }
+    }
+    acc
+}
