@@ -1,5 +1,5 @@
-//! Weights interleaved sixteen rows at a time (Q4_K, Q4_0, Q4_1, Q6_K), for kernels that
-//! hold one weight row per i32 lane.
+//! Weights interleaved sixteen rows at a time (Q4_K, Q5_K, Q4_0, Q4_1, Q6_K), for kernels
+//! that hold one weight row per i32 lane.
 //!
 //! The row-by-row tiles ([`super::tiles`]) sum each weight row in a vector of its own and
 //! reduce eight such vectors across lanes per block and activation row. Interleaved, four
@@ -27,7 +27,10 @@ pub(crate) const X16: usize = 16;
 
 /// Whether `dtype` has interleaved kernels.
 pub(crate) fn interleaves(dtype: DType) -> bool {
-    matches!(dtype, DType::Q4_K | DType::Q4_0 | DType::Q4_1 | DType::Q6_K)
+    matches!(
+        dtype,
+        DType::Q4_K | DType::Q5_K | DType::Q4_0 | DType::Q4_1 | DType::Q6_K
+    )
 }
 
 /// Interleaves `rows` plain rows of `dtype` (`rows` a multiple of [`X16`]), `k` columns, from
@@ -37,7 +40,8 @@ pub(crate) fn interleave(dtype: DType, src: &[u8], rows: usize, k: usize, dst: &
     assert!(rows.is_multiple_of(X16) && src.len() == rows * row_bytes);
     assert_eq!(dst.len(), src.len());
     match dtype {
-        DType::Q4_K => q4k::interleave(src, rows, k, dst),
+        DType::Q4_K => q4k::interleave(false, src, rows, k, dst),
+        DType::Q5_K => q4k::interleave(true, src, rows, k, dst),
         DType::Q4_0 => q40::interleave(src, rows, k, dst),
         DType::Q4_1 => q41::interleave(src, rows, k, dst),
         DType::Q6_K => q6k::interleave(src, rows, k, dst),
@@ -48,7 +52,8 @@ pub(crate) fn interleave(dtype: DType, src: &[u8], rows: usize, k: usize, dst: &
 /// Row `r` of the group at `group` (`k` columns of `dtype`) as a plain row, into `out`.
 pub(crate) fn plain_row(dtype: DType, group: &[u8], k: usize, r: usize, out: &mut [u8]) {
     match dtype {
-        DType::Q4_K => q4k::plain_row(group, k / 256, r, out),
+        DType::Q4_K => q4k::plain_row(false, group, k / 256, r, out),
+        DType::Q5_K => q4k::plain_row(true, group, k / 256, r, out),
         DType::Q4_0 => q40::plain_row(group, k / 32, r, out),
         DType::Q4_1 => q41::plain_row(group, k / 32, r, out),
         DType::Q6_K => q6k::plain_row(group, k / 256, r, out),
@@ -99,7 +104,8 @@ trait GroupKernel {
 pub(crate) fn rows(isa: QIsa, dtype: DType, job: QJob) {
     let vnni = isa == QIsa::Avx512Vnni;
     match dtype {
-        DType::Q4_K => rows_with::<q4k::Q4K>(vnni, &job),
+        DType::Q4_K => rows_with::<q4k::Q45K<false>>(vnni, &job),
+        DType::Q5_K => rows_with::<q4k::Q45K<true>>(vnni, &job),
         DType::Q4_0 => rows_with::<q40::Q40>(vnni, &job),
         DType::Q4_1 => rows_with::<q41::Q41>(vnni, &job),
         DType::Q6_K => rows_with::<q6k::Q6K>(vnni, &job),

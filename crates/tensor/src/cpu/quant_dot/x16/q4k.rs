@@ -1,10 +1,10 @@
-//! Q4_K interleaved. One core, a 1536-wide matrix in L2: 56 GB/s of weights against one
-//! activation row (27 row by row), 22 against four (9.4), 11 against eight (4.7); and from 16
-//! rows on, a third faster than the wide road ([`super::super::wide`]) on plain rows, so
-//! interleaved weights never take it.
+//! Q4_K and Q5_K interleaved. One core, a 1536-wide Q4_K matrix in L2: 56 GB/s of weights
+//! against one activation row (27 row by row), 22 against four (9.4), 11 against eight (4.7);
+//! and from 16 rows on, a third faster than the wide road ([`super::super::wide`]) on plain
+//! rows, so interleaved Q4_K weights never take it.
 //!
-//! A group of 16 rows is `nsb` blocks of [`SB_BYTES`] (16 × 144, the bytes of the plain rows),
-//! one per super-block:
+//! A group of 16 rows is `nsb` blocks of `16 ×` [`block`] bytes (the bytes of the plain
+//! rows), one per super-block:
 //!
 //! | bytes      | what                                                                   |
 //! |------------|------------------------------------------------------------------------|
@@ -12,6 +12,7 @@
 //! | 32..64     | `dmin` of rows 0..16 (f16)                                             |
 //! | 64..256    | three vectors of 16 u32 lanes, lane `r` row `r`'s scales and mins      |
 //! | 256..2304  | `qs`: for chunk `c < 4` and step `s < 8`, 64 bytes: row `r`'s bytes `32c + 4s .. +4` at `4r` |
+//! | 2304..2816 | Q5_K only, `qh`: for step `s < 8`, 64 bytes: row `r`'s bytes `4s .. 4s + 4` at `4r` |
 //!
 //! Lane `r` of scale vector `t < 3` holds sub-blocks `2t` and `2t + 1`: bits 0-5 `sc[2t]`, 6-11
 //! `m[2t]`, 16-21 `sc[2t+1]`, 22-27 `m[2t+1]`, so `& 0x3F` and `>> 6 & 0x003F003F` take them
@@ -19,22 +20,33 @@
 //! that three shifts and masks put it together ([`chunk3`]): 6 bits a value, 12 bytes a row,
 //! as in the plain format.
 //!
+//! Chunk `c`'s fifth bits (Q5_K) are bits `2c` (low nibbles) and `2c + 1` (high ones) of the
+//! `qh` bytes of the same step.
+//!
 //! Per row, the integer sums (each sub-block's dot product times its scale, and the mins
 //! against the activations' 32-value sums) are exact, and the float steps are those of
-//! [`super::super::tiles`]' Q4_K tile, lane for lane: a row gives the same bits interleaved or not.
+//! [`super::super::tiles`]' Q4_K or Q5_K tile, lane for lane: a row gives the same bits
+//! interleaved or not.
 
 use super::super::act::ActLayout;
 use super::super::tiles::rdf32;
 use super::{GroupKernel, X16};
 use crate::quant::scales_mins_k4_u64;
 
-/// Bytes of one plain Q4_K block.
-const BLOCK: usize = 144;
-/// Bytes of a group's super-block.
-const SB_BYTES: usize = X16 * BLOCK;
+/// Bytes of one plain Q4_K (`five`: Q5_K) block.
+const fn block(five: bool) -> usize {
+    if five { 176 } else { 144 }
+}
+/// Where a plain block's `qs` start.
+const fn plain_qs(five: bool) -> usize {
+    if five { 48 } else { 16 }
+}
+/// Where a plain Q5_K block's `qh` start.
+const PLAIN_QH: usize = 16;
 const OFF_DMIN: usize = 32;
 const OFF_SCALES: usize = 64;
 const OFF_QS: usize = 256;
+const OFF_QH: usize = 2304;
 
 /// The word of chunk 3 (sub-blocks 6 and 7) from the free nibbles of the other three.
 #[inline(always)]
@@ -49,18 +61,19 @@ fn chunk_word(sc: &[u8; 8], mn: &[u8; 8], c: usize) -> u32 {
     sc[a] as u32 | (mn[a] as u32) << 6 | (sc[b] as u32) << 16 | (mn[b] as u32) << 22
 }
 
-/// Interleaves `rows` plain Q4_K rows (`rows` a multiple of [`X16`]) of `k` columns from
-/// `src` into `dst`, which has the same length.
-pub(crate) fn interleave(src: &[u8], rows: usize, k: usize, dst: &mut [u8]) {
-    let nsb = k / 256;
-    let row_bytes = nsb * BLOCK;
+/// Interleaves `rows` plain Q4_K (`five`: Q5_K) rows (`rows` a multiple of [`X16`]) of `k`
+/// columns from `src` into `dst`, which has the same length.
+pub(crate) fn interleave(five: bool, src: &[u8], rows: usize, k: usize, dst: &mut [u8]) {
+    let (nsb, block, qs) = (k / 256, block(five), plain_qs(five));
+    let row_bytes = nsb * block;
+    let sb_bytes = X16 * block;
     assert!(rows.is_multiple_of(X16) && k.is_multiple_of(256));
     assert!(src.len() == rows * row_bytes && dst.len() == src.len());
     for g in 0..rows / X16 {
         for sb in 0..nsb {
-            let out = &mut dst[(g * nsb + sb) * SB_BYTES..][..SB_BYTES];
+            let out = &mut dst[(g * nsb + sb) * sb_bytes..][..sb_bytes];
             for r in 0..X16 {
-                let blk = &src[(g * X16 + r) * row_bytes + sb * BLOCK..][..BLOCK];
+                let blk = &src[(g * X16 + r) * row_bytes + sb * block..][..block];
                 out[2 * r..2 * r + 2].copy_from_slice(&blk[0..2]);
                 out[OFF_DMIN + 2 * r..OFF_DMIN + 2 * r + 2].copy_from_slice(&blk[2..4]);
                 let (sc, mn) = scales_mins_k4_u64(blk[4..16].try_into().unwrap());
@@ -79,7 +92,13 @@ pub(crate) fn interleave(src: &[u8], rows: usize, k: usize, dst: &mut [u8]) {
                 for c in 0..4 {
                     for s in 0..8 {
                         let at = OFF_QS + (8 * c + s) * 64 + 4 * r;
-                        let from = 16 + 32 * c + 4 * s;
+                        let from = qs + 32 * c + 4 * s;
+                        out[at..at + 4].copy_from_slice(&blk[from..from + 4]);
+                    }
+                }
+                if five {
+                    for s in 0..8 {
+                        let (at, from) = (OFF_QH + 64 * s + 4 * r, PLAIN_QH + 4 * s);
                         out[at..at + 4].copy_from_slice(&blk[from..from + 4]);
                     }
                 }
@@ -88,12 +107,13 @@ pub(crate) fn interleave(src: &[u8], rows: usize, k: usize, dst: &mut [u8]) {
     }
 }
 
-/// Row `r` of the group at `group` (`nsb` super-blocks) as a plain Q4_K row, into `out`
-/// (`nsb · 144` bytes).
-pub(crate) fn plain_row(group: &[u8], nsb: usize, r: usize, out: &mut [u8]) {
+/// Row `r` of the group at `group` (`nsb` super-blocks) as a plain Q4_K (`five`: Q5_K) row,
+/// into `out` (`nsb ·` [`block`] bytes).
+pub(crate) fn plain_row(five: bool, group: &[u8], nsb: usize, r: usize, out: &mut [u8]) {
+    let (block, qs) = (block(five), plain_qs(five));
     for sb in 0..nsb {
-        let g = &group[sb * SB_BYTES..][..SB_BYTES];
-        let blk = &mut out[sb * BLOCK..][..BLOCK];
+        let g = &group[sb * X16 * block..][..X16 * block];
+        let blk = &mut out[sb * block..][..block];
         blk[0..2].copy_from_slice(&g[2 * r..2 * r + 2]);
         blk[2..4].copy_from_slice(&g[OFF_DMIN + 2 * r..OFF_DMIN + 2 * r + 2]);
         let word = |t: usize| {
@@ -119,7 +139,13 @@ pub(crate) fn plain_row(group: &[u8], nsb: usize, r: usize, out: &mut [u8]) {
         for c in 0..4 {
             for s in 0..8 {
                 let at = OFF_QS + (8 * c + s) * 64 + 4 * r;
-                let to = 16 + 32 * c + 4 * s;
+                let to = qs + 32 * c + 4 * s;
+                blk[to..to + 4].copy_from_slice(&g[at..at + 4]);
+            }
+        }
+        if five {
+            for s in 0..8 {
+                let (at, to) = (OFF_QH + 64 * s + 4 * r, PLAIN_QH + 4 * s);
                 blk[to..to + 4].copy_from_slice(&g[at..at + 4]);
             }
         }
@@ -133,10 +159,10 @@ fn lo_offset(c: usize) -> usize {
     128 * (c / 2) + 32 * (c % 2)
 }
 
-/// The Q4_K kernels.
-pub(super) struct Q4K;
+/// The Q4_K (`FIVE`: Q5_K) kernels.
+pub(super) struct Q45K<const FIVE: bool>;
 
-impl GroupKernel for Q4K {
+impl<const FIVE: bool> GroupKernel for Q45K<FIVE> {
     const MAX_M: usize = 4;
     #[inline(always)]
     unsafe fn group<const M: usize>(
@@ -149,17 +175,17 @@ impl GroupKernel for Q4K {
     ) -> [[f32; X16]; M] {
         #[cfg(target_arch = "x86_64")]
         if vnni {
-            return unsafe { group_vnni::<M>(g, k / 256, a, lay, ahead) };
+            return unsafe { group_vnni::<M, FIVE>(g, k / 256, a, lay, ahead) };
         }
         let _ = (vnni, ahead);
-        group_portable::<M>(g, k / 256, a, lay)
+        group_portable::<M, FIVE>(g, k / 256, a, lay)
     }
 }
 
 /// One group against `M` activation rows: `out[i][r]` the dot of row `r` with row `i`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn group_vnni<const M: usize>(
+unsafe fn group_vnni<const M: usize, const FIVE: bool>(
     g: *const u8,
     nsb: usize,
     a: [*const u8; M],
@@ -171,15 +197,21 @@ unsafe fn group_vnni<const M: usize>(
         let low = _mm512_set1_epi8(0x0F);
         let six = _mm512_set1_epi32(0x3F);
         let pair = _mm512_set1_epi32(0x003F_003F);
+        let bit = _mm512_set1_epi8(0x10);
         let bcast = |p: *const u8| _mm512_set1_epi32(p.cast::<i32>().read_unaligned());
         let mut acc = [_mm512_setzero_ps(); M];
         let mut acc_min = [_mm512_setzero_ps(); M];
         for sb in 0..nsb {
-            let blk = g.add(sb * SB_BYTES);
+            let blk = g.add(sb * X16 * block(FIVE));
             // The block's lines one by one beside the work (a burst of 36 at once streamed
-            // 10% slower): its scales now, each step's `qs` in the step.
+            // 10% slower): its scales (and fifth bits) now, each step's `qs` in the step.
             for line in 0..OFF_QS / 64 {
                 _mm_prefetch::<_MM_HINT_T1>(blk.add(ahead + 64 * line).cast());
+            }
+            if FIVE {
+                for line in 0..8 {
+                    _mm_prefetch::<_MM_HINT_T1>(blk.add(ahead + OFF_QH + 64 * line).cast());
+                }
             }
             let v0 = _mm512_loadu_si512(blk.add(OFF_SCALES).cast());
             let v1 = _mm512_loadu_si512(blk.add(OFF_SCALES + 64).cast());
@@ -201,8 +233,15 @@ unsafe fn group_vnni<const M: usize>(
                     let at = OFF_QS + (8 * c + s) * 64;
                     _mm_prefetch::<_MM_HINT_T1>(blk.add(ahead + at).cast());
                     let v = _mm512_loadu_si512(blk.add(at).cast());
-                    let wl = _mm512_and_si512(v, low);
-                    let wh = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low);
+                    let mut wl = _mm512_and_si512(v, low);
+                    let mut wh = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low);
+                    if FIVE {
+                        // Bits 2c and 2c + 1 of the step's `qh` bytes to bit 4.
+                        let qh = _mm512_loadu_si512(blk.add(OFF_QH + 64 * s).cast());
+                        let h = _mm512_srl_epi16(qh, _mm_cvtsi32_si128(2 * c as i32));
+                        wl = _mm512_or_si512(wl, _mm512_and_si512(_mm512_slli_epi16::<4>(h), bit));
+                        wh = _mm512_or_si512(wh, _mm512_and_si512(_mm512_slli_epi16::<3>(h), bit));
+                    }
                     for i in 0..M {
                         let x = a[i].add(256 * sb + lo_offset(c) + 4 * s);
                         lo[i] = _mm512_dpbusd_epi32(lo[i], wl, bcast(x));
@@ -229,8 +268,17 @@ unsafe fn group_vnni<const M: usize>(
                 let dx = _mm512_set1_ps(rdf32(a[i].add(lay.d), sb));
                 let s1 = _mm512_cvtepi32_ps(isum[i]);
                 let s2 = _mm512_cvtepi32_ps(msum[i]);
-                acc[i] = _mm512_fmadd_ps(s1, _mm512_mul_ps(dw, dx), acc[i]);
-                acc_min[i] = _mm512_fmadd_ps(s2, _mm512_mul_ps(dmin, dx), acc_min[i]);
+                if FIVE {
+                    // The Q5_K tile's order: `acc += (d·dx)·s1 − (dmin·dx)·s2`.
+                    let t = _mm512_sub_ps(
+                        _mm512_mul_ps(_mm512_mul_ps(dw, dx), s1),
+                        _mm512_mul_ps(_mm512_mul_ps(dmin, dx), s2),
+                    );
+                    acc[i] = _mm512_add_ps(acc[i], t);
+                } else {
+                    acc[i] = _mm512_fmadd_ps(s1, _mm512_mul_ps(dw, dx), acc[i]);
+                    acc_min[i] = _mm512_fmadd_ps(s2, _mm512_mul_ps(dmin, dx), acc_min[i]);
+                }
             }
         }
         let mut out = [[0f32; X16]; M];
@@ -242,7 +290,7 @@ unsafe fn group_vnni<const M: usize>(
 }
 
 /// [`group_vnni`] in plain Rust, lane by lane: the same integers and float steps.
-fn group_portable<const M: usize>(
+fn group_portable<const M: usize, const FIVE: bool>(
     g: *const u8,
     nsb: usize,
     a: [*const u8; M],
@@ -251,12 +299,14 @@ fn group_portable<const M: usize>(
     let f16 = |p: *const u8| half::f16::from_bits(unsafe { p.cast::<u16>().read_unaligned() });
     let mut acc = [[0f32; X16]; M];
     let mut acc_min = [[0f32; X16]; M];
+    let (block, qs) = (block(FIVE), plain_qs(FIVE));
     for sb in 0..nsb {
         // SAFETY: the caller's promise that `g` holds `nsb` blocks.
-        let blk = unsafe { std::slice::from_raw_parts(g.add(sb * SB_BYTES), SB_BYTES) };
-        let mut row = [0u8; BLOCK];
+        let blk = unsafe { std::slice::from_raw_parts(g.add(sb * X16 * block), X16 * block) };
+        let mut row = [0u8; 176];
         for r in 0..X16 {
-            plain_row(blk, 1, r, &mut row);
+            let row = &mut row[..block];
+            plain_row(FIVE, blk, 1, r, row);
             let (sc, mn) = scales_mins_k4_u64(row[4..16].try_into().unwrap());
             let (sc, mn) = (sc.to_le_bytes(), mn.to_le_bytes());
             let dw = f16(row.as_ptr()).to_f32();
@@ -275,8 +325,11 @@ fn group_portable<const M: usize>(
                     let base = lo_offset(c) + 64 * usize::from(high);
                     let dot: i32 = (0..32)
                         .map(|l| {
-                            let byte = row[16 + 32 * c + l];
-                            let q = if high { byte >> 4 } else { byte & 0xF };
+                            let byte = row[qs + 32 * c + l];
+                            let mut q = if high { byte >> 4 } else { byte & 0xF };
+                            if FIVE {
+                                q |= (row[PLAIN_QH + l] >> j & 1) << 4;
+                            }
                             q as i32 * x(base + l)
                         })
                         .sum();
@@ -284,8 +337,12 @@ fn group_portable<const M: usize>(
                     msum += mn[j] as i32 * bs(j);
                 }
                 let dx = unsafe { rdf32(a[i].add(lay.d), sb) };
-                acc[i][r] = (isum as f32).mul_add(dw * dx, acc[i][r]);
-                acc_min[i][r] = (msum as f32).mul_add(dmin * dx, acc_min[i][r]);
+                if FIVE {
+                    acc[i][r] += dw * dx * isum as f32 - dmin * dx * msum as f32;
+                } else {
+                    acc[i][r] = (isum as f32).mul_add(dw * dx, acc[i][r]);
+                    acc_min[i][r] = (msum as f32).mul_add(dmin * dx, acc_min[i][r]);
+                }
             }
         }
     }
