@@ -78,6 +78,19 @@ pub(crate) unsafe fn plain_rows8(dtype: DType, sb: *const u8, r0: usize, out: *m
     }
 }
 
+/// llama.cpp's `hsum_float_8` of eight accumulators, lane by lane: sixteen rows' sums of
+/// their eight lanes, in its order.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn hsum_float_8_lanes(l: &[std::arch::x86_64::__m512; 8]) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    unsafe {
+        let (r0, r1) = (_mm512_add_ps(l[4], l[0]), _mm512_add_ps(l[5], l[1]));
+        let (r2, r3) = (_mm512_add_ps(l[6], l[2]), _mm512_add_ps(l[7], l[3]));
+        _mm512_add_ps(_mm512_add_ps(r0, r2), _mm512_add_ps(r1, r3))
+    }
+}
+
 /// One type's kernels over a group.
 trait GroupKernel {
     /// Activation rows a call takes at most (what its accumulators leave of the registers).

@@ -15,6 +15,8 @@
 
 use super::super::act::ActLayout;
 use super::super::tiles::rdf32;
+#[cfg(target_arch = "x86_64")]
+use super::hsum_float_8_lanes;
 use super::{GroupKernel, X16};
 
 /// Bytes of one plain Q4_1 block.
@@ -125,11 +127,7 @@ unsafe fn group_vnni<const M: usize>(
         }
         let mut out = [[0f32; X16]; M];
         for i in 0..M {
-            // `hsum_float_8`'s order, lane-wise.
-            let l = &acc[i];
-            let (r0, r1) = (_mm512_add_ps(l[4], l[0]), _mm512_add_ps(l[5], l[1]));
-            let (r2, r3) = (_mm512_add_ps(l[6], l[2]), _mm512_add_ps(l[7], l[3]));
-            let sum = _mm512_add_ps(_mm512_add_ps(r0, r2), _mm512_add_ps(r1, r3));
+            let sum = hsum_float_8_lanes(&acc[i]);
             _mm512_storeu_ps(out[i].as_mut_ptr(), _mm512_add_ps(sum, summs[i]));
         }
         out
