@@ -6,7 +6,8 @@
 //! (for `perf stat`), optionally only for one type, row length and batch (`hot q4_k 1536 4`). `matvec` runs decode's
 //! products at a 1.5B model's shapes from memory (in the layout a model's weights take), each
 //! against a probe read just before it;
-//! `gemm` one thread's prefill products (512 activation rows) at those shapes, in GMAC/s;
+//! `gemm` one thread's prefill products (512 activation rows) at those shapes, in GMAC/s, in
+//! plain rows and in the layout a model's weights take;
 //! `attention` a 512-token prompt's causal attention over an f16 and an f32 cache (a 1.5B
 //! model's 12 heads over 2 of 128), the fastest of 15 runs (the least disturbed by neighbours).
 
@@ -259,7 +260,13 @@ fn model_matvecs(pool: &ThreadPool, owner: &BufferOwner, threads: usize) {
 fn gemm_kernels(owner: &BufferOwner, only: Option<&str>) {
     let one = ThreadPool::new(1);
     let m = 512;
-    for dtype in [DType::Q4_K, DType::Q6_K, DType::Q4_1] {
+    for dtype in [
+        DType::Q4_K,
+        DType::Q6_K,
+        DType::Q4_1,
+        DType::Q4_0,
+        DType::Q5_K,
+    ] {
         if only.is_some_and(|o| o != dtype.name().to_lowercase()) {
             continue;
         }
@@ -268,19 +275,37 @@ fn gemm_kernels(owner: &BufferOwner, only: Option<&str>) {
             let mut y = vec![0f32; m * n];
             let mut scratch = vec![0f32; matmul_scratch_len(1, m, k)];
             let w = quantized(owner, dtype, n, k);
-            let mat = MatRef::new(dtype, w.bytes(), n, k);
-            let rates: Vec<f64> = (0..5)
-                .map(|_| {
-                    let t = Instant::now();
-                    matmul(&one, &x, m, &mat, &mut y, &mut scratch);
-                    (m * n * k) as f64 / t.elapsed().as_secs_f64() / 1e9
-                })
-                .collect();
-            println!(
-                "{:<4} gemm 1 thread {m}x{n}x{k} {:6.1} GMAC/s",
-                dtype.name().to_lowercase(),
-                median(rates)
-            );
+            // Plain rows, and the layout a model's weights take when it is another.
+            let mut layouts = vec![WeightLayout::Rows];
+            let best = WeightLayout::best_for(dtype, n);
+            let mut laid = owner.alloc(BufferKind::Scratch, "w", w.len()).unwrap();
+            if best != WeightLayout::Rows {
+                best.write(dtype, w.bytes(), n, k, laid.bytes_mut());
+                layouts.push(best);
+            }
+            for layout in layouts {
+                let data = match layout {
+                    WeightLayout::Rows => w.bytes(),
+                    WeightLayout::Interleaved16 => laid.bytes(),
+                };
+                let mat = MatRef::new(dtype, data, n, k).with_layout(layout);
+                let rates: Vec<f64> = (0..5)
+                    .map(|_| {
+                        let t = Instant::now();
+                        matmul(&one, &x, m, &mat, &mut y, &mut scratch);
+                        (m * n * k) as f64 / t.elapsed().as_secs_f64() / 1e9
+                    })
+                    .collect();
+                println!(
+                    "{:<4} gemm 1 thread {m}x{n}x{k} {:6.1} GMAC/s{}",
+                    dtype.name().to_lowercase(),
+                    median(rates),
+                    match layout {
+                        WeightLayout::Rows => "",
+                        WeightLayout::Interleaved16 => " (interleaved)",
+                    }
+                );
+            }
         }
     }
 }

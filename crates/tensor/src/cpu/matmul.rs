@@ -59,8 +59,8 @@ pub enum WeightLayout {
     #[default]
     Rows,
     /// Q4_K, Q5_K, Q4_0, Q4_1 or Q6_K rows interleaved sixteen at a time, in the same bytes
-    /// (`quant_dot::x16`): what the kernels read fastest with AVX-512 VNNI, products of a few
-    /// activation rows most.
+    /// (`quant_dot::x16`): what the kernels read fastest with AVX-512 VNNI (and Q4_0, Q4_1 with
+    /// AVX2), products of a few activation rows most.
     Interleaved16,
 }
 

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use super::super::Isa;
 use super::act::{ActJob, ActKind, ActLayout, quantize_activations};
 use super::rows::{QIsa, QJob, quant_rows};
-use super::x16::{X16, interleave, interleaves};
+use super::x16::{X16, interleave, interleaves, runs_on};
 use crate::dtype::DType;
 
 /// One type's kernels: the set they run with, whether its weights are interleaved, and what
@@ -59,7 +59,7 @@ pub(crate) fn choose() -> &'static (Duration, Vec<Choice>) {
             .map(|&dtype| {
                 if forced {
                     let isa = QIsa::from_isa(Isa::detect());
-                    let interleaved = interleaves(dtype) && isa == QIsa::Avx512Vnni;
+                    let interleaved = runs_on(dtype, isa);
                     Choice {
                         isa,
                         interleaved,
@@ -146,7 +146,7 @@ fn measure(dtype: DType) -> Choice {
     }
     let mut candidates: Vec<(QIsa, bool)> = Vec::new();
     for &isa in &sets {
-        if interleaves(dtype) && isa == QIsa::Avx512Vnni {
+        if runs_on(dtype, isa) {
             candidates.push((isa, true));
         }
         candidates.push((isa, false));

@@ -10,7 +10,8 @@
 //!
 //! Per row, the integer sums are exact and the float steps are those of the type's tile in
 //! [`super::tiles`], lane for lane: a row gives the same bits interleaved or not, alone or in
-//! any batch, on the VNNI kernel or the portable one (which other instruction sets run).
+//! any batch, on the VNNI kernel, the AVX2 one (Q4_0 and Q4_1: a group as two halves of
+//! eight rows, [`runs_on`]) or the portable one.
 
 mod q40;
 mod q41;
@@ -31,6 +32,22 @@ pub(crate) fn interleaves(dtype: DType) -> bool {
         dtype,
         DType::Q4_K | DType::Q5_K | DType::Q4_0 | DType::Q4_1 | DType::Q6_K
     )
+}
+
+/// Whether `dtype`'s interleaved rows have a SIMD kernel on `isa` (the portable one computes
+/// them on any set, too slowly to be chosen). Without VNNI, the 32-value types' 256-bit
+/// kernels take a group as two halves of eight rows (see [`q41`]). Q4_K and Q5_K ones written
+/// so ran a 1536-wide matrix in L2 60% faster than their plain rows, but no faster from memory
+/// (0.80-0.90 of the probe against 0.89-1.14), and prompts of 8960-wide rows 18% slower (one
+/// activation row at a time, their sums filling the registers): not kept.
+pub(crate) fn runs_on(dtype: DType, isa: QIsa) -> bool {
+    match isa {
+        QIsa::Avx512Vnni => interleaves(dtype),
+        QIsa::Avx512 | QIsa::Avx2 => {
+            matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q4_K | DType::Q5_K)
+        }
+        QIsa::Portable => false,
+    }
 }
 
 /// Interleaves `rows` plain rows of `dtype` (`rows` a multiple of [`X16`]), `k` columns, from
@@ -96,14 +113,14 @@ trait GroupKernel {
     /// Activation rows a call takes at most (what its accumulators leave of the registers).
     const MAX_M: usize;
     /// The group at `g` (`k` columns) against `M` activation rows: `out[i][r]` the dot of
-    /// weight row `r` with activation row `i`. `vnni` picks the AVX-512 VNNI kernel; `ahead`
+    /// weight row `r` with activation row `i`, by `isa`'s kernel (the portable one where the
+    /// type has none for it: [`runs_on`]); `ahead`
     /// is how far ahead of its loads it prefetches.
     ///
     /// # Safety
-    /// The pointers hold a group and `M` activation rows laid out by `lay`; with `vnni`, the
-    /// CPU has AVX-512 VNNI.
+    /// The pointers hold a group and `M` activation rows laid out by `lay`; the CPU runs `isa`.
     unsafe fn group<const M: usize>(
-        vnni: bool,
+        isa: QIsa,
         g: *const u8,
         k: usize,
         a: [*const u8; M],
@@ -115,18 +132,17 @@ trait GroupKernel {
 /// `job` over interleaved weights of `dtype`: each group of the thread's rows against every
 /// activation row, as many at a time as the kernel takes.
 pub(crate) fn rows(isa: QIsa, dtype: DType, job: QJob) {
-    let vnni = isa == QIsa::Avx512Vnni;
     match dtype {
-        DType::Q4_K => rows_with::<q4k::Q45K<false>>(vnni, &job),
-        DType::Q5_K => rows_with::<q4k::Q45K<true>>(vnni, &job),
-        DType::Q4_0 => rows_with::<q40::Q40>(vnni, &job),
-        DType::Q4_1 => rows_with::<q41::Q41>(vnni, &job),
-        DType::Q6_K => rows_with::<q6k::Q6K>(vnni, &job),
+        DType::Q4_K => rows_with::<q4k::Q45K<false>>(isa, &job),
+        DType::Q5_K => rows_with::<q4k::Q45K<true>>(isa, &job),
+        DType::Q4_0 => rows_with::<q40::Q40>(isa, &job),
+        DType::Q4_1 => rows_with::<q41::Q41>(isa, &job),
+        DType::Q6_K => rows_with::<q6k::Q6K>(isa, &job),
         _ => unreachable!("{dtype} does not interleave"),
     }
 }
 
-fn rows_with<K: GroupKernel>(vnni: bool, job: &QJob) {
+fn rows_with<K: GroupKernel>(isa: QIsa, job: &QJob) {
     let QJob {
         w,
         row_bytes,
@@ -166,7 +182,7 @@ fn rows_with<K: GroupKernel>(vnni: bool, job: &QJob) {
     macro_rules! group {
         ($m:literal, $g:expr, $i:expr) => {{
             let a: [*const u8; $m] = std::array::from_fn(|c| act($i + c));
-            unsafe { K::group::<$m>(vnni, $g, layout.k, a, &layout, ahead) }
+            unsafe { K::group::<$m>(isa, $g, layout.k, a, &layout, ahead) }
         }};
     }
     let mut j = start;

@@ -13,6 +13,7 @@
 //! ([`super::super::ActKind::Q8`]), values in order.
 
 use super::super::act::ActLayout;
+use super::super::rows::QIsa;
 use super::super::tiles::rdf32;
 use super::{GroupKernel, X16};
 
@@ -59,7 +60,7 @@ impl GroupKernel for Q40 {
     const MAX_M: usize = 4;
     #[inline(always)]
     unsafe fn group<const M: usize>(
-        vnni: bool,
+        isa: QIsa,
         g: *const u8,
         k: usize,
         a: [*const u8; M],
@@ -67,10 +68,14 @@ impl GroupKernel for Q40 {
         ahead: usize,
     ) -> [[f32; X16]; M] {
         #[cfg(target_arch = "x86_64")]
-        if vnni {
-            return unsafe { group_vnni::<M>(g, k / 32, a, lay, ahead) };
+        match isa {
+            QIsa::Avx512Vnni => return unsafe { group_vnni::<M>(g, k / 32, a, lay, ahead) },
+            QIsa::Avx512 | QIsa::Avx2 => {
+                return std::array::from_fn(|i| unsafe { group_avx2(g, k / 32, a[i], lay, ahead) });
+            }
+            QIsa::Portable => {}
         }
-        let _ = (vnni, ahead);
+        let _ = (isa, ahead);
         group_portable::<M>(g, k / 32, a, lay)
     }
 }
@@ -117,6 +122,59 @@ unsafe fn group_vnni<const M: usize>(
         for i in 0..M {
             _mm512_storeu_ps(out[i].as_mut_ptr(), acc[i]);
         }
+        out
+    }
+}
+
+/// [`group_vnni`] with 256-bit vectors and without VNNI, against one activation row: each
+/// 64-byte step as two halves of eight rows. `vpmaddubsw` pairs (at most 2·15·128 each, so
+/// the sum of a low and a high pair fits i16) then `vpmaddwd` by ones: the block's exact
+/// integer per row, as `vpdpbusd` gives it; the float steps are the same.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn group_avx2(
+    g: *const u8,
+    nb: usize,
+    a: *const u8,
+    lay: &ActLayout,
+    ahead: usize,
+) -> [f32; X16] {
+    use std::arch::x86_64::*;
+    unsafe {
+        let low = _mm256_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
+        let bcast = |p: *const u8| _mm256_set1_epi32(p.cast::<i32>().read_unaligned());
+        let mut acc = [_mm256_setzero_ps(); 2];
+        for b in 0..nb {
+            let blk = g.add(b * GROUP_BLOCK);
+            let mut sums = [_mm256_setzero_si256(); 2];
+            for t in 0..4 {
+                _mm_prefetch::<_MM_HINT_T1>(blk.add(ahead + OFF_QS + 64 * t).cast());
+                let x = a.add(32 * b + 4 * t);
+                let (xl, xh) = (bcast(x), bcast(x.add(16)));
+                for (h, sum) in sums.iter_mut().enumerate() {
+                    let v = _mm256_loadu_si256(blk.add(OFF_QS + 64 * t + 32 * h).cast());
+                    let lo = _mm256_and_si256(v, low);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
+                    let pairs = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(lo, xl),
+                        _mm256_maddubs_epi16(hi, xh),
+                    );
+                    *sum = _mm256_add_epi32(*sum, _mm256_madd_epi16(pairs, ones));
+                }
+            }
+            // The nibbles stand for `q - 8`.
+            let xsum = _mm256_set1_epi32(8 * a.add(lay.a).cast::<i32>().add(b).read());
+            let dx = _mm256_set1_ps(rdf32(a.add(lay.d), b));
+            for (h, acc) in acc.iter_mut().enumerate() {
+                let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16 * h).cast()));
+                let s = _mm256_cvtepi32_ps(_mm256_sub_epi32(sums[h], xsum));
+                *acc = _mm256_add_ps(*acc, _mm256_mul_ps(_mm256_mul_ps(dw, dx), s));
+            }
+        }
+        let mut out = [0f32; X16];
+        _mm256_storeu_ps(out.as_mut_ptr(), acc[0]);
+        _mm256_storeu_ps(out[8..].as_mut_ptr(), acc[1]);
         out
     }
 }

@@ -14,6 +14,7 @@
 //! The activations are plain Q8_0/Q8_1 blocks ([`super::super::ActKind::Q8`]), values in order.
 
 use super::super::act::ActLayout;
+use super::super::rows::QIsa;
 use super::super::tiles::rdf32;
 #[cfg(target_arch = "x86_64")]
 use super::hsum_float_8_lanes;
@@ -66,7 +67,7 @@ impl GroupKernel for Q41 {
     const MAX_M: usize = 2;
     #[inline(always)]
     unsafe fn group<const M: usize>(
-        vnni: bool,
+        isa: QIsa,
         g: *const u8,
         k: usize,
         a: [*const u8; M],
@@ -74,10 +75,16 @@ impl GroupKernel for Q41 {
         ahead: usize,
     ) -> [[f32; X16]; M] {
         #[cfg(target_arch = "x86_64")]
-        if vnni {
-            return unsafe { group_vnni::<M>(g, k / 32, a, lay, ahead) };
+        match isa {
+            QIsa::Avx512Vnni => return unsafe { group_vnni::<M>(g, k / 32, a, lay, ahead) },
+            // Eight accumulators of eight rows fill the sixteen 256-bit registers: one
+            // activation row at a time.
+            QIsa::Avx512 | QIsa::Avx2 => {
+                return std::array::from_fn(|i| unsafe { group_avx2(g, k / 32, a[i], lay, ahead) });
+            }
+            QIsa::Portable => {}
         }
-        let _ = (vnni, ahead);
+        let _ = (isa, ahead);
         group_portable::<M>(g, k / 32, a, lay)
     }
 }
@@ -129,6 +136,62 @@ unsafe fn group_vnni<const M: usize>(
         for i in 0..M {
             let sum = hsum_float_8_lanes(&acc[i]);
             _mm512_storeu_ps(out[i].as_mut_ptr(), _mm512_add_ps(sum, summs[i]));
+        }
+        out
+    }
+}
+
+/// [`group_vnni`] with 256-bit vectors and without VNNI, against one activation row: the group
+/// as two halves of eight rows, each over every block (a block's 64-byte step holds four
+/// values of all sixteen rows, 32 bytes a half) with its own eight accumulators; the second
+/// half finds the group's lines in cache. `vpmaddubsw` then `vpmaddwd` by ones gives each
+/// lane's four products as one exact i32, as `vpdpbusd` does; the float steps are the same.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn group_avx2(
+    g: *const u8,
+    nb: usize,
+    a: *const u8,
+    lay: &ActLayout,
+    ahead: usize,
+) -> [f32; X16] {
+    use std::arch::x86_64::*;
+    unsafe {
+        let low = _mm256_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
+        let bcast = |p: *const u8| _mm256_set1_epi32(p.cast::<i32>().read_unaligned());
+        let mut out = [0f32; X16];
+        for h in 0..2 {
+            let mut acc = [_mm256_setzero_ps(); 8];
+            let mut summs = _mm256_setzero_ps();
+            for b in 0..nb {
+                let blk = g.add(b * GROUP_BLOCK);
+                if h == 0 {
+                    for line in (0..GROUP_BLOCK).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T1>(blk.add(ahead + line).cast());
+                    }
+                }
+                let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16 * h).cast()));
+                let mw = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(OFF_M + 16 * h).cast()));
+                let scale = _mm256_mul_ps(dw, _mm256_set1_ps(rdf32(a.add(lay.d), b)));
+                for t in 0..4 {
+                    let v = _mm256_loadu_si256(blk.add(OFF_QS + 64 * t + 32 * h).cast());
+                    let lo = _mm256_and_si256(v, low);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
+                    let x = a.add(32 * b + 4 * t);
+                    let l0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, bcast(x)), ones);
+                    let l1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, bcast(x.add(16))), ones);
+                    acc[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(l0), acc[t]);
+                    acc[t + 4] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(l1), acc[t + 4]);
+                }
+                let sx = _mm256_set1_ps(rdf32(a.add(lay.b), b));
+                summs = _mm256_fmadd_ps(mw, sx, summs);
+            }
+            // `hsum_float_8_lanes`' order.
+            let (r0, r1) = (_mm256_add_ps(acc[4], acc[0]), _mm256_add_ps(acc[5], acc[1]));
+            let (r2, r3) = (_mm256_add_ps(acc[6], acc[2]), _mm256_add_ps(acc[7], acc[3]));
+            let sum = _mm256_add_ps(_mm256_add_ps(r0, r2), _mm256_add_ps(r1, r3));
+            _mm256_storeu_ps(out[8 * h..].as_mut_ptr(), _mm256_add_ps(sum, summs));
         }
         out
     }

@@ -29,6 +29,7 @@
 //! interleaved or not.
 
 use super::super::act::ActLayout;
+use super::super::rows::QIsa;
 use super::super::tiles::rdf32;
 use super::{GroupKernel, X16};
 use crate::quant::scales_mins_k4_u64;
@@ -166,7 +167,7 @@ impl<const FIVE: bool> GroupKernel for Q45K<FIVE> {
     const MAX_M: usize = 4;
     #[inline(always)]
     unsafe fn group<const M: usize>(
-        vnni: bool,
+        isa: QIsa,
         g: *const u8,
         k: usize,
         a: [*const u8; M],
@@ -174,10 +175,10 @@ impl<const FIVE: bool> GroupKernel for Q45K<FIVE> {
         ahead: usize,
     ) -> [[f32; X16]; M] {
         #[cfg(target_arch = "x86_64")]
-        if vnni {
+        if isa == QIsa::Avx512Vnni {
             return unsafe { group_vnni::<M, FIVE>(g, k / 256, a, lay, ahead) };
         }
-        let _ = (vnni, ahead);
+        let _ = (isa, ahead);
         group_portable::<M, FIVE>(g, k / 256, a, lay)
     }
 }

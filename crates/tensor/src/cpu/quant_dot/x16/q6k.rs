@@ -19,6 +19,7 @@
 //! Integer sums are exact, so a row gives the same bits interleaved or not.
 
 use super::super::act::ActLayout;
+use super::super::rows::QIsa;
 use super::super::tiles::{hsum_float_8, rdf32};
 #[cfg(target_arch = "x86_64")]
 use super::hsum_float_8_lanes;
@@ -171,7 +172,7 @@ impl GroupKernel for Q6K {
     const MAX_M: usize = 4;
     #[inline(always)]
     unsafe fn group<const M: usize>(
-        vnni: bool,
+        isa: QIsa,
         g: *const u8,
         k: usize,
         a: [*const u8; M],
@@ -179,10 +180,10 @@ impl GroupKernel for Q6K {
         ahead: usize,
     ) -> [[f32; X16]; M] {
         #[cfg(target_arch = "x86_64")]
-        if vnni {
+        if isa == QIsa::Avx512Vnni {
             return unsafe { group_vnni::<M>(g, k / 256, a, lay, ahead) };
         }
-        let _ = (vnni, ahead);
+        let _ = (isa, ahead);
         group_portable::<M>(g, k / 256, a, lay)
     }
 }
