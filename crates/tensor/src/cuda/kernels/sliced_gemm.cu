@@ -112,6 +112,22 @@ __device__ __forceinline__ void sliced_gemm_weights_ahead(const SlicedGemmArgs& 
         if (s < blk.steps) blk.stage_w(a, sg_smem, s);
 }
 
+// f(i, j, e, token, row) for each element of a lane's tiles inside the output. A function
+// template, not a generic lambda: NVRTC 13.0 takes a generic lambda for a host function.
+template <int WM, int WN, typename RowOf, typename TokenOf, typename F>
+__device__ __forceinline__ void sliced_each_output(const SlicedGemmArgs& a, const RowOf& row_of,
+                                                   const TokenOf& token_of, const F& f) {
+#pragma unroll
+    for (int i = 0; i < WM; ++i)
+#pragma unroll
+        for (int j = 0; j < WN; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int row = row_of(i, e), tok = token_of(j, e);
+                if (row < a.n && tok < a.m) f(i, j, e, tok, row);
+            }
+}
+
 template <typename T, int WM, int WN, int WARPS_M, int WARPS_N, int STAGES, bool SPLIT>
 __device__ __forceinline__ void sliced_gemm(const SlicedGemmArgs& a) {
     const SgBlock<WM, WN, WARPS_M, WARPS_N, STAGES, SPLIT> blk(a);
@@ -197,27 +213,17 @@ __device__ __forceinline__ void sliced_gemm(const SlicedGemmArgs& a) {
         }
     };
 
-    // f(i, j, e, token, row) for each element of this lane's tiles inside the output.
-    auto each_output = [&](auto f) {
-#pragma unroll
-        for (int i = 0; i < WM; ++i)
-#pragma unroll
-            for (int j = 0; j < WN; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int row = row_of(i, e), tok = token_of(j, e);
-                    if (row < a.n && tok < a.m) f(i, j, e, tok, row);
-                }
-    };
-
     if (!SPLIT) {
-        each_output([&](int i, int j, int e, int tok, int row) { store(tok, row, total[i][j][e]); });
+        sliced_each_output<WM, WN>(a, row_of, token_of,
+                                   [&](int i, int j, int e, int tok, int row) {
+                                       store(tok, row, total[i][j][e]);
+                                   });
         return;
     }
 
     // Split: this slice's sums out, then the tile's last block adds the slices in order.
     const size_t plane = (size_t)a.m * a.n;
-    each_output([&](int i, int j, int e, int tok, int row) {
+    sliced_each_output<WM, WN>(a, row_of, token_of, [&](int i, int j, int e, int tok, int row) {
         a.partials[blockIdx.z * plane + (size_t)tok * a.n + row] = acc[i][j][e];
     });
     __threadfence();
@@ -229,7 +235,7 @@ __device__ __forceinline__ void sliced_gemm(const SlicedGemmArgs& a) {
         __syncthreads_or(threadIdx.x == 0 && atomicAdd(ticket, 1u) == (unsigned)(a.slices - 1));
     if (!last) return;
     __threadfence();  // the other blocks' sums, seen after their tickets
-    each_output([&](int, int, int, int tok, int row) {
+    sliced_each_output<WM, WN>(a, row_of, token_of, [&](int, int, int, int tok, int row) {
         const float* p = a.partials + (size_t)tok * a.n + row;
         float sum = 0.0f;
         for (int z = 0; z < a.slices; ++z) sum += __ldcg(p + z * plane);
