@@ -4,6 +4,8 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
+use crate::cmd::bench_quality::BenchQualityArgs;
+
 #[derive(Parser, Debug)]
 #[command(name = "ember", version, about = "A local LLM inference engine that stays warm", long_about = None)]
 pub struct Cli {
@@ -225,6 +227,21 @@ pub struct ServeArgs {
     /// GPU, at most half of what the residency bound leaves; none on the CPU].
     #[arg(long, default_value = "auto", env = "EMBER_PROMPT_CACHE_HOST_GIB")]
     pub prompt_cache_host_gib: ember_engine::prompt_cache::CacheBudget,
+    /// Speculative decoding: where drafted tokens come from, verified in the pass that makes
+    /// the next one, the output the same bits either way (a request opts out with `"draft":
+    /// false`). ngram: the continuation of the reply's last few tokens where they appeared
+    /// before in the prompt or reply (prompt lookup; the CPU only for now); none: one token a
+    /// pass; auto: ngram on the CPU, none on CUDA.
+    #[arg(long, default_value = "auto", env = "EMBER_DRAFT")]
+    pub draft: ember_engine::draft::DraftKind,
+    /// Most tokens drafted for one pass; a sequence's depth follows how many the model keeps.
+    #[arg(long, default_value_t = ember_engine::draft::DEFAULT_DRAFT_MAX,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
+    pub draft_max: usize,
+    /// Fewest drafted tokens worth verifying; shorter guesses are dropped.
+    #[arg(long, default_value_t = ember_engine::draft::DEFAULT_DRAFT_MIN,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
+    pub draft_min: usize,
 }
 
 #[derive(Subcommand, Debug)]
@@ -244,6 +261,11 @@ pub enum BenchCommand {
     /// llama-batched-bench: aggregate prefill and decode speed per count of sequences, one
     /// JSON line each, against the bound of one batched step.
     Batch(BenchBatchArgs),
+    /// The equalities a trustworthy OpenAI-compatible server keeps (a reply the same with or
+    /// without speculative decoding, alone or among others, streamed or not, from the prompt
+    /// cache or not; exact stop strings and max_tokens): one JSON line per check, exit status
+    /// 1 when any fails.
+    Quality(BenchQualityArgs),
 }
 
 #[derive(Args, Debug)]

@@ -9,6 +9,7 @@ pub mod bench;
 pub mod chat_template;
 pub mod constraint;
 pub mod detokenizer;
+pub mod draft;
 mod engine;
 mod error;
 mod gguf_tokenizer;
@@ -23,8 +24,8 @@ pub mod tokenizer;
 pub use ember_models::KvDtype;
 pub use engine::{
     BatchEvent, DEFAULT_CONTEXT, DEFAULT_PARALLEL_CPU, DEFAULT_PARALLEL_CUDA,
-    DEFAULT_PREFILL_CHUNK_CPU, DEFAULT_PREFILL_CHUNK_CUDA, DefaultsSource, Device, Engine,
-    EngineOptions, FinishReason, GenerateParams, Generation, LLAMA_SERVER_DEFAULTS,
+    DEFAULT_PREFILL_CHUNK_CPU, DEFAULT_PREFILL_CHUNK_CUDA, DefaultsSource, Device, DraftStats,
+    Engine, EngineOptions, FinishReason, GenerateParams, Generation, LLAMA_SERVER_DEFAULTS,
     OPENAI_DEFAULTS, PromptEncoder, ResidencyMode, SamplingDefaults, Step, StepTiming,
 };
 pub use error::{Error, Result};

@@ -38,6 +38,8 @@ pub(crate) trait Runner: Send {
     fn config(&self) -> &ModelConfig;
     /// Tokens one forward pass takes at most.
     fn max_batch(&self) -> usize;
+    /// Rows of logits one pass can give.
+    fn logit_rows(&self) -> usize;
     /// The pool's block geometry.
     fn kv_layout(&self) -> KvLayout;
     /// The KV pool's storage: its blocks and host tier, and the copies between them.
@@ -124,6 +126,10 @@ macro_rules! shared_runner_methods {
 
         fn max_batch(&self) -> usize {
             self.backend.max_batch()
+        }
+
+        fn logit_rows(&self) -> usize {
+            self.backend.logit_rows()
         }
 
         fn kv_layout(&self) -> KvLayout {

@@ -176,6 +176,20 @@ impl Scheduler {
         }
     }
 
+    /// Records a decode run of `id` that also verified drafted tokens: the last token's
+    /// position and the `accepted` drafts' are computed, and the token picked after them is
+    /// the one pending. (The run's rejected drafts' positions are dropped by the caller.)
+    pub fn ran_drafted(&mut self, id: SeqId, accepted: usize) {
+        let s = self
+            .running
+            .iter_mut()
+            .find(|s| s.id == id)
+            .expect("a run of a running sequence");
+        debug_assert_eq!(s.pending(), 1, "drafts follow a sequence's last token");
+        s.computed += 1 + accepted;
+        s.tokens += 1 + accepted;
+    }
+
     /// Plans the next step.
     pub fn schedule(&mut self, kv: &mut dyn KvBudget) -> StepPlan {
         let mut plan = StepPlan::default();

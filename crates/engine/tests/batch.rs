@@ -85,6 +85,7 @@ fn requests(vocab: usize) -> Vec<Request> {
                     ignore_eos: true,
                     step_logits: true,
                     cache_prompt: true,
+                    draft: true,
                 },
             }
         })
@@ -240,6 +241,7 @@ fn bad_requests_are_refused_at_submit_and_the_loop_goes_on() {
         ignore_eos: true,
         step_logits: false,
         cache_prompt: false,
+        draft: true,
     };
     assert!(engine.submit(1, &[], params, None).is_err());
     let err = engine.submit(2, &vec![1; 256], params, None).unwrap_err();
@@ -310,6 +312,7 @@ fn preempted_requests_resume_with_the_bits_they_get_alone() {
                     ignore_eos: true,
                     step_logits: true,
                     cache_prompt: true,
+                    draft: true,
                 },
             }
         })
@@ -371,6 +374,7 @@ fn sixty_four_streams_joining_and_leaving_each_get_their_bits_alone() {
                 ignore_eos: true,
                 step_logits: i % 2 == 0,
                 cache_prompt: false,
+                draft: true,
             };
             (arrival, Request { prompt, params })
         })

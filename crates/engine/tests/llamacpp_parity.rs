@@ -106,6 +106,7 @@ fn check(fixture: &str, required: bool, tolerance: f64) {
             ignore_eos: true,
             step_logits: true,
             cache_prompt: true,
+            draft: true,
         };
         // Per step: ember's logits of llama.cpp's top-2 tokens.
         let mut steps = Vec::new();

@@ -55,6 +55,7 @@ fn listed_buffers_account_for_resident_memory_growth() {
         ignore_eos: true,
         step_logits: false,
         cache_prompt: true,
+        draft: true,
     };
     engine
         .generate(&prompt, &params, |_| ControlFlow::Continue(()))

@@ -82,6 +82,7 @@ fn greedy(
         ignore_eos: true,
         step_logits,
         cache_prompt: cache,
+        draft: true,
     };
     let mut out = Vec::new();
     let g = engine
@@ -342,6 +343,7 @@ fn bad_requests_leave_the_pool_and_the_cache_consistent() {
         ignore_eos: true,
         step_logits: false,
         cache_prompt: true,
+        draft: true,
     };
     let too_long = prompt(600, 5, vocab);
     let err = warm

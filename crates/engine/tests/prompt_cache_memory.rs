@@ -40,6 +40,7 @@ fn a_thousand_requests_stay_inside_the_budget() {
         ignore_eos: true,
         step_logits: false,
         cache_prompt: true,
+        draft: true,
     };
     let mut state = 7u64;
     let mut run = |engine: &mut Engine| {

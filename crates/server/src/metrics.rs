@@ -72,6 +72,9 @@ pub struct Metrics {
     requests: Mutex<BTreeMap<(&'static str, u16), u64>>,
     pub prompt_tokens: AtomicU64,
     pub generation_tokens: AtomicU64,
+    /// Speculative decoding: tokens drafted and verified, and those accepted.
+    pub draft_tokens: AtomicU64,
+    pub draft_accepted_tokens: AtomicU64,
     pub time_to_first_token: Histogram,
     pub inter_token_latency: Histogram,
     pub running: AtomicI64,
@@ -90,6 +93,8 @@ impl Default for Metrics {
             requests: Mutex::new(BTreeMap::new()),
             prompt_tokens: AtomicU64::new(0),
             generation_tokens: AtomicU64::new(0),
+            draft_tokens: AtomicU64::new(0),
+            draft_accepted_tokens: AtomicU64::new(0),
             time_to_first_token: Histogram::new(LATENCY_BUCKETS),
             inter_token_latency: Histogram::new(LATENCY_BUCKETS),
             running: AtomicI64::new(0),
@@ -152,6 +157,18 @@ impl Metrics {
             "ember_generation_tokens_total",
             "Tokens generated.",
             self.generation_tokens.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut out,
+            "ember_draft_tokens_total",
+            "Tokens drafted (speculative decoding) and verified by the model.",
+            self.draft_tokens.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut out,
+            "ember_draft_accepted_tokens_total",
+            "Drafted tokens the model accepted.",
+            self.draft_accepted_tokens.load(Ordering::Relaxed),
         );
         self.time_to_first_token.render(
             &mut out,

@@ -1,5 +1,6 @@
 pub mod bench;
 pub mod bench_idle;
+pub mod bench_quality;
 pub mod bench_serve;
 pub mod gen_checkpoint;
 pub mod run;
@@ -66,6 +67,7 @@ pub fn engine_options(args: &ModelArgs) -> EngineOptions {
         kv_pool_tokens: None,
         prompt_cache: CacheBudget::Off,
         prompt_cache_host: CacheBudget::Off,
+        draft: Default::default(),
     }
 }
 

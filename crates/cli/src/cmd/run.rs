@@ -43,6 +43,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         ignore_eos: args.ignore_eos,
         step_logits: false,
         cache_prompt: true,
+        draft: true,
     };
     let mut decoder = StreamDecoder::new(engine.tokenizer().clone());
     let stdout = std::io::stdout();

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use ember_models::KvLayout;
 
-use crate::engine::{BatchEvent, Engine, GenerateParams, StepTiming};
+use crate::engine::{BatchEvent, DraftStats, Engine, GenerateParams, StepTiming};
 use crate::error::{Error, Result};
 use crate::sampler::SamplingParams;
 
@@ -143,6 +143,7 @@ fn run(
         step_logits: false,
         // Distinct prompts: a cache would only fill.
         cache_prompt: false,
+        draft: true,
     };
     for id in 0..n as u64 {
         let tokens: Vec<u32> = (0..prompt)
@@ -192,6 +193,10 @@ fn run(
             schedule: now.schedule - timing.schedule,
             pass: now.pass - timing.pass,
             sample: now.sample - timing.sample,
+            drafts: DraftStats {
+                drafted: now.drafts.drafted - timing.drafts.drafted,
+                accepted: now.drafts.accepted - timing.drafts.accepted,
+            },
         },
     })
 }

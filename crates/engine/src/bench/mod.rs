@@ -245,6 +245,7 @@ pub fn bench_turn(engine: &mut Engine, options: &TurnBenchOptions) -> Result<Tur
         ignore_eos: true,
         step_logits: false,
         cache_prompt,
+        draft: true,
     };
     let needed = options.history_tokens + options.reply_tokens + options.new_tokens + 1;
     if needed >= engine.context() {

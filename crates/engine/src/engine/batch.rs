@@ -4,6 +4,11 @@
 //!
 //! A request's tokens are the same bits as the same request run alone wherever the backend's
 //! kernels are batch-invariant (the CPU's: `ember-models`' batch test), so concurrent = alone.
+//!
+//! With a draft source ([`crate::draft`]), a decoding sequence's run also carries the tokens
+//! drafted to follow it: the pass gives a row of logits for each, and each row's token is
+//! picked as a decode step would pick it, the drafts standing while they equal the picks
+//! (so drafted = undrafted, by the same invariance).
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -14,9 +19,14 @@ use super::Engine;
 use super::generate::{FinishReason, GenerateParams, Generation};
 use super::picker::Picker;
 use crate::constraint::Constraint;
+use crate::draft::{Depth, DraftOptions, DraftSource};
 use crate::error::{Error, Result};
 use crate::kv::{BlockManager, Transfer};
 use crate::scheduler::{KvBudget, Scheduled, Scheduler, SchedulerConfig, SeqId};
+
+/// Sampling runs in a pass past which no drafts are added: a pass of that many rows already
+/// reads the weights for several tokens, and drafts would only add rows to compute.
+const DRAFT_STEP_ASIDE: usize = 2;
 
 /// What a step tells about one request.
 pub enum BatchEvent<'a> {
@@ -50,6 +60,17 @@ struct Active {
     announced: bool,
     submitted: Instant,
     first_token: Option<Instant>,
+    /// Drafted tokens at the end of `tokens` for the pass being run (0: none).
+    drafted: usize,
+    depth: Depth,
+    draft_stats: DraftStats,
+}
+
+/// Tokens drafted for a request and those its target accepted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DraftStats {
+    pub drafted: usize,
+    pub accepted: usize,
 }
 
 /// The batched loop's state: the scheduler and its requests.
@@ -57,6 +78,11 @@ pub(super) struct Batch {
     scheduler: Scheduler,
     active: HashMap<SeqId, Active>,
     timing: StepTiming,
+    draft: DraftOptions,
+    drafter: Option<Box<dyn DraftSource>>,
+    /// Tokens a pass may take (the backend's batch).
+    max_tokens: usize,
+    proposal: Vec<u32>,
 }
 
 /// Where the batched loop's steps spent their time, summed since the engine was made.
@@ -73,10 +99,12 @@ pub struct StepTiming {
     pub schedule: Duration,
     pub pass: Duration,
     pub sample: Duration,
+    /// Drafted tokens verified, and those accepted.
+    pub drafts: DraftStats,
 }
 
 impl Batch {
-    pub(super) fn new(max_running: usize, token_budget: usize) -> Self {
+    pub(super) fn new(max_running: usize, token_budget: usize, draft: DraftOptions) -> Self {
         Batch {
             scheduler: Scheduler::new(SchedulerConfig {
                 max_running,
@@ -84,7 +112,16 @@ impl Batch {
             }),
             active: HashMap::new(),
             timing: StepTiming::default(),
+            draft,
+            drafter: draft.source(),
+            max_tokens: token_budget,
+            proposal: Vec::new(),
         }
+    }
+
+    /// Whether the loop drafts tokens for its requests.
+    pub(super) fn drafts(&self) -> bool {
+        self.drafter.is_some()
     }
 }
 
@@ -176,6 +213,9 @@ impl Engine {
                 announced: false,
                 submitted: Instant::now(),
                 first_token: None,
+                drafted: 0,
+                depth: Depth::new(&self.batch.draft),
+                draft_stats: DraftStats::default(),
             },
         );
         self.batch.scheduler.add(id, prompt.len());
@@ -188,6 +228,9 @@ impl Engine {
         let known = self.batch.scheduler.remove(id);
         if let Some(mut a) = self.batch.active.remove(&id) {
             self.release(&mut a, true);
+        }
+        if let Some(drafter) = &mut self.batch.drafter {
+            drafter.finish(id);
         }
         known
     }
@@ -205,6 +248,21 @@ impl Engine {
     /// Where the batched loop's steps have spent their time so far.
     pub fn step_timing(&self) -> StepTiming {
         self.batch.timing
+    }
+
+    /// Whether the batched loop drafts tokens (speculative decoding).
+    pub fn drafts(&self) -> bool {
+        self.batch.drafts()
+    }
+
+    /// Drafts from `source` from now on, up to `max` tokens a pass and none shorter than `min`
+    /// (in place of the one `--draft` loaded, if any): an embedder's own draft source, or a
+    /// test's. Requests already submitted keep their depth. A pass never gives more rows of
+    /// logits than the engine was loaded for (`EngineOptions::draft`'s `max`, when drafting).
+    pub fn set_draft_source(&mut self, source: Box<dyn DraftSource>, max: usize, min: usize) {
+        self.batch.draft.max = max;
+        self.batch.draft.min = min;
+        self.batch.drafter = Some(source);
     }
 
     /// Requests of the batched loop running now (holding KV blocks), and waiting to start.
@@ -237,6 +295,8 @@ impl Engine {
             };
             batch.scheduler.schedule(&mut pool)
         };
+        let mut plan = plan;
+        self.add_drafts(&mut plan.runs);
         self.run_transfers()?;
         self.batch.timing.schedule += started.elapsed();
         self.batch.timing.preemptions += plan.preempted.len();
@@ -324,10 +384,11 @@ impl Engine {
                 .map(|(r, seq)| SequencePass {
                     seq,
                     tokens: &active[&r.id].tokens[r.start..r.start + r.tokens],
-                    logits: if r.samples {
-                        Logits::Last
-                    } else {
-                        Logits::None
+                    logits: match (r.samples, active[&r.id].drafted) {
+                        (false, _) => Logits::None,
+                        (true, 0) => Logits::Last,
+                        // A row for the last token and one for each draft.
+                        (true, _) => Logits::All,
                     },
                 })
                 .collect();
@@ -362,66 +423,159 @@ impl Engine {
         let started = Instant::now();
         let mut row = 0;
         for run in runs {
-            batch.scheduler.ran(run);
             if !run.samples {
+                batch.scheduler.ran(run);
                 continue;
             }
             let a = batch.active.get_mut(&run.id).expect("run");
-            let step_logits = logits.map(|l| &l[row * vocab..(row + 1) * vocab]);
-            let picked = match (&greedy, step_logits) {
-                (Some(picks), _) if a.picker.is_plain_greedy() && !a.params.step_logits => {
-                    Ok((picks[row], None))
-                }
-                (_, Some(l)) => a
-                    .picker
-                    .pick(l, &a.tokens, a.prompt_len)
-                    .map(|token| (token, Some(l))),
-                (_, None) => {
-                    unreachable!("logits are on the host for every request that needs them")
-                }
-            };
-            row += 1;
-            let (token, step_logits) =
-                match picked.and_then(|(t, l)| a.picker.accept(t).map(|()| (t, l))) {
-                    Ok(picked) => picked,
-                    Err(e) => {
-                        // Its constraint failed: this request ends, the others go on.
-                        batch.scheduler.remove(run.id);
-                        let mut a = batch.active.remove(&run.id).expect("run");
-                        release(blocks, *cache_enabled, &mut a, true);
-                        on_event(run.id, BatchEvent::Failed(e));
-                        continue;
+            // The drafts ride at the end of the tokens for the pass only.
+            let drafts = a.tokens.split_off(a.tokens.len() - a.drafted);
+            a.drafted = 0;
+            if drafts.is_empty() {
+                batch.scheduler.ran(run);
+            }
+            let first_row = row;
+            row += 1 + drafts.len();
+            // Row `j` follows the last token and the first `j` drafts: its pick counts while
+            // every draft before it stood.
+            let mut accepted = 0;
+            let mut ended = false;
+            for j in 0..=drafts.len() {
+                let at = first_row + j;
+                let step_logits = logits.map(|l| &l[at * vocab..(at + 1) * vocab]);
+                let picked = match (&greedy, step_logits) {
+                    (Some(picks), _) if a.picker.is_plain_greedy() && !a.params.step_logits => {
+                        Ok((picks[at], None))
+                    }
+                    (_, Some(l)) => a
+                        .picker
+                        .pick(l, &a.tokens, a.prompt_len)
+                        .map(|token| (token, Some(l))),
+                    (_, None) => {
+                        unreachable!("logits are on the host for every request that needs them")
                     }
                 };
-            let is_eos = eos_ids.contains(&token);
-            a.first_token.get_or_insert_with(Instant::now);
-            a.tokens.push(token);
-            on_event(
-                run.id,
-                BatchEvent::Token {
-                    token,
-                    logits: step_logits,
-                    is_eos,
-                },
-            );
-            let made = a.tokens.len() - a.prompt_len;
-            // A complete grammar ends the reply as an end-of-sequence token would.
-            let finish = if (is_eos && !a.params.ignore_eos) || a.picker.is_complete() {
-                Some(FinishReason::Stop)
-            } else if made >= a.limit {
-                Some(FinishReason::Length)
-            } else {
-                None
-            };
-            if let Some(reason) = finish {
-                batch.scheduler.remove(run.id);
-                let mut a = batch.active.remove(&run.id).expect("run");
-                release(blocks, *cache_enabled, &mut a, true);
-                on_event(run.id, BatchEvent::Finished(a.generation(reason)));
+                let (token, step_logits) =
+                    match picked.and_then(|(t, l)| a.picker.accept(t).map(|()| (t, l))) {
+                        Ok(picked) => picked,
+                        Err(e) => {
+                            // Its constraint failed: this request ends, the others go on.
+                            batch.scheduler.remove(run.id);
+                            let mut a = batch.active.remove(&run.id).expect("run");
+                            a.table.truncate(run.start + 1 + accepted);
+                            release(blocks, *cache_enabled, &mut a, true);
+                            on_event(run.id, BatchEvent::Failed(e));
+                            ended = true;
+                            break;
+                        }
+                    };
+                let is_eos = eos_ids.contains(&token);
+                a.first_token.get_or_insert_with(Instant::now);
+                a.tokens.push(token);
+                on_event(
+                    run.id,
+                    BatchEvent::Token {
+                        token,
+                        logits: step_logits,
+                        is_eos,
+                    },
+                );
+                let made = a.tokens.len() - a.prompt_len;
+                // A complete grammar ends the reply as an end-of-sequence token would.
+                let finish = if (is_eos && !a.params.ignore_eos) || a.picker.is_complete() {
+                    Some(FinishReason::Stop)
+                } else if made >= a.limit {
+                    Some(FinishReason::Length)
+                } else {
+                    None
+                };
+                if let Some(reason) = finish {
+                    batch.scheduler.remove(run.id);
+                    let mut a = batch.active.remove(&run.id).expect("run");
+                    // The positions past the last accepted draft hold rejected ones.
+                    a.table.truncate(run.start + 1 + accepted);
+                    a.draft_stats.drafted += drafts.len();
+                    a.draft_stats.accepted += accepted;
+                    release(blocks, *cache_enabled, &mut a, true);
+                    on_event(run.id, BatchEvent::Finished(a.generation(reason)));
+                    ended = true;
+                    break;
+                }
+                if drafts.get(j) != Some(&token) {
+                    break;
+                }
+                accepted += 1;
+            }
+            batch.timing.drafts.drafted += drafts.len();
+            batch.timing.drafts.accepted += accepted;
+            if ended {
+                if let Some(drafter) = &mut batch.drafter {
+                    drafter.finish(run.id);
+                }
+            } else if !drafts.is_empty() {
+                let a = batch.active.get_mut(&run.id).expect("run");
+                a.table.truncate(run.start + 1 + accepted);
+                a.depth.update(drafts.len(), accepted);
+                a.draft_stats.drafted += drafts.len();
+                a.draft_stats.accepted += accepted;
+                batch.scheduler.ran_drafted(run.id, accepted);
             }
         }
         batch.timing.sample += started.elapsed();
         Ok(())
+    }
+
+    /// Gives the plan's decoding runs the tokens the draft source proposes for them, each
+    /// a row more to verify in the same pass: within the pass's tokens and rows of logits,
+    /// blocks the pool has free (a draft never preempts), and what the request may still
+    /// make. Requests that opted out (`"draft": false`) or are held to a grammar are not
+    /// drafted for, nor are any in a pass of more than [`DRAFT_STEP_ASIDE`] sampling runs.
+    fn add_drafts(&mut self, runs: &mut [Scheduled]) {
+        let Engine {
+            batch,
+            blocks,
+            transfers,
+            runner,
+            ..
+        } = self;
+        let Some(drafter) = batch.drafter.as_mut() else {
+            return;
+        };
+        let sampling = runs.iter().filter(|r| r.samples).count();
+        if sampling == 0 || sampling > DRAFT_STEP_ASIDE {
+            return;
+        }
+        let mut token_room = batch.max_tokens - runs.iter().map(|r| r.tokens).sum::<usize>();
+        let mut logit_room = runner.logit_rows().saturating_sub(sampling);
+        for run in runs.iter_mut().filter(|r| r.samples && r.tokens == 1) {
+            let a = batch.active.get_mut(&run.id).expect("scheduled");
+            if !a.params.draft || a.picker.has_constraint() {
+                continue;
+            }
+            debug_assert_eq!(a.tokens.len(), run.start + 1);
+            // What the request may make after this pass's own token.
+            let left = a.limit - (a.tokens.len() - a.prompt_len) - 1;
+            let want = a.depth.get().min(left).min(token_room).min(logit_room);
+            if want < a.depth.min() {
+                continue;
+            }
+            drafter.propose(run.id, &a.tokens, want, &mut batch.proposal);
+            let k = batch.proposal.len().min(want);
+            if k < a.depth.min() {
+                continue;
+            }
+            if blocks
+                .reserve(&mut a.table, run.start + 1 + k, transfers)
+                .is_err()
+            {
+                continue;
+            }
+            a.tokens.extend_from_slice(&batch.proposal[..k]);
+            a.drafted = k;
+            run.tokens += k;
+            token_room -= k;
+            logit_room -= k;
+        }
     }
 
     /// Ends the request at the head of the queue, which cannot run even alone.
@@ -461,6 +615,8 @@ impl Active {
             cached_tokens: self.cached,
             prefill_time: first - self.submitted,
             decode_time: first.elapsed(),
+            drafted_tokens: self.draft_stats.drafted,
+            accepted_tokens: self.draft_stats.accepted,
         }
     }
 }

@@ -26,6 +26,9 @@ pub struct GenerateParams {
     /// Take the longest cached prefix of the prompt and keep this request's blocks when it
     /// ends (llama.cpp's `cache_prompt`); off, the request neither reads nor feeds the cache.
     pub cache_prompt: bool,
+    /// Whether the batched loop may draft tokens for this request when the engine drafts
+    /// (`"draft": false` turns it off for one request); the output is the same either way.
+    pub draft: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -60,6 +63,10 @@ pub struct Generation {
     pub prefill_time: Duration,
     /// From the first token to the last.
     pub decode_time: Duration,
+    /// Tokens drafted for the request and verified (speculative decoding), and those of them
+    /// the model accepted.
+    pub drafted_tokens: usize,
+    pub accepted_tokens: usize,
 }
 
 impl Engine {
@@ -339,6 +346,8 @@ impl Engine {
             cached_tokens: cached,
             prefill_time: first - start,
             decode_time: first.elapsed(),
+            drafted_tokens: 0,
+            accepted_tokens: 0,
         })
     }
 

@@ -23,6 +23,7 @@ use super::{
     KeepaliveScratch, PromptEncoder, ResidencyMode,
 };
 use crate::chat_template::ChatTemplate;
+use crate::draft::DraftKind;
 use crate::error::{Error, Result};
 use crate::gguf_tokenizer::tokenizer_from_gguf;
 use crate::kv::BlockManager;
@@ -118,6 +119,28 @@ impl Engine {
         }
         // A pass holds a row for each sequence in it.
         .clamp(1, max_batch);
+        let draft = options.draft.on(cuda.is_some());
+        let drafting = draft.kind != DraftKind::None;
+        if drafting && cuda.is_some() {
+            // Verified rows must be the bits of decode steps, which CUDA's products are not
+            // yet known to give (issue 22's batch-invariant kernel has not run on a GPU).
+            return Err(Error::NotOnCuda(
+                "speculative decoding (--draft) runs on the CPU only",
+            ));
+        }
+        if drafting {
+            tracing::info!(
+                "drafting (speculative decoding): {:?}, {} to {} tokens a pass",
+                draft.kind,
+                draft.min,
+                draft.max
+            );
+        }
+        // A row of logits for each sequence a pass may sample, and for each token it drafts.
+        let logit_rows = match drafting {
+            true => (parallel * (1 + draft.max)).min(max_batch),
+            false => parallel,
+        };
         let (runner, keepalive_scratch, weights, plan): (Box<dyn Runner>, _, _, PoolPlan) =
             match cuda {
                 None => {
@@ -129,9 +152,8 @@ impl Engine {
                         KvDtype::F16 => Arithmetic::LlamaCpp,
                         KvDtype::F32 | KvDtype::Bf16 => Arithmetic::Transformers,
                     };
-                    // A row of logits for each sequence a batched pass may sample.
                     let mut backend = CpuBackend::new(
-                        &config, pool, &owner, max_batch, context, parallel, arithmetic,
+                        &config, pool, &owner, max_batch, context, logit_rows, arithmetic,
                     )?;
                     let owned = owns_weights(&weights);
                     if owned {
@@ -240,7 +262,7 @@ impl Engine {
             runner,
             blocks: BlockManager::new(plan.blocks, plan.host_blocks, KV_BLOCK_SIZE),
             seq: BlockTable::new(),
-            batch: super::batch::Batch::new(parallel, max_batch),
+            batch: super::batch::Batch::new(parallel, max_batch, draft),
             cache_enabled: plan.cache_blocks > 0,
             cache_stats: Arc::new(PromptCacheStats::new(
                 plan.layout.block_bytes(),

@@ -27,7 +27,7 @@ use crate::prompt_cache::PromptCacheStats;
 use crate::runner::Runner;
 use crate::tokenizer::Tokenizer;
 
-pub use batch::{BatchEvent, StepTiming};
+pub use batch::{BatchEvent, DraftStats, StepTiming};
 pub use defaults::{DefaultsSource, LLAMA_SERVER_DEFAULTS, OPENAI_DEFAULTS, SamplingDefaults};
 pub use generate::{FinishReason, GenerateParams, Generation, Step};
 use load::WeightFiles;

@@ -2,6 +2,7 @@
 
 use ember_models::KvDtype;
 
+use crate::draft::DraftOptions;
 use crate::prompt_cache::CacheBudget;
 
 /// How to load a model.
@@ -52,6 +53,10 @@ pub struct EngineOptions {
     /// Host memory for blocks evicted from the pool (`--prompt-cache-host-gib`): on a GPU,
     /// pinned memory they come back from by copy. The CPU takes it only when asked.
     pub prompt_cache_host: CacheBudget,
+    /// Speculative decoding in the batched loop (`--draft`, `--draft-max`, `--draft-min`):
+    /// drafted tokens verified in the pass that would have made one, the output unchanged.
+    /// Off by default; the CPU only for now.
+    pub draft: DraftOptions,
 }
 
 /// Where the model runs (`--device`).
@@ -108,6 +113,7 @@ impl Default for EngineOptions {
             load_limit_gib: None,
             device: Device::Cpu,
             cuda_graphs: true,
+            draft: DraftOptions::default(),
             batch_invariant: false,
             prompt_cache: CacheBudget::Off,
             prompt_cache_host: CacheBudget::Off,

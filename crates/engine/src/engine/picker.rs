@@ -38,6 +38,12 @@ impl Picker {
         self.sampler.params().is_greedy() && !self.penalties.any() && self.constraint.is_none()
     }
 
+    /// Whether an output constraint holds the picks (its masks follow each accepted token,
+    /// so such a request is not drafted for).
+    pub(super) fn has_constraint(&self) -> bool {
+        self.constraint.is_some()
+    }
+
     /// Runs `work` (the forward pass whose logits the next pick takes) while the constraint's
     /// next mask is computed on a thread beside it.
     pub(super) fn prepare_beside<T>(&mut self, work: impl FnOnce() -> T) -> T {

@@ -39,6 +39,9 @@ pub struct CommonParams {
     /// request's blocks to the prompt cache (default true; the output is the same bits either
     /// way).
     pub cache_prompt: bool,
+    /// ember's extension: `"draft": false` keeps speculative decoding off for this request
+    /// (default true; drafting never changes the output, only how many passes it takes).
+    pub draft: bool,
     /// What the output must match: OpenAI's `response_format` (`json_object`, `json_schema`),
     /// or llama.cpp's `json_schema` or `grammar` (GBNF, or Lark after `%llguidance`), with the
     /// field that named it.
@@ -232,6 +235,7 @@ fn parse_common(
     };
     let ignore_eos = bool_field(field(obj, "ignore_eos"), "ignore_eos")?.unwrap_or(false);
     let cache_prompt = bool_field(field(obj, "cache_prompt"), "cache_prompt")?.unwrap_or(true);
+    let draft = bool_field(field(obj, "draft"), "draft")?.unwrap_or(true);
 
     for name in ["n", "best_of"] {
         match int_field(field(obj, name), name)? {
@@ -262,6 +266,7 @@ fn parse_common(
         include_usage,
         ignore_eos,
         cache_prompt,
+        draft,
         grammar,
     })
 }

@@ -147,6 +147,7 @@ fn minimal_chat_gets_openai_defaults() {
         c.cache_prompt,
         "the prompt cache is on unless a request opts out"
     );
+    assert!(c.draft, "drafting is on unless a request opts out");
     assert!(r.chat_template_kwargs.is_empty());
     assert!(!r.logprobs);
     assert_eq!(r.top_logprobs, 0);
@@ -174,6 +175,7 @@ fn full_chat_request() {
         "stream_options": {"include_usage": true},
         "ignore_eos": true,
         "cache_prompt": false,
+        "draft": false,
         "n": 1,
         "frequency_penalty": 0,
         "presence_penalty": 0.0,
@@ -219,7 +221,7 @@ fn full_chat_request() {
         }
     );
     assert_eq!(c.stop, vec!["\n\n".to_string(), "END".to_string()]);
-    assert!(c.stream && c.include_usage && c.ignore_eos && !c.cache_prompt);
+    assert!(c.stream && c.include_usage && c.ignore_eos && !c.cache_prompt && !c.draft);
     assert_eq!(r.chat_template_kwargs["enable_thinking"], json!(false));
     assert!(r.logprobs);
     assert_eq!(r.top_logprobs, 5);
@@ -557,6 +559,11 @@ fn streaming_flags() {
     assert_invalid(
         c(json!({"cache_prompt": 0})),
         Some("cache_prompt"),
+        "must be a boolean",
+    );
+    assert_invalid(
+        c(json!({"draft": "no"})),
+        Some("draft"),
         "must be a boolean",
     );
     assert_invalid(c(json!({"model": 1})), Some("model"), "must be a string");

@@ -56,6 +56,7 @@ pub(super) fn plan(
         ignore_eos: common.ignore_eos,
         step_logits: false,
         cache_prompt: common.cache_prompt,
+        draft: common.draft,
     })
 }
 
@@ -177,6 +178,10 @@ pub(super) struct Output {
     pub(super) completion_tokens: usize,
     /// Prompt tokens the prompt cache supplied (`usage.prompt_tokens_details.cached_tokens`).
     pub(super) cached_tokens: usize,
+    /// Tokens drafted for the request and verified, and those accepted (`timings.draft_n`,
+    /// `draft_n_accepted` on `/completion`, as llama-server reports them).
+    pub(super) drafted_tokens: usize,
+    pub(super) accepted_tokens: usize,
     /// Whether a stop string ended the output (rather than end-of-sequence or the limit).
     by_stop_string: bool,
 }
@@ -197,6 +202,8 @@ impl Output {
             finished: None,
             completion_tokens: 0,
             cached_tokens: 0,
+            drafted_tokens: 0,
+            accepted_tokens: 0,
             by_stop_string: false,
         }
     }
@@ -232,8 +239,12 @@ impl Output {
             Some(Event::Finished {
                 finish_reason,
                 completion_tokens,
+                drafted_tokens,
+                accepted_tokens,
             }) => {
                 self.completion_tokens = completion_tokens;
+                self.drafted_tokens = drafted_tokens;
+                self.accepted_tokens = accepted_tokens;
                 let reason = match finish_reason {
                     FinishReason::Stop => "stop",
                     FinishReason::Length => "length",

@@ -266,6 +266,8 @@ pub(crate) async fn completion(
                 "predicted_ms": predicted_ms,
                 "predicted_per_token_ms": predicted_per_token,
                 "predicted_per_second": predicted_per_second,
+                "draft_n": output.drafted_tokens,
+                "draft_n_accepted": output.accepted_tokens,
             },
         })
     };

@@ -53,6 +53,9 @@ pub enum Event {
     Finished {
         finish_reason: FinishReason,
         completion_tokens: usize,
+        /// Tokens drafted for the request and verified, and those accepted.
+        drafted_tokens: usize,
+        accepted_tokens: usize,
     },
     /// The engine failed; the message is for the client.
     Failed(String),
@@ -77,7 +80,7 @@ impl Drop for CancelOnDrop {
 }
 
 /// Runs jobs until the queue closes: many at once through the engine's batched loop when it
-/// runs more than one sequence ([`batched`]), else one after another ([`serial`], which keeps
+/// runs more than one sequence or drafts ([`batched`]), else one after another ([`serial`], which keeps
 /// a GPU's greedy picks on the device until its passes serve several sequences). `abort`
 /// cancels the running jobs and fails queued ones (a shutdown past its grace period). Jobs run
 /// inside a keepalive request: ticking pauses and staged residency changes are committed
@@ -89,7 +92,8 @@ pub fn run(
     keepalive: Option<Arc<Keepalive>>,
     abort: Arc<AtomicBool>,
 ) {
-    if engine.parallel() > 1 {
+    // Drafts are verified in the batched loop's passes, one sequence or many.
+    if engine.parallel() > 1 || engine.drafts() {
         batched::run(engine, queue, metrics, keepalive, abort)
     } else {
         serial::run(engine, queue, metrics, keepalive, abort)
@@ -185,12 +189,20 @@ impl Stream {
         metrics
             .generation_tokens
             .fetch_add(self.made, Ordering::Relaxed);
+        metrics
+            .draft_tokens
+            .fetch_add(generation.drafted_tokens as u64, Ordering::Relaxed);
+        metrics
+            .draft_accepted_tokens
+            .fetch_add(generation.accepted_tokens as u64, Ordering::Relaxed);
         if let Some(tail) = self.decoder.flush() {
             self.send(Event::Tail(tail));
         }
         self.send(Event::Finished {
             finish_reason: generation.finish_reason,
             completion_tokens: generation.tokens.len(),
+            drafted_tokens: generation.drafted_tokens,
+            accepted_tokens: generation.accepted_tokens,
         });
         let ms = |from: Instant, to: Instant| (to - from).as_secs_f64() * 1e3;
         let first_sent = self.first_sent.unwrap_or(self.started);
@@ -202,6 +214,8 @@ impl Stream {
             prompt_tokens = generation.prompt_tokens,
             cached_tokens = generation.cached_tokens,
             completion_tokens = generation.tokens.len(),
+            drafted_tokens = generation.drafted_tokens,
+            accepted_tokens = generation.accepted_tokens,
             seconds = self.started.elapsed().as_secs_f64(),
             first_token_ms = ms(job.arrived, first_sent),
             prepare_ms = ms(job.arrived, job.queued),

@@ -1,0 +1,170 @@
+//! Speculative decoding's drafts: tokens proposed to follow a sequence, which the target model
+//! verifies in one forward pass (a row for each), keeping those it would have made itself.
+//!
+//! A draft never changes the output: the batched loop ([`crate::Engine::step_batch`]) picks
+//! each verified row's token with the request's own picker (greedy, or its seeded sampler),
+//! exactly as a decode step would from the same logits, and a drafted token stands only while
+//! it equals that pick. The CPU's rows are the same bits alone and in any pass, so a drafted
+//! reply is the undrafted one; what a draft changes is how many passes it takes.
+//!
+//! Sources sit behind [`DraftSource`]: [`ngram::NgramDrafter`] (prompt lookup) now; a draft
+//! model or MTP heads later, each keeping what it needs per sequence.
+
+pub mod ngram;
+
+use crate::scheduler::SeqId;
+
+pub use ngram::NgramDrafter;
+
+/// Proposes tokens to follow a sequence.
+pub trait DraftSource: Send {
+    /// Writes into `out` (cleared first) up to `max` tokens likely to follow `tokens`, the
+    /// prompt and reply so far of sequence `id`; none when it has no guess.
+    fn propose(&mut self, id: SeqId, tokens: &[u32], max: usize, out: &mut Vec<u32>);
+
+    /// Sequence `id` ended: what was kept for it goes.
+    fn finish(&mut self, id: SeqId) {
+        let _ = id;
+    }
+}
+
+/// Where drafts come from (`--draft`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DraftKind {
+    /// No drafting: one token a pass.
+    #[default]
+    None,
+    /// Prompt lookup on the CPU, none on CUDA (where verified rows are not yet known to be
+    /// the bits of decode steps): `ember serve`'s default.
+    Auto,
+    /// Prompt lookup: the continuation of the latest earlier match of the sequence's last few
+    /// tokens ([`NgramDrafter`]).
+    Ngram,
+}
+
+impl std::str::FromStr for DraftKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "none" => Ok(DraftKind::None),
+            "auto" => Ok(DraftKind::Auto),
+            "ngram" => Ok(DraftKind::Ngram),
+            "model" => Err(
+                "drafting with a draft model (--draft model, --draft-model) is not \
+                            available yet; use ngram or none"
+                    .to_string(),
+            ),
+            _ => Err(format!("{s:?}: expected auto, ngram or none")),
+        }
+    }
+}
+
+/// How a loaded engine drafts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DraftOptions {
+    pub kind: DraftKind,
+    /// Most tokens drafted for one pass (`--draft-max`).
+    pub max: usize,
+    /// Fewest worth a wider pass (`--draft-min`): shorter proposals are not verified.
+    pub min: usize,
+}
+
+impl Default for DraftOptions {
+    fn default() -> Self {
+        DraftOptions {
+            kind: DraftKind::None,
+            max: DEFAULT_DRAFT_MAX,
+            min: DEFAULT_DRAFT_MIN,
+        }
+    }
+}
+
+/// `--draft-max`'s default.
+pub const DEFAULT_DRAFT_MAX: usize = 8;
+/// `--draft-min`'s default.
+pub const DEFAULT_DRAFT_MIN: usize = 1;
+
+impl DraftOptions {
+    /// These options on a device: `Auto` made `Ngram` on the CPU and `None` on CUDA.
+    pub fn on(self, cuda: bool) -> DraftOptions {
+        let kind = match (self.kind, cuda) {
+            (DraftKind::Auto, false) => DraftKind::Ngram,
+            (DraftKind::Auto, true) => DraftKind::None,
+            (kind, _) => kind,
+        };
+        DraftOptions { kind, ..self }
+    }
+
+    /// The source these options name, if any (`Auto` as on the CPU).
+    pub fn source(&self) -> Option<Box<dyn DraftSource>> {
+        match self.on(false).kind {
+            DraftKind::None | DraftKind::Auto => None,
+            DraftKind::Ngram => Some(Box::new(NgramDrafter::default())),
+        }
+    }
+}
+
+/// One sequence's drafting depth, following how much of its drafts the target keeps: all of a
+/// draft accepted doubles the next one's length (to `max`), a rejection takes it to one past
+/// what was accepted (down to `min`), so drafts that keep missing cost little.
+#[derive(Clone, Copy, Debug)]
+pub struct Depth {
+    now: usize,
+    min: usize,
+    max: usize,
+}
+
+impl Depth {
+    pub fn new(options: &DraftOptions) -> Self {
+        Depth {
+            now: options.max,
+            min: options.min.max(1),
+            max: options.max,
+        }
+    }
+
+    /// Tokens to ask the source for.
+    pub fn get(&self) -> usize {
+        self.now
+    }
+
+    /// Fewest tokens worth verifying.
+    pub fn min(&self) -> usize {
+        self.min
+    }
+
+    /// After a verification of `drafted` tokens of which the first `accepted` stood.
+    pub fn update(&mut self, drafted: usize, accepted: usize) {
+        self.now = if accepted == drafted {
+            (self.now * 2).min(self.max)
+        } else {
+            (accepted + 1).clamp(self.min, self.max)
+        };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn depth_doubles_on_full_acceptance_and_falls_past_a_rejection() {
+        let options = DraftOptions {
+            kind: DraftKind::Ngram,
+            max: 8,
+            min: 2,
+        };
+        let mut depth = Depth::new(&options);
+        assert_eq!(depth.get(), 8);
+        depth.update(8, 0);
+        assert_eq!(depth.get(), 2, "never below the minimum");
+        depth.update(2, 2);
+        assert_eq!(depth.get(), 4);
+        depth.update(4, 4);
+        depth.update(8, 8);
+        assert_eq!(depth.get(), 8, "never above the maximum");
+        depth.update(8, 4);
+        assert_eq!(depth.get(), 5);
+    }
+}

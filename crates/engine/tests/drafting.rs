@@ -1,0 +1,344 @@
+//! Speculative decoding never changes the output: every request drafted for (by prompt lookup,
+//! or by a source that proposes the true continuation with a wrong token somewhere, so that
+//! drafts are accepted, rejected at every place and cut by the request's end) gives the tokens,
+//! and each token's logits bit for bit, that the same request gets undrafted and alone —
+//! greedy and seeded sampling, draft depths 1 to 8, several requests at once, on every golden
+//! fixture and on the default GGUF model.
+
+use std::collections::HashMap;
+use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
+
+use ember_engine::draft::{DraftKind, DraftOptions, DraftSource, NgramDrafter};
+use ember_engine::sampler::SamplingParams;
+use ember_engine::scheduler::SeqId;
+use ember_engine::{BatchEvent, Engine, EngineOptions, FinishReason, GenerateParams};
+
+fn golden(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/golden")
+        .join(name)
+}
+
+/// An engine of `parallel` sequences drafting by prompt lookup, up to 8 tokens a pass.
+fn load(path: &Path, parallel: usize) -> Engine {
+    let options = EngineOptions {
+        threads: Some(2),
+        context: Some(256),
+        parallel: Some(parallel),
+        prefill_chunk: Some(64),
+        draft: DraftOptions {
+            kind: DraftKind::Ngram,
+            max: 8,
+            min: 1,
+        },
+        ..EngineOptions::default()
+    };
+    Engine::load(path, &options).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+struct Request {
+    prompt: Vec<u32>,
+    params: GenerateParams,
+}
+
+/// Greedy and seeded requests; prompts that repeat a stretch (so prompt lookup finds matches),
+/// one that opts out of drafting and one that may stop at an end-of-sequence token.
+fn requests(vocab: usize) -> Vec<Request> {
+    let mut state = 0x2545_F491_4F6C_DD1Du64;
+    let mut next = |n: usize| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % n as u64) as usize
+    };
+    (0..6)
+        .map(|i| {
+            let stretch: Vec<u32> = (0..6 + next(10)).map(|_| next(vocab) as u32).collect();
+            let mut prompt: Vec<u32> = (0..1 + next(12)).map(|_| next(vocab) as u32).collect();
+            for _ in 0..2 {
+                prompt.extend_from_slice(&stretch);
+                prompt.push(next(vocab) as u32);
+            }
+            // It ends inside the stretch: prompt lookup guesses the rest.
+            prompt.extend_from_slice(&stretch[..3]);
+            let sampling = match i % 2 {
+                0 => SamplingParams::default(),
+                _ => SamplingParams {
+                    temperature: 0.8,
+                    top_k: 40,
+                    seed: Some(7 + i as u64),
+                    ..SamplingParams::default()
+                },
+            };
+            Request {
+                prompt,
+                params: GenerateParams {
+                    max_tokens: 12 + next(20),
+                    sampling,
+                    ignore_eos: i != 5,
+                    step_logits: true,
+                    cache_prompt: false,
+                    draft: i != 3,
+                },
+            }
+        })
+        .collect()
+}
+
+/// Tokens and each token's logits' bits.
+type Reply = (Vec<u32>, Vec<Vec<u32>>);
+
+fn bits(logits: &[f32]) -> Vec<u32> {
+    logits.iter().map(|x| x.to_bits()).collect()
+}
+
+/// The request alone on the one-sequence road, which never drafts.
+fn alone(engine: &mut Engine, r: &Request) -> Reply {
+    let mut logits = Vec::new();
+    let generation = engine
+        .generate(&r.prompt, &r.params, |step| {
+            logits.push(bits(step.logits.expect("step logits asked for")));
+            ControlFlow::Continue(())
+        })
+        .unwrap();
+    (generation.tokens, logits)
+}
+
+/// Every request submitted at once to the batched loop, run to the end.
+fn batched(engine: &mut Engine, requests: &[Request]) -> HashMap<u64, Reply> {
+    for (id, r) in requests.iter().enumerate() {
+        engine.submit(id as u64, &r.prompt, r.params, None).unwrap();
+    }
+    let mut replies: HashMap<u64, Reply> = HashMap::new();
+    let mut finished = 0;
+    while engine
+        .step_batch(&mut |id, event| match event {
+            BatchEvent::Prompt { .. } => {}
+            BatchEvent::Token { token, logits, .. } => {
+                let reply = replies.entry(id).or_default();
+                reply.0.push(token);
+                reply.1.push(bits(logits.expect("step logits asked for")));
+            }
+            BatchEvent::Finished(generation) => {
+                assert_eq!(generation.tokens, replies[&id].0);
+                if generation.finish_reason == FinishReason::Length {
+                    assert_eq!(
+                        generation.tokens.len(),
+                        requests[id as usize].params.max_tokens
+                    );
+                }
+                finished += 1;
+            }
+            BatchEvent::Failed(e) => panic!("request {id} failed: {e}"),
+        })
+        .unwrap()
+    {}
+    assert_eq!(finished, requests.len());
+    replies
+}
+
+/// Proposes each request's true continuation (its undrafted reply), with one token made wrong
+/// at a place that moves from call to call (none every third call), and past the reply's end
+/// tokens of its own: drafts accepted whole, rejected at every depth, and longer than what the
+/// request may still make.
+struct Misleading {
+    truth: HashMap<SeqId, Vec<u32>>,
+    vocab: u32,
+    calls: usize,
+}
+
+impl DraftSource for Misleading {
+    fn propose(&mut self, id: SeqId, tokens: &[u32], max: usize, out: &mut Vec<u32>) {
+        out.clear();
+        let Some(truth) = self.truth.get(&id) else {
+            return;
+        };
+        self.calls += 1;
+        for at in tokens.len()..tokens.len() + max {
+            out.push(truth.get(at).copied().unwrap_or(at as u32 % self.vocab));
+        }
+        if !self.calls.is_multiple_of(3) {
+            let wrong = self.calls % out.len();
+            out[wrong] = (out[wrong] + 1) % self.vocab;
+        }
+    }
+}
+
+fn check(path: &Path, name: &str) {
+    // Two at a time: passes that draft for both, or for one beside the other's prompt or the
+    // request that opts out.
+    let mut engine = load(path, 2);
+    let vocab = engine.config().vocab_size;
+    let requests = requests(vocab);
+    let want: Vec<Reply> = requests.iter().map(|r| alone(&mut engine, r)).collect();
+
+    // Prompt lookup, the engine's own source, then matching single tokens too (random
+    // weights rarely repeat a pair of the prompt's tokens, so this one surely drafts).
+    for single in [false, true] {
+        if single {
+            let lookup = NgramDrafter { min_n: 1, max_n: 4 };
+            engine.set_draft_source(Box::new(lookup), 8, 1);
+        }
+        let got = batched(&mut engine, &requests);
+        for (id, want) in want.iter().enumerate() {
+            let (tokens, logits) = &got[&(id as u64)];
+            assert_eq!(
+                tokens, &want.0,
+                "{name}: request {id}'s tokens, n-gram drafts"
+            );
+            assert!(
+                logits == &want.1,
+                "{name}: request {id}'s logits, n-gram drafts"
+            );
+        }
+    }
+    let lookup = engine.step_timing().drafts;
+    assert!(lookup.drafted > 0, "{name}: prompt lookup drafted nothing");
+
+    for depth in [1, 3, 8] {
+        let truth = requests
+            .iter()
+            .zip(&want)
+            .enumerate()
+            .map(|(id, (r, w))| (id as SeqId, [&r.prompt[..], &w.0[..]].concat()))
+            .collect();
+        let source = Misleading {
+            truth,
+            vocab: vocab as u32,
+            calls: 0,
+        };
+        engine.set_draft_source(Box::new(source), depth, 1);
+        let before = engine.step_timing().drafts;
+        let got = batched(&mut engine, &requests);
+        for (id, want) in want.iter().enumerate() {
+            let (tokens, logits) = &got[&(id as u64)];
+            assert_eq!(
+                tokens, &want.0,
+                "{name}: request {id}'s tokens, depth {depth}"
+            );
+            assert!(
+                logits == &want.1,
+                "{name}: request {id}'s logits, depth {depth}"
+            );
+        }
+        // The drafts were verified, some kept and some not: the test saw both.
+        let after = engine.step_timing().drafts;
+        let (drafted, accepted) = (
+            after.drafted - before.drafted,
+            after.accepted - before.accepted,
+        );
+        assert!(
+            accepted > 0 && accepted < drafted,
+            "{name}, depth {depth}: {accepted} of {drafted} drafted tokens accepted"
+        );
+    }
+}
+
+#[test]
+fn drafted_equals_undrafted_on_every_golden_fixture() {
+    for name in [
+        "qwen3-f32",
+        "qwen2-f32",
+        "llama-f32",
+        "qwen3moe-f32",
+        "qwen3-bf16",
+    ] {
+        check(&golden(name), name);
+    }
+}
+
+#[test]
+fn drafted_equals_undrafted_on_the_default_gguf_model() {
+    let file = "SmolLM2-135M-Instruct.Q4_1.gguf";
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models")
+        .join(file);
+    if !path.is_file() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "{file} is missing: CI must run scripts/fetch-model smollm2"
+        );
+        eprintln!("SKIPPED: {file} is not in models/ (scripts/fetch-model smollm2)");
+        return;
+    }
+    check(&path, file);
+}
+
+#[test]
+fn a_request_that_opts_out_is_never_drafted_for() {
+    let mut engine = load(&golden("qwen3-f32"), 2);
+    let vocab = engine.config().vocab_size;
+    let mut requests = requests(vocab);
+    requests.truncate(2);
+    for r in &mut requests {
+        r.params.draft = false;
+    }
+    let truth = (0..2).map(|id| (id, vec![0; 512])).collect();
+    let source = Misleading {
+        truth,
+        vocab: vocab as u32,
+        calls: 0,
+    };
+    engine.set_draft_source(Box::new(source), 4, 1);
+    batched(&mut engine, &requests);
+    assert_eq!(engine.step_timing().drafts.drafted, 0);
+}
+
+#[test]
+fn a_request_cancelled_while_drafting_leaves_the_others_and_the_pool_whole() {
+    let mut engine = load(&golden("qwen3-f32"), 2);
+    let vocab = engine.config().vocab_size;
+    let mut requests = requests(vocab);
+    requests.truncate(3);
+    let want: Vec<Reply> = requests.iter().map(|r| alone(&mut engine, r)).collect();
+    let truth = requests
+        .iter()
+        .zip(&want)
+        .enumerate()
+        .map(|(id, (r, w))| (id as SeqId, [&r.prompt[..], &w.0[..]].concat()))
+        .collect();
+    let source = Misleading {
+        truth,
+        vocab: vocab as u32,
+        calls: 0,
+    };
+    engine.set_draft_source(Box::new(source), 4, 1);
+    for (id, r) in requests.iter().enumerate() {
+        engine.submit(id as u64, &r.prompt, r.params, None).unwrap();
+    }
+    let mut replies: HashMap<u64, Vec<u32>> = HashMap::new();
+    let mut finished = Vec::new();
+    loop {
+        let mut cancel = false;
+        let more = engine
+            .step_batch(&mut |id, event| match event {
+                BatchEvent::Token { token, .. } => {
+                    let reply = replies.entry(id).or_default();
+                    reply.push(token);
+                    cancel |= id == 0 && reply.len() >= 3;
+                }
+                BatchEvent::Finished(_) => finished.push(id),
+                BatchEvent::Failed(e) => panic!("request {id} failed: {e}"),
+                BatchEvent::Prompt { .. } => {}
+            })
+            .unwrap();
+        if cancel && engine.cancel(0) {
+            // Drafts were in flight for it: they are gone with it.
+            assert!(engine.step_timing().drafts.drafted > 0);
+        }
+        if !more {
+            break;
+        }
+    }
+    assert!(!finished.contains(&0), "the cancelled request finished");
+    assert_eq!(engine.pending_requests(), 0);
+    for id in 1..3u64 {
+        assert_eq!(replies[&id], want[id as usize].0, "request {id}");
+    }
+    // The pool took every block back: the same requests run again, whole and equal.
+    let got = batched(&mut engine, &requests);
+    for (id, want) in want.iter().enumerate() {
+        assert_eq!(got[&(id as u64)].0, want.0, "request {id} after the cancel");
+    }
+}
