@@ -24,9 +24,11 @@ use crate::error::{Error, Result};
 use crate::kv::{BlockManager, Transfer};
 use crate::scheduler::{KvBudget, Scheduled, Scheduler, SchedulerConfig, SeqId};
 
-/// Sampling runs in a pass past which no drafts are added: a pass of that many rows already
-/// reads the weights for several tokens, and drafts would only add rows to compute.
-const DRAFT_STEP_ASIDE: usize = 2;
+/// Sampling runs in a pass past which no drafts are added: a pass of many rows already reads
+/// the weights for several tokens, and drafts only add rows to compute. Measured on 2 cores
+/// (Qwen2.5-Coder-1.5B Q4_K_M, code edits that copy, 96 tokens each, cached prompts): drafts
+/// gave 1.83x the tokens/s with one request, 1.56x with two, 1.08x with four at once.
+const DRAFT_STEP_ASIDE: usize = 4;
 
 /// What a step tells about one request.
 pub enum BatchEvent<'a> {
