@@ -11,6 +11,7 @@ mod argmax;
 mod attention;
 mod elementwise;
 mod isa;
+mod mat_ref;
 mod matmul;
 mod probe;
 mod quant_dot;
@@ -23,9 +24,8 @@ pub use elementwise::{
     silu_mul, softmax_in_place,
 };
 pub use isa::Isa;
-pub use matmul::{
-    MatRef, WeightLayout, matmul, matmul_scratch_len, quant_kernel_report, quant_kernels,
-};
+pub use mat_ref::{MatRef, WeightLayout};
+pub use matmul::{matmul, matmul_scratch_len, quant_kernel_report, quant_kernels};
 pub use probe::read_sum;
 
 /// A raw pointer that threads of one parallel region share; each thread touches a part of the
