@@ -4,19 +4,17 @@
 //! requests' decode tokens, greedy and seeded, with and without a prompt cache, and with a
 //! request cancelled midway.
 
+#[path = "common/replies.rs"]
+mod replies;
+
 use std::collections::HashMap;
 use std::ops::ControlFlow;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use ember_engine::prompt_cache::CacheBudget;
 use ember_engine::sampler::SamplingParams;
 use ember_engine::{BatchEvent, Engine, EngineOptions, FinishReason, GenerateParams};
-
-fn golden(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/golden")
-        .join(name)
-}
+use replies::{Reply, alone, bits, golden};
 
 fn load(path: &Path, parallel: usize, chunk: usize, cache: CacheBudget) -> Engine {
     load_with(path, parallel, chunk, cache, None)
@@ -92,24 +90,6 @@ fn requests(vocab: usize) -> Vec<Request> {
         .collect()
 }
 
-/// Tokens and each token's logits' bits.
-type Reply = (Vec<u32>, Vec<Vec<u32>>);
-
-fn bits(logits: &[f32]) -> Vec<u32> {
-    logits.iter().map(|x| x.to_bits()).collect()
-}
-
-fn alone(engine: &mut Engine, r: &Request) -> Reply {
-    let mut logits = Vec::new();
-    let generation = engine
-        .generate(&r.prompt, &r.params, |step| {
-            logits.push(bits(step.logits.expect("step logits asked for")));
-            ControlFlow::Continue(())
-        })
-        .unwrap();
-    (generation.tokens, logits)
-}
-
 /// Runs `requests` through the batched loop, all submitted at once, and `cancel` after its
 /// second token; returns each finished request's reply and how many prompt tokens it found
 /// cached, and the most requests one step advanced.
@@ -177,7 +157,10 @@ fn check(name: &str) {
     let mut reference = load(&path, 1, 512, CacheBudget::Off);
     let vocab = reference.config().vocab_size;
     let requests = requests(vocab);
-    let want: Vec<Reply> = requests.iter().map(|r| alone(&mut reference, r)).collect();
+    let want: Vec<Reply> = requests
+        .iter()
+        .map(|r| alone(&mut reference, &r.prompt, &r.params))
+        .collect();
 
     // Four at a time in passes of 16 tokens: prompts run in chunks beside decode tokens.
     let mut engine = load(&path, 4, 16, CacheBudget::Off);
@@ -317,7 +300,10 @@ fn preempted_requests_resume_with_the_bits_they_get_alone() {
             }
         })
         .collect();
-    let want: Vec<Reply> = requests.iter().map(|r| alone(&mut reference, r)).collect();
+    let want: Vec<Reply> = requests
+        .iter()
+        .map(|r| alone(&mut reference, &r.prompt, &r.params))
+        .collect();
     // A cache of a few blocks: the pool stays short of what the four need at once.
     for cache in [CacheBudget::Off, CacheBudget::Gib(0.0002)] {
         let mut engine = load_with(&path, 4, 32, cache, Some(256));

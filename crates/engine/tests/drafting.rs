@@ -5,20 +5,17 @@
 //! greedy and seeded sampling, draft depths 1 to 8, several requests at once, on every golden
 //! fixture and on the default GGUF model.
 
+#[path = "common/replies.rs"]
+mod replies;
+
 use std::collections::HashMap;
-use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
 use ember_engine::draft::{DraftKind, DraftOptions, DraftSource, NgramDrafter};
 use ember_engine::sampler::SamplingParams;
 use ember_engine::scheduler::SeqId;
 use ember_engine::{BatchEvent, Engine, EngineOptions, FinishReason, GenerateParams};
-
-fn golden(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/golden")
-        .join(name)
-}
+use replies::{Reply, alone, bits, golden};
 
 /// An engine of `parallel` sequences drafting by prompt lookup, up to 8 tokens a pass.
 fn load(path: &Path, parallel: usize) -> Engine {
@@ -86,25 +83,6 @@ fn requests(vocab: usize) -> Vec<Request> {
         .collect()
 }
 
-/// Tokens and each token's logits' bits.
-type Reply = (Vec<u32>, Vec<Vec<u32>>);
-
-fn bits(logits: &[f32]) -> Vec<u32> {
-    logits.iter().map(|x| x.to_bits()).collect()
-}
-
-/// The request alone on the one-sequence road, which never drafts.
-fn alone(engine: &mut Engine, r: &Request) -> Reply {
-    let mut logits = Vec::new();
-    let generation = engine
-        .generate(&r.prompt, &r.params, |step| {
-            logits.push(bits(step.logits.expect("step logits asked for")));
-            ControlFlow::Continue(())
-        })
-        .unwrap();
-    (generation.tokens, logits)
-}
-
 /// Every request submitted at once to the batched loop, run to the end.
 fn batched(engine: &mut Engine, requests: &[Request]) -> HashMap<u64, Reply> {
     for (id, r) in requests.iter().enumerate() {
@@ -148,6 +126,23 @@ struct Misleading {
     calls: usize,
 }
 
+impl Misleading {
+    /// Request `i`'s truth: its prompt, then `replies[i]`'s tokens.
+    fn new(requests: &[Request], replies: &[Reply], vocab: usize) -> Self {
+        let truth = requests
+            .iter()
+            .zip(replies)
+            .enumerate()
+            .map(|(id, (r, reply))| (id as SeqId, [&r.prompt[..], &reply.0[..]].concat()))
+            .collect();
+        Misleading {
+            truth,
+            vocab: vocab as u32,
+            calls: 0,
+        }
+    }
+}
+
 impl DraftSource for Misleading {
     fn propose(&mut self, id: SeqId, tokens: &[u32], max: usize, out: &mut Vec<u32>) {
         out.clear();
@@ -171,7 +166,10 @@ fn check(path: &Path, name: &str) {
     let mut engine = load(path, 2);
     let vocab = engine.config().vocab_size;
     let requests = requests(vocab);
-    let want: Vec<Reply> = requests.iter().map(|r| alone(&mut engine, r)).collect();
+    let want: Vec<Reply> = requests
+        .iter()
+        .map(|r| alone(&mut engine, &r.prompt, &r.params))
+        .collect();
 
     // Prompt lookup, the engine's own source, then matching single tokens too (random
     // weights rarely repeat a pair of the prompt's tokens, so this one surely drafts).
@@ -197,17 +195,7 @@ fn check(path: &Path, name: &str) {
     assert!(lookup.drafted > 0, "{name}: prompt lookup drafted nothing");
 
     for depth in [1, 3, 8] {
-        let truth = requests
-            .iter()
-            .zip(&want)
-            .enumerate()
-            .map(|(id, (r, w))| (id as SeqId, [&r.prompt[..], &w.0[..]].concat()))
-            .collect();
-        let source = Misleading {
-            truth,
-            vocab: vocab as u32,
-            calls: 0,
-        };
+        let source = Misleading::new(&requests, &want, vocab);
         engine.set_draft_source(Box::new(source), depth, 1);
         let before = engine.step_timing().drafts;
         let got = batched(&mut engine, &requests);
@@ -274,12 +262,8 @@ fn a_request_that_opts_out_is_never_drafted_for() {
     for r in &mut requests {
         r.params.draft = false;
     }
-    let truth = (0..2).map(|id| (id, vec![0; 512])).collect();
-    let source = Misleading {
-        truth,
-        vocab: vocab as u32,
-        calls: 0,
-    };
+    let never = vec![(vec![0; 256], Vec::new()); requests.len()];
+    let source = Misleading::new(&requests, &never, vocab);
     engine.set_draft_source(Box::new(source), 4, 1);
     batched(&mut engine, &requests);
     assert_eq!(engine.step_timing().drafts.drafted, 0);
@@ -291,18 +275,11 @@ fn a_request_cancelled_while_drafting_leaves_the_others_and_the_pool_whole() {
     let vocab = engine.config().vocab_size;
     let mut requests = requests(vocab);
     requests.truncate(3);
-    let want: Vec<Reply> = requests.iter().map(|r| alone(&mut engine, r)).collect();
-    let truth = requests
+    let want: Vec<Reply> = requests
         .iter()
-        .zip(&want)
-        .enumerate()
-        .map(|(id, (r, w))| (id as SeqId, [&r.prompt[..], &w.0[..]].concat()))
+        .map(|r| alone(&mut engine, &r.prompt, &r.params))
         .collect();
-    let source = Misleading {
-        truth,
-        vocab: vocab as u32,
-        calls: 0,
-    };
+    let source = Misleading::new(&requests, &want, vocab);
     engine.set_draft_source(Box::new(source), 4, 1);
     for (id, r) in requests.iter().enumerate() {
         engine.submit(id as u64, &r.prompt, r.params, None).unwrap();
