@@ -169,6 +169,27 @@ pub fn post_stream(
     Ok(response)
 }
 
+/// POSTs `body` as JSON and returns the server's JSON answer once it has answered 200 (any
+/// other status is an error carrying the server's message).
+pub fn post_json(
+    base: &BaseUrl,
+    path: &str,
+    api_key: Option<&str>,
+    body: &serde_json::Value,
+    timeout: Duration,
+) -> anyhow::Result<serde_json::Value> {
+    let body = serde_json::to_vec(body)?;
+    let response = request(base, "POST", path, api_key, Some(&body), timeout)?;
+    let status = response.status;
+    let text = response
+        .text()
+        .with_context(|| format!("reading the answer to POST {path}"))?;
+    if status != 200 {
+        bail!("the server answered {status}: {}", text.trim());
+    }
+    serde_json::from_str(&text).with_context(|| format!("the answer to POST {path} is not JSON"))
+}
+
 /// Sends one request and reads the status line and headers.
 pub fn request(
     base: &BaseUrl,

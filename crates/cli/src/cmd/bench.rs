@@ -14,6 +14,7 @@ pub fn run(command: BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::Turn(args) => turn(args),
         BenchCommand::Serve(args) => super::bench_serve::run(args),
         BenchCommand::Batch(args) => batch(args),
+        BenchCommand::Quality(args) => super::bench_quality::run(args),
     }
 }
 
