@@ -319,3 +319,44 @@ fn a_request_cancelled_while_drafting_leaves_the_others_and_the_pool_whole() {
         assert_eq!(got[&(id as u64)].0, want.0, "request {id} after the cancel");
     }
 }
+
+#[test]
+fn a_request_ending_on_its_first_token_leaves_its_whole_prompt_to_the_cache() {
+    let options = EngineOptions {
+        threads: Some(2),
+        context: Some(256),
+        parallel: Some(2),
+        prefill_chunk: Some(64),
+        prompt_cache: ember_engine::prompt_cache::CacheBudget::Gib(0.01),
+        draft: DraftOptions {
+            kind: DraftKind::Ngram,
+            max: 8,
+            min: 1,
+        },
+        ..EngineOptions::default()
+    };
+    let mut engine = Engine::load(&golden("qwen3-f32"), &options).unwrap();
+    let params = GenerateParams {
+        max_tokens: 1,
+        sampling: SamplingParams::default(),
+        ignore_eos: true,
+        step_logits: false,
+        cache_prompt: true,
+        draft: true,
+    };
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 300).collect();
+    let mut cached = Vec::new();
+    for id in 0..2 {
+        engine.submit(id, &prompt, params, None).unwrap();
+        while engine
+            .step_batch(&mut |_, event| {
+                if let BatchEvent::Prompt { cached_tokens } = event {
+                    cached.push(cached_tokens);
+                }
+            })
+            .unwrap()
+        {}
+    }
+    // The second time, every whole block but the last token's came from the cache.
+    assert_eq!(cached, vec![0, 32]);
+}

@@ -438,6 +438,9 @@ impl Engine {
             }
             let first_row = row;
             row += 1 + drafts.len();
+            // The run's positions that hold its sequence's own tokens: the rest held drafts,
+            // and those past the accepted ones are dropped.
+            let real = run.start + run.tokens - drafts.len();
             // Row `j` follows the last token and the first `j` drafts: its pick counts while
             // every draft before it stood.
             let mut accepted = 0;
@@ -464,7 +467,7 @@ impl Engine {
                             // Its constraint failed: this request ends, the others go on.
                             batch.scheduler.remove(run.id);
                             let mut a = batch.active.remove(&run.id).expect("run");
-                            a.table.truncate(run.start + 1 + accepted);
+                            a.table.truncate(real + accepted);
                             release(blocks, *cache_enabled, &mut a, true);
                             on_event(run.id, BatchEvent::Failed(e));
                             ended = true;
@@ -494,8 +497,7 @@ impl Engine {
                 if let Some(reason) = finish {
                     batch.scheduler.remove(run.id);
                     let mut a = batch.active.remove(&run.id).expect("run");
-                    // The positions past the last accepted draft hold rejected ones.
-                    a.table.truncate(run.start + 1 + accepted);
+                    a.table.truncate(real + accepted);
                     a.draft_stats.drafted += drafts.len();
                     a.draft_stats.accepted += accepted;
                     release(blocks, *cache_enabled, &mut a, true);
@@ -516,7 +518,7 @@ impl Engine {
                 }
             } else if !drafts.is_empty() {
                 let a = batch.active.get_mut(&run.id).expect("run");
-                a.table.truncate(run.start + 1 + accepted);
+                a.table.truncate(real + accepted);
                 a.depth.update(drafts.len(), accepted);
                 a.draft_stats.drafted += drafts.len();
                 a.draft_stats.accepted += accepted;
