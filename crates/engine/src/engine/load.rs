@@ -122,8 +122,8 @@ impl Engine {
         let draft = options.draft.on(cuda.is_some());
         let drafting = draft.kind != DraftKind::None;
         if drafting && cuda.is_some() {
-            // Verified rows must be the bits of decode steps, which CUDA's products are not
-            // yet known to give (issue 22's batch-invariant kernel has not run on a GPU).
+            // Verified rows must be the bits of decode steps, which CUDA's passes do not give
+            // yet (issue 22: not the default products, nor prompt attention when invariant).
             return Err(Error::NotOnCuda(
                 "speculative decoding (--draft) runs on the CPU only",
             ));
