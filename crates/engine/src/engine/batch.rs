@@ -229,10 +229,7 @@ impl Engine {
     pub fn cancel(&mut self, id: SeqId) -> bool {
         let known = self.batch.scheduler.remove(id);
         if let Some(mut a) = self.batch.active.remove(&id) {
-            self.release(&mut a, true);
-        }
-        if let Some(drafter) = &mut self.batch.drafter {
-            drafter.finish(id);
+            self.release(id, &mut a, true);
         }
         known
     }
@@ -331,7 +328,7 @@ impl Engine {
             for run in &plan.runs {
                 self.batch.scheduler.remove(run.id);
                 if let Some(mut a) = self.batch.active.remove(&run.id) {
-                    self.release(&mut a, false);
+                    self.release(run.id, &mut a, false);
                     let error = Error::BatchFailed(message.clone());
                     on_event(run.id, BatchEvent::Failed(error));
                 }
@@ -589,15 +586,18 @@ impl Engine {
         };
         self.batch.scheduler.remove(id);
         if let Some(mut a) = self.batch.active.remove(&id) {
-            self.release(&mut a, false);
+            self.release(id, &mut a, false);
             let positions = a.tokens.len();
             on_event(id, BatchEvent::Failed(Error::PoolTooSmall { positions }));
         }
     }
 
-    /// [`release`] of the engine's pool.
-    fn release(&mut self, a: &mut Active, cache: bool) {
+    /// Request `id` ends: [`release`] of the engine's pool, and the draft source forgets it.
+    fn release(&mut self, id: SeqId, a: &mut Active, cache: bool) {
         release(&mut self.blocks, self.cache_enabled, a, cache);
+        if let Some(drafter) = &mut self.batch.drafter {
+            drafter.finish(id);
+        }
     }
 }
 
