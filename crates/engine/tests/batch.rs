@@ -14,7 +14,7 @@ use std::path::Path;
 use ember_engine::prompt_cache::CacheBudget;
 use ember_engine::sampler::SamplingParams;
 use ember_engine::{BatchEvent, Engine, EngineOptions, FinishReason, GenerateParams};
-use replies::{Reply, alone, bits, golden};
+use replies::{Draws, Reply, Request, alone, bits, golden};
 
 fn load(path: &Path, parallel: usize, chunk: usize, cache: CacheBudget) -> Engine {
     load_with(path, parallel, chunk, cache, None)
@@ -40,21 +40,11 @@ fn load_with(
     Engine::load(path, &options).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
-struct Request {
-    prompt: Vec<u32>,
-    params: GenerateParams,
-}
-
 /// Requests of several lengths, greedy and seeded, three of them sharing a 40-token history
 /// (so a prompt cache has something to give).
 fn requests(vocab: usize) -> Vec<Request> {
-    let mut state = 0x9E37_79B9_7F4A_7C15u64;
-    let mut next = |n: usize| {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        (state % n as u64) as usize
-    };
+    let mut draws = Draws(0x9E37_79B9_7F4A_7C15u64);
+    let mut next = |n: usize| draws.below(n);
     let history: Vec<u32> = (0..40).map(|_| next(vocab) as u32).collect();
     (0..8)
         .map(|i| {
@@ -157,10 +147,7 @@ fn check(name: &str) {
     let mut reference = load(&path, 1, 512, CacheBudget::Off);
     let vocab = reference.config().vocab_size;
     let requests = requests(vocab);
-    let want: Vec<Reply> = requests
-        .iter()
-        .map(|r| alone(&mut reference, &r.prompt, &r.params))
-        .collect();
+    let want: Vec<Reply> = requests.iter().map(|r| alone(&mut reference, r)).collect();
 
     // Four at a time in passes of 16 tokens: prompts run in chunks beside decode tokens.
     let mut engine = load(&path, 4, 16, CacheBudget::Off);
@@ -300,10 +287,7 @@ fn preempted_requests_resume_with_the_bits_they_get_alone() {
             }
         })
         .collect();
-    let want: Vec<Reply> = requests
-        .iter()
-        .map(|r| alone(&mut reference, &r.prompt, &r.params))
-        .collect();
+    let want: Vec<Reply> = requests.iter().map(|r| alone(&mut reference, r)).collect();
     // A cache of a few blocks: the pool stays short of what the four need at once.
     for cache in [CacheBudget::Off, CacheBudget::Gib(0.0002)] {
         let mut engine = load_with(&path, 4, 32, cache, Some(256));

@@ -15,7 +15,7 @@ use ember_engine::draft::{DraftKind, DraftOptions, DraftSource, NgramDrafter};
 use ember_engine::sampler::SamplingParams;
 use ember_engine::scheduler::SeqId;
 use ember_engine::{BatchEvent, Engine, EngineOptions, FinishReason, GenerateParams};
-use replies::{Reply, alone, bits, golden};
+use replies::{Draws, Reply, Request, alone, bits, golden};
 
 /// An engine of `parallel` sequences drafting by prompt lookup, up to 8 tokens a pass.
 fn load(path: &Path, parallel: usize) -> Engine {
@@ -34,21 +34,11 @@ fn load(path: &Path, parallel: usize) -> Engine {
     Engine::load(path, &options).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
-struct Request {
-    prompt: Vec<u32>,
-    params: GenerateParams,
-}
-
 /// Greedy and seeded requests; prompts that repeat a stretch (so prompt lookup finds matches),
 /// one that opts out of drafting and one that may stop at an end-of-sequence token.
 fn requests(vocab: usize) -> Vec<Request> {
-    let mut state = 0x2545_F491_4F6C_DD1Du64;
-    let mut next = |n: usize| {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        (state % n as u64) as usize
-    };
+    let mut draws = Draws(0x2545_F491_4F6C_DD1Du64);
+    let mut next = |n: usize| draws.below(n);
     (0..6)
         .map(|i| {
             let stretch: Vec<u32> = (0..6 + next(10)).map(|_| next(vocab) as u32).collect();
@@ -166,10 +156,7 @@ fn check(path: &Path, name: &str) {
     let mut engine = load(path, 2);
     let vocab = engine.config().vocab_size;
     let requests = requests(vocab);
-    let want: Vec<Reply> = requests
-        .iter()
-        .map(|r| alone(&mut engine, &r.prompt, &r.params))
-        .collect();
+    let want: Vec<Reply> = requests.iter().map(|r| alone(&mut engine, r)).collect();
 
     // Prompt lookup, the engine's own source, then matching single tokens too (random
     // weights rarely repeat a pair of the prompt's tokens, so this one surely drafts).
@@ -275,10 +262,7 @@ fn a_request_cancelled_while_drafting_leaves_the_others_and_the_pool_whole() {
     let vocab = engine.config().vocab_size;
     let mut requests = requests(vocab);
     requests.truncate(3);
-    let want: Vec<Reply> = requests
-        .iter()
-        .map(|r| alone(&mut engine, &r.prompt, &r.params))
-        .collect();
+    let want: Vec<Reply> = requests.iter().map(|r| alone(&mut engine, r)).collect();
     let source = Misleading::new(&requests, &want, vocab);
     engine.set_draft_source(Box::new(source), 4, 1);
     for (id, r) in requests.iter().enumerate() {
