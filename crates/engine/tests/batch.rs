@@ -3,6 +3,8 @@
 //! engine of one sequence and no prompt cache): many at once, prompts in chunks beside other
 //! requests' decode tokens, greedy and seeded, with and without a prompt cache, and with a
 //! request cancelled midway.
+//!
+//! `EMBER_TEST_DEVICE=cuda` runs them on the GPU with `--batch-invariant`'s kernels.
 
 #[path = "common/replies.rs"]
 mod replies;
@@ -13,8 +15,16 @@ use std::path::Path;
 
 use ember_engine::prompt_cache::CacheBudget;
 use ember_engine::sampler::SamplingParams;
-use ember_engine::{BatchEvent, Engine, EngineOptions, FinishReason, GenerateParams};
+use ember_engine::{BatchEvent, Device, Engine, EngineOptions, FinishReason, GenerateParams};
 use replies::{Draws, Reply, Request, alone, bits, golden};
+
+/// The device under test: `EMBER_TEST_DEVICE` (cpu, cuda, cuda:N), the CPU by default; on
+/// CUDA with graphs unless `EMBER_TEST_CUDA_GRAPHS=0`.
+fn device() -> Device {
+    std::env::var("EMBER_TEST_DEVICE")
+        .map(|d| d.parse().expect("EMBER_TEST_DEVICE: cpu, cuda or cuda:N"))
+        .unwrap_or(Device::Cpu)
+}
 
 fn load(path: &Path, parallel: usize, chunk: usize, cache: CacheBudget) -> Engine {
     load_with(path, parallel, chunk, cache, None)
@@ -30,6 +40,10 @@ fn load_with(
 ) -> Engine {
     let options = EngineOptions {
         threads: Some(2),
+        device: device(),
+        // On CUDA only the batch-invariant kernels promise these bits.
+        batch_invariant: device() != Device::Cpu,
+        cuda_graphs: std::env::var("EMBER_TEST_CUDA_GRAPHS").map_or(true, |v| v != "0"),
         context: Some(256),
         parallel: Some(parallel),
         kv_pool_tokens: pool_tokens,

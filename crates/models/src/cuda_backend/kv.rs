@@ -189,12 +189,23 @@ pub(super) fn rope_norm(n: Option<(&CudaVector, f32)>) -> Option<RopeNorm<'_>> {
 impl CudaBackend {
     /// [`crate::Backend::attention`] of a pass of one sequence, or of a prompt chunk in a
     /// pass of several: the keys and values stored into the sequence's blocks, then
-    /// flash-decoding for a step or tiled attention for a prompt chunk.
+    /// flash-decoding for a step, and for a prompt chunk tiled attention or each row as a
+    /// decode row ([`PromptAttention`]).
     pub(super) fn store_and_attend(
         &mut self,
         kv: &mut CudaKvPool,
         p: AttentionParams,
     ) -> Result<()> {
+        if p.rows > 1 && self.prompt_attention == PromptAttention::AsDecodeRows {
+            self.store_segment(kv, &p)?;
+            // As many rows a launch as the decode scratch has room for.
+            let rows = p.row_range();
+            for start in rows.clone().step_by(self.decode_scratch_rows) {
+                let span = start..rows.end.min(start + self.decode_scratch_rows);
+                self.attend_decode_rows(kv, &p, DecodeRowsOf::Span(span), None)?;
+            }
+            return Ok(());
+        }
         let kv_dim = kv.layout.kv_dim;
         let shape = attention_shape(&p);
         let (pos0, table) = self.inputs.segment(p.first_row, p.segment);
@@ -338,7 +349,7 @@ impl CudaBackend {
             return self.store_and_attend(kv, p);
         }
         self.store_segment(kv, &p)?;
-        self.attend_decode_rows(kv, &p, DecodeRowsOf::One(p.first_row), None)
+        self.attend_decode_rows(kv, &p, DecodeRowsOf::Span(p.row_range()), None)
     }
 
     /// [`crate::Backend::rope_attention_segments`]: in a pass of several sequences, each
@@ -381,15 +392,15 @@ impl CudaBackend {
         }
         // Some of the pass's segments only: each of their rows on its own.
         for p in segments.iter().filter(|p| p.rows == 1) {
-            self.attend_decode_rows(kv, p, DecodeRowsOf::One(p.first_row), rope)?;
+            self.attend_decode_rows(kv, p, DecodeRowsOf::Span(p.row_range()), rope)?;
         }
         Ok(())
     }
 
-    /// The attention of decode rows of a pass over several sequences (`which`), in one
-    /// launch: with `rope`, rotating each row's queries and key and storing its key and value
-    /// as it goes (else that was done). `p`: any of the rows' segments (the layer and the
-    /// shape). Each row's bits are those of its sequence's decode step alone.
+    /// The attention of decode rows of a pass (`which`), in one launch: with `rope`,
+    /// rotating each row's queries and key and storing its key and value as it goes (else
+    /// that was done). `p`: any of the rows' segments (the layer and the shape). Each row's
+    /// bits are those of its sequence's decode step alone.
     fn attend_decode_rows(
         &mut self,
         kv: &mut CudaKvPool,
@@ -403,7 +414,7 @@ impl CudaBackend {
         let AttentionIo { q, k, v, mut out } = attention_io(&mut self.slots, p, 0..rows, kv_dim);
         let decode = match which {
             DecodeRowsOf::All => self.inputs.decode_rows(),
-            DecodeRowsOf::One(row) => self.inputs.one_decode_row(row),
+            DecodeRowsOf::Span(rows) => self.inputs.row_span(rows),
         };
         let tables = self.inputs.tables();
         let mut scratch = self.attention_scratch.as_mut_slice::<f32>();
@@ -447,13 +458,27 @@ impl CudaBackend {
     }
 }
 
-/// Which decode rows of a pass over several sequences a launch takes.
-#[derive(Clone, Copy)]
+/// How the rows of a prompt chunk attend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum PromptAttention {
+    /// Tiled over many query rows at once, each key read once for the tile: fast, but a row's
+    /// bits follow the chunk it is in (the tile's precision, a one-row chunk on the decode
+    /// kernel).
+    Tiled,
+    /// Each row through the decode kernel over its own positions, so a prompt row gets the
+    /// bits of the same position decoded alone, however the prompt was split and whatever
+    /// shares the pass (`--batch-invariant`). Every row reads its whole prefix, so long
+    /// prompts cost more.
+    AsDecodeRows,
+}
+
+/// Which decode rows of a pass a launch takes.
+#[derive(Clone)]
 enum DecodeRowsOf {
     /// Every sequence's that decodes one token.
     All,
-    /// The one at this row.
-    One(usize),
+    /// These rows (one decode row, or a prompt chunk's rows each as a decode row).
+    Span(Range<usize>),
 }
 
 /// What the decode kernel needs to rotate its rows itself: the tables, their layout, and

@@ -31,7 +31,7 @@ pub use kv::CudaKvPool;
 pub use moe::CudaExperts;
 pub use weights::{CudaMatrix, CudaRope, CudaVector};
 
-use self::kv::rope_norm;
+use self::kv::{PromptAttention, rope_norm};
 use self::moe::MoeWorkspace;
 use self::pass::{GraphKey, PassInputs, PicksAhead, Recording};
 use self::products::Gemms;
@@ -44,6 +44,9 @@ use crate::error::{Error, Result};
 use crate::kv_cache::BlockTable;
 use crate::rope::RopeTable;
 use crate::transformer::{Mlp, Moe};
+
+/// Prompt rows a launch of the decode kernel takes when they attend as decode rows.
+const PROMPT_ROWS_A_LAUNCH: usize = 64;
 
 /// Choices of how a CUDA backend runs; every one gives a request's greedy tokens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -81,8 +84,12 @@ pub struct CudaBackend {
     inputs: PassInputs,
     /// Decode attention's splits and their tickets.
     attention_scratch: DeviceBuffer,
+    /// Rows `attention_scratch` has room for: the sequences a pass may have, or with
+    /// [`PromptAttention::AsDecodeRows`] a prompt chunk's rows a launch.
+    decode_scratch_rows: usize,
     /// Prompt attention's splits (a short chunk over a long cache).
     prompt_attention_scratch: DeviceBuffer,
+    prompt_attention: PromptAttention,
     logits: DeviceBuffer,
     /// The host side of `logits`: a staging buffer, page-locked with the driver while the
     /// residency set holds it.
@@ -153,10 +160,21 @@ impl CudaBackend {
             b * widest * 2,
         )?;
         let inputs = PassInputs::new(&device, owner, b, max_sequences, max_blocks)?;
-        // Each sequence's decode row has its own splits in a batched launch.
+        // Batch invariance holds a prompt row to the bits of a decode step: it attends as one.
+        let prompt_attention = if options.batch_invariant {
+            PromptAttention::AsDecodeRows
+        } else {
+            PromptAttention::Tiled
+        };
+        // Each row of a batched decode launch has its own splits. Prompt rows as decode rows
+        // go PROMPT_ROWS_A_LAUNCH at a time (a launch a row would cost more than the rows).
+        let decode_scratch_rows = match prompt_attention {
+            PromptAttention::Tiled => max_sequences,
+            PromptAttention::AsDecodeRows => max_sequences.max(PROMPT_ROWS_A_LAUNCH.min(b)),
+        };
         let mut attention_scratch = f32s(
             "attention splits",
-            cuda::attention_decode_scratch_len(shape) * max_sequences,
+            cuda::attention_decode_scratch_len(shape) * decode_scratch_rows,
         )?;
         cuda::attention_decode_scratch_reset(
             &device,
@@ -181,7 +199,9 @@ impl CudaBackend {
             gemm_input,
             inputs,
             attention_scratch,
+            decode_scratch_rows,
             prompt_attention_scratch,
+            prompt_attention,
             logits,
             logits_host: owner.alloc_staging(
                 BufferKind::Activations,

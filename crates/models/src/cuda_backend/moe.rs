@@ -136,10 +136,13 @@ impl CudaBackend {
         let (hidden, width) = (experts.down.rows(), experts.gate_up.rows());
         let pairs = n * routing.top_k;
         // Prompts of bf16 experts on the tensor cores (their input rounded to bf16, as the
-        // prompt GEMMs round theirs); decode and other dtypes in f32 activations.
+        // prompt GEMMs round theirs); decode and other dtypes in f32 activations. Batch
+        // invariance keeps every batch on the matrix-vector kernels, whose pair's sums do not
+        // depend on its tile (decode's one-pair tiles included).
         let road = if n == 1 {
             ExpertRoad::Decode
         } else if n > cuda::MAX_BATCH
+            && !self.gemm.is_invariant()
             && experts.gate_up.takes_tensor_cores()
             && experts.down.takes_tensor_cores()
         {

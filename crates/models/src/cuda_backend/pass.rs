@@ -130,12 +130,19 @@ impl PassInputs {
         self.check_table(table)?;
         self.finish_upload()?;
         let (pos0, table_at, blocks) = (table.len(), self.table_at(), table.blocks());
+        let (pos_at, seq_at) = (self.row_pos_at(), self.row_seq_at());
         let len = table_at + blocks.len();
         let host = &mut self.host.as_mut_slice::<i32>()[..len];
         host[STEP_POS0] = int(pos0);
         host[STEP_END] = int(pos0 + tokens.len());
         for (slot, &t) in host[STEP_TOKENS..].iter_mut().zip(tokens) {
             *slot = t as i32;
+        }
+        // Each row's position and sequence too, for prompt rows attending as decode rows
+        // ([`Self::row_span`]).
+        for i in 0..tokens.len() {
+            host[pos_at + i] = int(pos0 + i);
+            host[seq_at + i] = 0;
         }
         for (slot, &b) in host[table_at..].iter_mut().zip(blocks) {
             *slot = b as i32;
@@ -312,10 +319,12 @@ impl PassInputs {
         self.rows_at(at..at + self.decode_rows)
     }
 
-    /// Row `row` alone, as [`Self::decode_rows`].
-    pub(super) fn one_decode_row(&self, row: usize) -> DecodeRows<'_> {
-        let at = self.row_ids_at() + row;
-        self.rows_at(at..at + 1)
+    /// Rows `rows` of the pass, each as a decode row over its own sequence's positions up to
+    /// its own (a prompt chunk's rows: [`Self::set`] and [`Self::set_batch`] give every row
+    /// its position and sequence).
+    pub(super) fn row_span(&self, rows: std::ops::Range<usize>) -> DecodeRows<'_> {
+        let at = self.row_ids_at();
+        self.rows_at(at + rows.start..at + rows.end)
     }
 
     fn rows_at(&self, rows: std::ops::Range<usize>) -> DecodeRows<'_> {

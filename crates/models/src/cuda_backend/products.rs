@@ -91,10 +91,15 @@ impl Gemms {
         Ok(())
     }
 
+    /// Whether every row's result must not depend on its batch (`--batch-invariant`).
+    pub(super) fn is_invariant(&self) -> bool {
+        matches!(self, Gemms::Invariant(_))
+    }
+
     /// Whether `rows` rows of `dtype` weights take the matrix-vector kernels: f32 weights
     /// always; 16-bit ones for decode batches on the fast road only.
     pub(super) fn matvec_road(&self, dtype: Float, rows: usize) -> bool {
-        dtype == Float::F32 || (matches!(self, Gemms::Fast(_)) && rows <= cuda::MAX_BATCH)
+        dtype == Float::F32 || (!self.is_invariant() && rows <= cuda::MAX_BATCH)
     }
 }
 
