@@ -230,10 +230,17 @@ pub struct ServeArgs {
     /// Speculative decoding: where drafted tokens come from, verified in the pass that makes
     /// the next one, the output the same bits either way (a request opts out with `"draft":
     /// false`). ngram: the continuation of the reply's last few tokens where they appeared
-    /// before in the prompt or reply (prompt lookup; the CPU only for now); none: one token a
-    /// pass; auto: ngram on the CPU, none on CUDA.
+    /// before in the prompt or reply (prompt lookup); model: a draft model's greedy picks
+    /// (--draft-model); none: one token a pass; auto: model with --draft-model, else ngram on
+    /// the CPU and none on CUDA. The CPU only for now.
     #[arg(long, default_value = "auto", env = "EMBER_DRAFT")]
     pub draft: ember_engine::draft::DraftKind,
+    /// The draft model for --draft model (or auto): a smaller model of the same vocabulary (a
+    /// Hugging Face directory or a GGUF file), run beside the model on the same threads, its
+    /// weights and KV cache (a whole context for each of --parallel sequences) held with the
+    /// model's.
+    #[arg(long, env = "EMBER_DRAFT_MODEL")]
+    pub draft_model: Option<std::path::PathBuf>,
     /// Most tokens drafted for one pass; a sequence's depth follows how many the model keeps.
     #[arg(long, default_value_t = ember_engine::draft::DEFAULT_DRAFT_MAX,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]

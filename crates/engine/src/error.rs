@@ -68,6 +68,16 @@ pub enum Error {
          reply cannot continue it; end the messages with a user turn instead"
     )]
     PrefillNotRendered,
+    /// `--draft-model` whose tokenizer is not the model's: its drafts would be other tokens.
+    #[error("--draft-model {}: {what}; a draft model must share the model's vocabulary", .path.display())]
+    DraftVocabulary { path: PathBuf, what: String },
+    /// `--draft model` without a draft model, or a draft model with another `--draft`.
+    #[error("{0}")]
+    DraftOptions(String),
+    /// The draft model's KV pool has no free block (more drafting sequences than it was
+    /// made for); the sequence is not drafted for.
+    #[error("the draft model's KV pool is full")]
+    DraftPoolFull,
     /// More sequences at once than the engine was loaded for.
     #[error("{wanted} sequences at once need --parallel {wanted} (the engine runs {parallel})")]
     TooManySequences { wanted: usize, parallel: usize },

@@ -344,3 +344,103 @@ fn a_request_ending_on_its_first_token_leaves_its_whole_prompt_to_the_cache() {
     // The second time, every whole block but the last token's came from the cache.
     assert_eq!(cached, vec![0, 32]);
 }
+
+/// An engine of two sequences drafting with the model at `draft`, up to 6 tokens a pass.
+fn load_with_draft_model(path: &Path, draft: &Path) -> Result<Engine, ember_engine::Error> {
+    let options = EngineOptions {
+        threads: Some(2),
+        context: Some(256),
+        parallel: Some(2),
+        prefill_chunk: Some(64),
+        draft: DraftOptions {
+            kind: DraftKind::Model,
+            max: 6,
+            min: 1,
+        },
+        draft_model: Some(draft.to_path_buf()),
+        ..EngineOptions::default()
+    };
+    Engine::load(path, &options)
+}
+
+#[test]
+fn a_draft_model_never_changes_the_output() {
+    let target = golden("qwen3-f32");
+    let mut reference = load(&target, 2);
+    let vocab = reference.config().vocab_size;
+    let requests = requests(vocab);
+    let want: Vec<Reply> = requests.iter().map(|r| alone(&mut reference, r)).collect();
+    // The target itself (its greedy picks are the target's own: every greedy draft stands),
+    // its bf16 twin, and a model of the same vocabulary and other weights (few stand).
+    for draft in ["qwen3-f32", "qwen3-bf16", "qwen3moe-f32"] {
+        let mut engine = load_with_draft_model(&target, &golden(draft)).unwrap();
+        // Three runs: a draft pool that kept ended sequences' blocks would run dry.
+        for run in 0..3 {
+            let before = engine.step_timing().drafts;
+            let got = batched(&mut engine, &requests);
+            for (id, want) in want.iter().enumerate() {
+                let (tokens, logits) = &got[&(id as u64)];
+                assert_eq!(tokens, &want.0, "draft {draft}, run {run}: request {id}");
+                assert!(
+                    logits == &want.1,
+                    "draft {draft}, run {run}: request {id}'s logits"
+                );
+            }
+            let after = engine.step_timing().drafts;
+            assert!(
+                after.drafted > before.drafted,
+                "draft {draft}, run {run}: nothing drafted"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_target_drafting_for_itself_has_every_greedy_draft_accepted() {
+    let target = golden("qwen3-f32");
+    let mut engine = load_with_draft_model(&target, &target).unwrap();
+    let vocab = engine.config().vocab_size;
+    // The greedy requests that run to their length (0, 2, 4): nothing cuts a draft short.
+    let requests: Vec<Request> = requests(vocab).into_iter().step_by(2).collect();
+    batched(&mut engine, &requests);
+    let drafts = engine.step_timing().drafts;
+    assert!(drafts.drafted > 0);
+    assert_eq!(drafts.accepted, drafts.drafted);
+}
+
+#[test]
+fn a_draft_model_must_share_the_vocabulary_and_be_named() {
+    let target = golden("qwen3-f32");
+    // llama's fixture tokenizer has as many tokens as qwen3's, other ones.
+    let message = load_error(load_with_draft_model(&target, &golden("llama-f32")));
+    assert!(
+        message.contains("--draft-model") && message.contains("token 303 is"),
+        "{message}"
+    );
+    let e = load_error(load_with_draft_model(&target, Path::new("/no/such/draft")));
+    assert!(e.contains("/no/such/draft"), "{e}");
+    // `--draft model` with no model; a model with another kind.
+    let mut options = EngineOptions {
+        threads: Some(1),
+        context: Some(64),
+        draft: DraftOptions {
+            kind: DraftKind::Model,
+            max: 4,
+            min: 1,
+        },
+        ..EngineOptions::default()
+    };
+    let e = load_error(Engine::load(&target, &options));
+    assert!(e.contains("--draft-model"), "{e}");
+    options.draft.kind = DraftKind::Ngram;
+    options.draft_model = Some(target.clone());
+    let e = load_error(Engine::load(&target, &options));
+    assert!(e.contains("--draft ngram"), "{e}");
+}
+
+fn load_error(loaded: Result<Engine, ember_engine::Error>) -> String {
+    match loaded {
+        Ok(_) => panic!("the engine loaded"),
+        Err(e) => e.to_string(),
+    }
+}

@@ -3,7 +3,7 @@
 
 use std::collections::VecDeque;
 use std::ops::Range;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use ember_checkpoint::TensorSource;
 use ember_tensor::cpu::{self, AttentionShape, RopeLayout, RopeTables};
@@ -28,7 +28,9 @@ pub enum Arithmetic {
 }
 
 pub struct CpuBackend {
-    pool: ThreadPool,
+    /// Shared with a draft model's backend: the two never run at once, and one set of
+    /// workers leaves no idle spinners beside the running pass.
+    pool: Arc<ThreadPool>,
     arithmetic: Arithmetic,
     owner: BufferOwner,
     ws: Workspace,
@@ -51,13 +53,14 @@ impl CpuBackend {
     /// positions, with room for `logit_rows` rows of logits.
     pub fn new(
         config: &ModelConfig,
-        pool: ThreadPool,
+        pool: impl Into<Arc<ThreadPool>>,
         owner: &BufferOwner,
         max_batch: usize,
         context: usize,
         logit_rows: usize,
         arithmetic: Arithmetic,
     ) -> Result<Self> {
+        let pool = pool.into();
         let ws = Workspace::new(
             config,
             max_batch,
@@ -109,6 +112,11 @@ impl CpuBackend {
 
     pub fn pool(&self) -> &ThreadPool {
         &self.pool
+    }
+
+    /// The pool, for another backend to share.
+    pub fn shared_pool(&self) -> Arc<ThreadPool> {
+        Arc::clone(&self.pool)
     }
 
     fn slot_mut(&mut self, slot: Slot) -> &mut [f32] {

@@ -62,10 +62,18 @@ pub enum ServerError {
     },
     #[error("{}: {message}", path.display())]
     ApiKeys { path: PathBuf, message: String },
+    /// The engine's error is in the message and not given as the source, which would print
+    /// it a second time in an error chain (`ember serve`'s `{:#}`).
     #[error("loading the model failed: {0}")]
-    Load(#[from] ember_engine::Error),
+    Load(ember_engine::Error),
     #[error("{0}")]
     Io(#[from] std::io::Error),
+}
+
+impl From<ember_engine::Error> for ServerError {
+    fn from(e: ember_engine::Error) -> Self {
+        ServerError::Load(e)
+    }
 }
 
 /// What the routes need once the model is loaded.

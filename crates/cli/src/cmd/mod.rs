@@ -68,6 +68,7 @@ pub fn engine_options(args: &ModelArgs) -> EngineOptions {
         prompt_cache: CacheBudget::Off,
         prompt_cache_host: CacheBudget::Off,
         draft: Default::default(),
+        draft_model: None,
     }
 }
 

@@ -37,6 +37,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
                 max: args.draft_max,
                 min: args.draft_min,
             },
+            draft_model: args.draft_model,
             ..super::engine_options(&args.model)
         },
         api_keys_file: args.api_keys_file,

@@ -7,13 +7,16 @@
 //! it equals that pick. The CPU's rows are the same bits alone and in any pass, so a drafted
 //! reply is the undrafted one; what a draft changes is how many passes it takes.
 //!
-//! Sources sit behind [`DraftSource`]: [`ngram::NgramDrafter`] (prompt lookup) now; a draft
-//! model or MTP heads later, each keeping what it needs per sequence.
+//! Sources sit behind [`DraftSource`]: [`ngram::NgramDrafter`] (prompt lookup) and
+//! [`model::DraftModel`] (a smaller model's greedy picks) now, MTP heads later, each keeping
+//! what it needs per sequence.
 
+pub mod model;
 pub mod ngram;
 
 use crate::scheduler::SeqId;
 
+pub use model::DraftModel;
 pub use ngram::NgramDrafter;
 
 /// Proposes tokens to follow a sequence.
@@ -40,6 +43,20 @@ pub enum DraftKind {
     /// Prompt lookup: the continuation of the latest earlier match of the sequence's last few
     /// tokens ([`NgramDrafter`]).
     Ngram,
+    /// A draft model's greedy picks (`--draft-model`, [`DraftModel`]).
+    Model,
+}
+
+impl DraftKind {
+    /// The name `--draft` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            DraftKind::None => "none",
+            DraftKind::Auto => "auto",
+            DraftKind::Ngram => "ngram",
+            DraftKind::Model => "model",
+        }
+    }
 }
 
 impl std::str::FromStr for DraftKind {
@@ -50,12 +67,8 @@ impl std::str::FromStr for DraftKind {
             "none" => Ok(DraftKind::None),
             "auto" => Ok(DraftKind::Auto),
             "ngram" => Ok(DraftKind::Ngram),
-            "model" => Err(
-                "drafting with a draft model (--draft model, --draft-model) is not \
-                            available yet; use ngram or none"
-                    .to_string(),
-            ),
-            _ => Err(format!("{s:?}: expected auto, ngram or none")),
+            "model" => Ok(DraftKind::Model),
+            _ => Err(format!("{s:?}: expected auto, ngram, model or none")),
         }
     }
 }
@@ -96,10 +109,11 @@ impl DraftOptions {
         DraftOptions { kind, ..self }
     }
 
-    /// The source these options name, if any (`Auto` as on the CPU).
+    /// The source these options name that needs nothing loaded, if any (`Auto` as on the
+    /// CPU); a draft model is loaded with the engine.
     pub fn source(&self) -> Option<Box<dyn DraftSource>> {
         match self.on(false).kind {
-            DraftKind::None | DraftKind::Auto => None,
+            DraftKind::None | DraftKind::Auto | DraftKind::Model => None,
             DraftKind::Ngram => Some(Box::new(NgramDrafter::default())),
         }
     }

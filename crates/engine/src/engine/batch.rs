@@ -106,7 +106,13 @@ pub struct StepTiming {
 }
 
 impl Batch {
-    pub(super) fn new(max_running: usize, token_budget: usize, draft: DraftOptions) -> Self {
+    /// `drafter`: the source `draft` names ([`DraftOptions::source`], or a loaded draft model).
+    pub(super) fn new(
+        max_running: usize,
+        token_budget: usize,
+        draft: DraftOptions,
+        drafter: Option<Box<dyn DraftSource>>,
+    ) -> Self {
         Batch {
             scheduler: Scheduler::new(SchedulerConfig {
                 max_running,
@@ -115,7 +121,7 @@ impl Batch {
             active: HashMap::new(),
             timing: StepTiming::default(),
             draft,
-            drafter: draft.source(),
+            drafter,
             max_tokens: token_budget,
             proposal: Vec::new(),
         }

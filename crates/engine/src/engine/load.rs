@@ -17,13 +17,14 @@ use ember_tensor::cuda::{self, CudaDevice, CudaResidency};
 use ember_tensor::{BufferKind, BufferOwner, DType, ThreadPool};
 use serde_json::Value;
 
+use super::load_draft::{DraftTarget, load_draft_model};
 use super::{
     DEFAULT_CONTEXT, DEFAULT_PARALLEL_CPU, DEFAULT_PARALLEL_CUDA, DEFAULT_PREFILL_CHUNK_CPU,
     DEFAULT_PREFILL_CHUNK_CUDA, Device, Engine, EngineOptions, KEEPALIVE_SCRATCH_BYTES,
     KeepaliveScratch, PromptEncoder, ResidencyMode,
 };
 use crate::chat_template::ChatTemplate;
-use crate::draft::DraftKind;
+use crate::draft::{DraftKind, DraftOptions};
 use crate::error::{Error, Result};
 use crate::gguf_tokenizer::tokenizer_from_gguf;
 use crate::kv::BlockManager;
@@ -119,7 +120,7 @@ impl Engine {
         }
         // A pass holds a row for each sequence in it.
         .clamp(1, max_batch);
-        let draft = options.draft.on(cuda.is_some());
+        let draft = draft_options(options, cuda.is_some())?;
         let drafting = draft.kind != DraftKind::None;
         if drafting && cuda.is_some() {
             // Verified rows must be the bits of decode steps, which CUDA's passes do not give
@@ -141,10 +142,11 @@ impl Engine {
             true => (parallel * (1 + draft.max)).min(max_batch),
             false => parallel,
         };
+        let mut drafter = draft.source();
         let (runner, keepalive_scratch, weights, plan): (Box<dyn Runner>, _, _, PoolPlan) =
             match cuda {
                 None => {
-                    let pool = ThreadPool::new(threads);
+                    let pool = Arc::new(ThreadPool::new(threads));
                     // An f16 cache is the GGUF path, checked against llama.cpp: imitate its
                     // arithmetic there; elsewhere transformers' (the golden fixtures, and its bf16
                     // cache for bf16 checkpoints).
@@ -153,7 +155,13 @@ impl Engine {
                         KvDtype::F32 | KvDtype::Bf16 => Arithmetic::Transformers,
                     };
                     let mut backend = CpuBackend::new(
-                        &config, pool, &owner, max_batch, context, logit_rows, arithmetic,
+                        &config,
+                        Arc::clone(&pool),
+                        &owner,
+                        max_batch,
+                        context,
+                        logit_rows,
+                        arithmetic,
                     )?;
                     let owned = owns_weights(&weights);
                     if owned {
@@ -162,6 +170,18 @@ impl Engine {
                     let model = Transformer::load(&backend, config, source, context)?;
                     if !backend.quantized_types().is_empty() {
                         tracing::info!("cpu kernels, by timing: {}", cpu::quant_kernel_report());
+                    }
+                    // Before the pool's plan, which sizes the cache from what is listed.
+                    if let (DraftKind::Model, Some(path)) = (draft.kind, &options.draft_model) {
+                        let target = DraftTarget {
+                            tokenizer: &tokenizer,
+                            config: &model.config,
+                            pool,
+                            context,
+                            parallel,
+                            max_batch,
+                        };
+                        drafter = Some(Box::new(load_draft_model(path, target, &owner)?));
                     }
                     let plan = PoolPlan::new(
                         options,
@@ -262,7 +282,7 @@ impl Engine {
             runner,
             blocks: BlockManager::new(plan.blocks, plan.host_blocks, KV_BLOCK_SIZE),
             seq: BlockTable::new(),
-            batch: super::batch::Batch::new(parallel, max_batch, draft),
+            batch: super::batch::Batch::new(parallel, max_batch, draft, drafter),
             cache_enabled: plan.cache_blocks > 0,
             cache_stats: Arc::new(PromptCacheStats::new(
                 plan.layout.block_bytes(),
@@ -278,6 +298,26 @@ impl Engine {
             keepalive_scratch,
             _weights: weights,
         })
+    }
+}
+
+/// The drafting the options ask for on this device: `--draft-model` makes `auto` a draft
+/// model's; `--draft model` needs one, and no other kind takes one.
+fn draft_options(options: &EngineOptions, cuda: bool) -> Result<DraftOptions> {
+    let mut draft = options.draft;
+    if options.draft_model.is_some() && draft.kind == DraftKind::Auto {
+        draft.kind = DraftKind::Model;
+    }
+    match (draft.kind, &options.draft_model) {
+        (DraftKind::Model, None) => Err(Error::DraftOptions(
+            "--draft model needs --draft-model DIR|FILE.gguf".into(),
+        )),
+        (DraftKind::Model, Some(_)) | (_, None) => Ok(draft.on(cuda)),
+        (kind, Some(path)) => Err(Error::DraftOptions(format!(
+            "--draft-model {} is for --draft model (or auto), not --draft {}",
+            path.display(),
+            kind.name()
+        ))),
     }
 }
 
@@ -510,7 +550,11 @@ fn warm_up(runner: &mut dyn Runner) -> Result<()> {
 /// memory, and decode attention reads half the bytes on the tensor cores (H200, qwen3-8b
 /// decode after 2048 tokens 195 -> 200 tok/s, after 8192 172 -> 188). Elsewhere f32, exact
 /// against transformers' float32 (the golden fixtures).
-fn default_kv_dtype(weights: &WeightFiles, config: &ModelConfig, on_cuda: bool) -> KvDtype {
+pub(super) fn default_kv_dtype(
+    weights: &WeightFiles,
+    config: &ModelConfig,
+    on_cuda: bool,
+) -> KvDtype {
     if matches!(weights, WeightFiles::Gguf(_)) {
         return KvDtype::F16;
     }
@@ -566,7 +610,7 @@ fn choose_device(
 /// matrices of a type this CPU's kernels read interleaved ([`WeightLayout::best_for`]).
 /// Copying the rest too lets the mapping go after load, instead of its pages being held
 /// beside the interleaved copies.
-fn owns_weights(weights: &WeightFiles) -> bool {
+pub(super) fn owns_weights(weights: &WeightFiles) -> bool {
     let WeightFiles::Gguf(file) = weights else {
         return false;
     };
@@ -584,7 +628,7 @@ pub(super) enum WeightFiles {
 }
 
 impl WeightFiles {
-    fn source(&self) -> &dyn TensorSource {
+    pub(super) fn source(&self) -> &dyn TensorSource {
         match self {
             WeightFiles::Safetensors(set) => set,
             WeightFiles::Gguf(file) => file,
@@ -594,7 +638,7 @@ impl WeightFiles {
 
 /// The GGUF file `path` names: the file itself, or the only `.gguf` in a directory that has no
 /// `config.json`.
-fn gguf_path(path: &Path) -> Option<PathBuf> {
+pub(super) fn gguf_path(path: &Path) -> Option<PathBuf> {
     let is_gguf = |p: &Path| {
         p.extension()
             .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))

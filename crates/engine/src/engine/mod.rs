@@ -8,6 +8,7 @@ mod batch;
 mod defaults;
 mod generate;
 mod load;
+mod load_draft;
 mod options;
 mod picker;
 

@@ -1,5 +1,7 @@
 //! How to load a model.
 
+use std::path::PathBuf;
+
 use ember_models::KvDtype;
 
 use crate::draft::DraftOptions;
@@ -58,6 +60,10 @@ pub struct EngineOptions {
     /// drafted tokens verified in the pass that would have made one, the output unchanged.
     /// Off by default; the CPU only for now.
     pub draft: DraftOptions,
+    /// The draft model's checkpoint (`--draft-model`: a directory or a GGUF file) when
+    /// `draft`'s kind is [`crate::draft::DraftKind::Model`]: the same vocabulary, run on the
+    /// CPU beside the model, its buffers listed and held with the model's.
+    pub draft_model: Option<PathBuf>,
 }
 
 /// Where the model runs (`--device`).
@@ -115,6 +121,7 @@ impl Default for EngineOptions {
             device: Device::Cpu,
             cuda_graphs: true,
             draft: DraftOptions::default(),
+            draft_model: None,
             batch_invariant: false,
             prompt_cache: CacheBudget::Off,
             prompt_cache_host: CacheBudget::Off,

@@ -1,0 +1,202 @@
+//! Loading `--draft-model`: a second model on the CPU beside the target, its weights,
+//! activations and KV pool made through the target's buffer owner (so the residency set holds
+//! them with everything else, whole or not at all) and its passes on the target's threads.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use ember_checkpoint::{GgufFile, SafetensorsSet};
+use ember_models::{Arithmetic, CpuBackend, KvDtype, KvLayout, KvPool, ModelConfig, Transformer};
+use ember_tensor::{BufferOwner, ThreadPool};
+
+use super::load::{WeightFiles, default_kv_dtype, gguf_path, owns_weights};
+use crate::draft::DraftModel;
+use crate::error::{Error, Result};
+use crate::gguf_tokenizer::tokenizer_from_gguf;
+use crate::runner::ModelRunner;
+use crate::tokenizer::Tokenizer;
+
+/// What the draft model is loaded for: the target's vocabulary, threads and shape of work.
+pub(super) struct DraftTarget<'a> {
+    pub tokenizer: &'a Tokenizer,
+    pub config: &'a ModelConfig,
+    pub pool: Arc<ThreadPool>,
+    /// Positions a sequence may reach, sequences drafting at once, tokens a pass.
+    pub context: usize,
+    pub parallel: usize,
+    pub max_batch: usize,
+}
+
+/// Loads the draft model at `path` (a Hugging Face directory or a GGUF file) for `target`.
+pub(super) fn load_draft_model(
+    path: &Path,
+    target: DraftTarget<'_>,
+    owner: &BufferOwner,
+) -> Result<DraftModel> {
+    let gguf = match gguf_path(path) {
+        Some(file) => Some(GgufFile::open(&file, owner)?),
+        None if path.is_dir() => None,
+        None => return Err(Error::ModelDirMissing(path.to_path_buf())),
+    };
+    let (config, tokenizer) = match &gguf {
+        Some(file) => (ModelConfig::from_gguf(file)?, tokenizer_from_gguf(file)?),
+        None => (ModelConfig::from_dir(path)?, Tokenizer::from_dir(path)?),
+    };
+    check_vocabulary(path, target.tokenizer, &tokenizer)?;
+    let weights = match gguf {
+        Some(file) => WeightFiles::Gguf(file),
+        None => WeightFiles::Safetensors(SafetensorsSet::open(path, owner)?),
+    };
+    let kv_dtype = default_kv_dtype(&weights, &config, false);
+    let arithmetic = match kv_dtype {
+        KvDtype::F16 => Arithmetic::LlamaCpp,
+        KvDtype::F32 | KvDtype::Bf16 => Arithmetic::Transformers,
+    };
+    // One sequence a pass (a draft step is one token; its catch-up one chunk), one row of
+    // logits: the greedy pick.
+    let mut backend = CpuBackend::new(
+        &config,
+        target.pool,
+        owner,
+        target.max_batch,
+        target.context,
+        1,
+        arithmetic,
+    )?;
+    let owned = owns_weights(&weights);
+    if owned {
+        backend = backend.owning_weights();
+    }
+    let model = Transformer::load(&backend, config, weights.source(), target.context)?;
+    let layout = KvLayout::new(&model.config, kv_dtype);
+    // A whole context for each sequence the target runs at once.
+    let blocks = layout.blocks_for(target.context) * target.parallel;
+    let kv = KvPool::new(layout, blocks, 0, owner)?;
+    tracing::info!(
+        "draft model {}: {} layers, {} hidden, kv pool {} blocks ({:.2} GiB)",
+        path.display(),
+        model.config.num_hidden_layers,
+        model.config.hidden_size,
+        blocks,
+        (blocks * layout.block_bytes()) as f64 / (1u64 << 30) as f64
+    );
+    let runner = ModelRunner {
+        backend,
+        model,
+        kv,
+        context: target.context,
+    };
+    // Owned weights need the mapping no more; else it stays as long as the draft.
+    let files: Option<Box<dyn Send>> = match owned {
+        true => None,
+        false => Some(Box::new(weights)),
+    };
+    Ok(DraftModel::new(
+        Box::new(runner),
+        blocks,
+        layout.block_size,
+        target.config.vocab_size,
+        files,
+    ))
+}
+
+/// The draft's tokens must be the target's, id for id: the same number, each the same text
+/// (a model's embedding may have more rows than its tokenizer has tokens: those are never
+/// proposed, see [`DraftModel`]).
+fn check_vocabulary(path: &Path, target: &Tokenizer, draft: &Tokenizer) -> Result<()> {
+    let mismatch = |what: String| Error::DraftVocabulary {
+        path: path.to_path_buf(),
+        what,
+    };
+    let (n_target, n_draft) = (target.vocab_size(), draft.vocab_size());
+    if n_target != n_draft {
+        return Err(mismatch(format!(
+            "its tokenizer has {n_draft} tokens, the model's {n_target}"
+        )));
+    }
+    for id in 0..n_target as u32 {
+        let (t, d) = (target.id_to_token(id), draft.id_to_token(id));
+        if t != d {
+            return Err(mismatch(format!(
+                "token {id} is {} there and {} in the model",
+                show(&d),
+                show(&t)
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn show(token: &Option<String>) -> String {
+    token
+        .as_ref()
+        .map_or("missing".into(), |t| format!("{t:?}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::draft::DraftSource;
+
+    /// The golden qwen3 fixture as a draft for itself, over a context of 128 positions.
+    fn draft() -> DraftModel {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/golden/qwen3-f32");
+        let tokenizer = Tokenizer::from_dir(&dir).unwrap();
+        let config = ModelConfig::from_dir(&dir).unwrap();
+        let target = DraftTarget {
+            tokenizer: &tokenizer,
+            config: &config,
+            pool: Arc::new(ThreadPool::new(1)),
+            context: 128,
+            parallel: 2,
+            max_batch: 16,
+        };
+        load_draft_model(&dir, target, &BufferOwner::new()).unwrap()
+    }
+
+    fn propose(d: &mut DraftModel, id: u64, tokens: &[u32], max: usize) -> Vec<u32> {
+        let mut out = Vec::new();
+        d.propose(id, tokens, max, &mut out);
+        out
+    }
+
+    #[test]
+    fn proposals_after_a_rejection_are_those_of_a_fresh_draft() {
+        let prompt: Vec<u32> = (0..37).map(|i| (i * 11 + 5) % 400).collect();
+        let mut kept = draft();
+        let first = propose(&mut kept, 1, &prompt, 6);
+        assert_eq!(first.len(), 6);
+        // The target kept two drafts and picked another token: the draft's blocks hold four
+        // positions the sequence does not have.
+        let mut seq = [&prompt[..], &first[..2]].concat();
+        seq.push((first[2] + 1) % 400);
+        let after = propose(&mut kept, 1, &seq, 5);
+        // Another sequence beside it, and the first one's next step, all drafts standing.
+        let other = propose(&mut kept, 2, &prompt[..20], 3);
+        seq.extend_from_slice(&after);
+        seq.push(7);
+        let later = propose(&mut kept, 1, &seq, 4);
+        // Tokens that part from what the blocks hold well before the last one.
+        let mut edited = seq.clone();
+        edited[10] = (edited[10] + 1) % 400;
+        let after_edit = propose(&mut kept, 1, &edited, 4);
+
+        let mut fresh = draft();
+        assert_eq!(after, propose(&mut fresh, 9, &seq[..prompt.len() + 3], 5));
+        assert_eq!(other, propose(&mut fresh, 10, &prompt[..20], 3));
+        assert_eq!(later, propose(&mut fresh, 11, &seq, 4));
+        assert_eq!(after_edit, propose(&mut fresh, 12, &edited, 4));
+        // Ended sequences give their blocks back.
+        kept.finish(1);
+        kept.finish(2);
+        assert_eq!(kept.sequences(), 0);
+    }
+
+    #[test]
+    fn a_proposal_stops_at_the_context() {
+        let mut d = draft();
+        let prompt: Vec<u32> = (0..126).map(|i| (i * 3 + 1) % 400).collect();
+        assert_eq!(propose(&mut d, 1, &prompt, 8).len(), 2);
+        assert!(propose(&mut d, 1, &[prompt.clone(), vec![1, 2]].concat(), 8).is_empty());
+    }
+}
