@@ -15,16 +15,8 @@ use std::path::Path;
 
 use ember_engine::prompt_cache::CacheBudget;
 use ember_engine::sampler::SamplingParams;
-use ember_engine::{BatchEvent, Device, Engine, EngineOptions, FinishReason, GenerateParams};
-use replies::{Draws, Reply, Request, alone, bits, golden};
-
-/// The device under test: `EMBER_TEST_DEVICE` (cpu, cuda, cuda:N), the CPU by default; on
-/// CUDA with graphs unless `EMBER_TEST_CUDA_GRAPHS=0`.
-fn device() -> Device {
-    std::env::var("EMBER_TEST_DEVICE")
-        .map(|d| d.parse().expect("EMBER_TEST_DEVICE: cpu, cuda or cuda:N"))
-        .unwrap_or(Device::Cpu)
-}
+use ember_engine::{BatchEvent, Engine, EngineOptions, FinishReason, GenerateParams};
+use replies::{Draws, Reply, Request, alone, bits, golden, on_test_device};
 
 fn load(path: &Path, parallel: usize, chunk: usize, cache: CacheBudget) -> Engine {
     load_with(path, parallel, chunk, cache, None)
@@ -38,19 +30,15 @@ fn load_with(
     cache: CacheBudget,
     pool_tokens: Option<usize>,
 ) -> Engine {
-    let options = EngineOptions {
+    let options = on_test_device(EngineOptions {
         threads: Some(2),
-        device: device(),
-        // On CUDA only the batch-invariant kernels promise these bits.
-        batch_invariant: device() != Device::Cpu,
-        cuda_graphs: std::env::var("EMBER_TEST_CUDA_GRAPHS").map_or(true, |v| v != "0"),
         context: Some(256),
         parallel: Some(parallel),
         kv_pool_tokens: pool_tokens,
         prefill_chunk: Some(chunk),
         prompt_cache: cache,
         ..EngineOptions::default()
-    };
+    });
     Engine::load(path, &options).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 

@@ -4,6 +4,9 @@
 //! and each token's logits bit for bit, that the same request gets undrafted and alone —
 //! greedy and seeded sampling, draft depths 1 to 8, several requests at once, on every golden
 //! fixture and on the default GGUF model.
+//!
+//! `EMBER_TEST_DEVICE=cuda` runs the prompt-lookup and misleading-source tests on the GPU with
+//! `--batch-invariant` (a draft model runs beside a CPU model only).
 
 #[path = "common/replies.rs"]
 mod replies;
@@ -15,11 +18,11 @@ use ember_engine::draft::{DraftKind, DraftOptions, DraftSource, NgramDrafter};
 use ember_engine::sampler::SamplingParams;
 use ember_engine::scheduler::SeqId;
 use ember_engine::{BatchEvent, Engine, EngineOptions, FinishReason, GenerateParams};
-use replies::{Draws, Reply, Request, alone, bits, golden};
+use replies::{Draws, Reply, Request, alone, bits, golden, on_test_device};
 
 /// An engine of `parallel` sequences drafting by prompt lookup, up to 8 tokens a pass.
 fn load(path: &Path, parallel: usize) -> Engine {
-    let options = EngineOptions {
+    let options = on_test_device(EngineOptions {
         threads: Some(2),
         context: Some(256),
         parallel: Some(parallel),
@@ -30,7 +33,7 @@ fn load(path: &Path, parallel: usize) -> Engine {
             min: 1,
         },
         ..EngineOptions::default()
-    };
+    });
     Engine::load(path, &options).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
@@ -306,7 +309,7 @@ fn a_request_cancelled_while_drafting_leaves_the_others_and_the_pool_whole() {
 
 #[test]
 fn a_request_ending_on_its_first_token_leaves_its_whole_prompt_to_the_cache() {
-    let options = EngineOptions {
+    let options = on_test_device(EngineOptions {
         threads: Some(2),
         context: Some(256),
         parallel: Some(2),
@@ -318,7 +321,7 @@ fn a_request_ending_on_its_first_token_leaves_its_whole_prompt_to_the_cache() {
             min: 1,
         },
         ..EngineOptions::default()
-    };
+    });
     let mut engine = Engine::load(&golden("qwen3-f32"), &options).unwrap();
     let params = GenerateParams {
         max_tokens: 1,

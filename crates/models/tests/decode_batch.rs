@@ -323,6 +323,7 @@ fn decode_passes_over_many_sequences_give_each_row_its_bits_alone_on_cuda() {
                 CudaOptions {
                     graphs,
                     batch_invariant,
+                    draft_rows: 0,
                 },
             )
             .unwrap();

@@ -37,8 +37,8 @@ pub enum DraftKind {
     /// No drafting: one token a pass.
     #[default]
     None,
-    /// Prompt lookup on the CPU, none on CUDA (where verified rows are not yet known to be
-    /// the bits of decode steps): `ember serve`'s default.
+    /// Prompt lookup where a pass's rows are the bits of decode steps (the CPU, CUDA with
+    /// `--batch-invariant`), none elsewhere: `ember serve`'s default.
     Auto,
     /// Prompt lookup: the continuation of the latest earlier match of the sequence's last few
     /// tokens ([`NgramDrafter`]).
@@ -99,20 +99,21 @@ pub const DEFAULT_DRAFT_MAX: usize = 8;
 pub const DEFAULT_DRAFT_MIN: usize = 1;
 
 impl DraftOptions {
-    /// These options on a device: `Auto` made `Ngram` on the CPU and `None` on CUDA.
-    pub fn on(self, cuda: bool) -> DraftOptions {
-        let kind = match (self.kind, cuda) {
-            (DraftKind::Auto, false) => DraftKind::Ngram,
-            (DraftKind::Auto, true) => DraftKind::None,
+    /// These options where a pass's rows are (`rows_exact`) or are not the bits of decode
+    /// steps: `Auto` made `Ngram` or `None`.
+    pub fn on(self, rows_exact: bool) -> DraftOptions {
+        let kind = match (self.kind, rows_exact) {
+            (DraftKind::Auto, true) => DraftKind::Ngram,
+            (DraftKind::Auto, false) => DraftKind::None,
             (kind, _) => kind,
         };
         DraftOptions { kind, ..self }
     }
 
-    /// The source these options name that needs nothing loaded, if any (`Auto` as on the
-    /// CPU); a draft model is loaded with the engine.
+    /// The source these options name that needs nothing loaded, if any (`Auto` as where rows
+    /// are exact); a draft model is loaded with the engine.
     pub fn source(&self) -> Option<Box<dyn DraftSource>> {
-        match self.on(false).kind {
+        match self.on(true).kind {
             DraftKind::None | DraftKind::Auto | DraftKind::Model => None,
             DraftKind::Ngram => Some(Box::new(NgramDrafter::default())),
         }

@@ -120,13 +120,20 @@ impl Engine {
         }
         // A pass holds a row for each sequence in it.
         .clamp(1, max_batch);
-        let draft = draft_options(options, cuda.is_some())?;
+        // Verified rows must be the bits of decode steps: the CPU's always are, CUDA's with
+        // the batch-invariant kernels only.
+        let rows_exact = cuda.is_none() || options.batch_invariant;
+        let draft = draft_options(options, rows_exact)?;
         let drafting = draft.kind != DraftKind::None;
-        if drafting && cuda.is_some() {
-            // Verified rows must be the bits of decode steps, which CUDA's passes do not give
-            // yet (issue 22: not the default products, nor prompt attention when invariant).
+        if drafting && !rows_exact {
             return Err(Error::NotOnCuda(
-                "speculative decoding (--draft) runs on the CPU only",
+                "speculative decoding (--draft) on CUDA needs --batch-invariant, whose verified \
+                 rows are the bits of decode steps",
+            ));
+        }
+        if draft.kind == DraftKind::Model && cuda.is_some() {
+            return Err(Error::NotOnCuda(
+                "a draft model (--draft-model) runs beside a model on the CPU only for now",
             ));
         }
         if drafting {
@@ -228,6 +235,7 @@ impl Engine {
                         CudaOptions {
                             graphs: options.cuda_graphs,
                             batch_invariant: options.batch_invariant,
+                            draft_rows: if drafting { draft.max } else { 0 },
                         },
                     )?;
                     let model = Transformer::load(&backend, config, source, context)?;
@@ -301,9 +309,10 @@ impl Engine {
     }
 }
 
-/// The drafting the options ask for on this device: `--draft-model` makes `auto` a draft
-/// model's; `--draft model` needs one, and no other kind takes one.
-fn draft_options(options: &EngineOptions, cuda: bool) -> Result<DraftOptions> {
+/// The drafting the options ask for, where a pass's rows are (`rows_exact`) or are not the bits
+/// of decode steps: `--draft-model` makes `auto` a draft model's; `--draft model` needs one,
+/// and no other kind takes one.
+fn draft_options(options: &EngineOptions, rows_exact: bool) -> Result<DraftOptions> {
     let mut draft = options.draft;
     if options.draft_model.is_some() && draft.kind == DraftKind::Auto {
         draft.kind = DraftKind::Model;
@@ -312,7 +321,7 @@ fn draft_options(options: &EngineOptions, cuda: bool) -> Result<DraftOptions> {
         (DraftKind::Model, None) => Err(Error::DraftOptions(
             "--draft model needs --draft-model DIR|FILE.gguf".into(),
         )),
-        (DraftKind::Model, Some(_)) | (_, None) => Ok(draft.on(cuda)),
+        (DraftKind::Model, Some(_)) | (_, None) => Ok(draft.on(rows_exact)),
         (kind, Some(path)) => Err(Error::DraftOptions(format!(
             "--draft-model {} is for --draft model (or auto), not --draft {}",
             path.display(),

@@ -4,12 +4,30 @@
 use std::ops::ControlFlow;
 use std::path::PathBuf;
 
-use ember_engine::{Engine, GenerateParams};
+use ember_engine::{Device, Engine, EngineOptions, GenerateParams};
 
 pub fn golden(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures/golden")
         .join(name)
+}
+
+/// The device under test: `EMBER_TEST_DEVICE` (cpu, cuda, cuda:N), the CPU by default.
+pub fn device() -> Device {
+    std::env::var("EMBER_TEST_DEVICE")
+        .map(|d| d.parse().expect("EMBER_TEST_DEVICE: cpu, cuda or cuda:N"))
+        .unwrap_or(Device::Cpu)
+}
+
+/// `options` on the device under test. On CUDA with the batch-invariant kernels, the only ones
+/// that promise a row the same bits in any pass (and graphs unless `EMBER_TEST_CUDA_GRAPHS=0`).
+pub fn on_test_device(options: EngineOptions) -> EngineOptions {
+    EngineOptions {
+        device: device(),
+        batch_invariant: device() != Device::Cpu,
+        cuda_graphs: std::env::var("EMBER_TEST_CUDA_GRAPHS").map_or(true, |v| v != "0"),
+        ..options
+    }
 }
 
 pub struct Request {

@@ -59,6 +59,9 @@ pub struct CudaOptions {
     /// measured on a GPU): matrix-vector kernels for decode batches of up to 8 and cuBLASLt
     /// past them, whose rows' bits follow their batch past 8.
     pub batch_invariant: bool,
+    /// Drafted tokens a sequence's pass may verify (speculative decoding): a row of logits
+    /// for each, beside its own.
+    pub draft_rows: usize,
 }
 
 impl Default for CudaOptions {
@@ -66,6 +69,7 @@ impl Default for CudaOptions {
         CudaOptions {
             graphs: true,
             batch_invariant: false,
+            draft_rows: 0,
         }
     }
 }
@@ -136,7 +140,7 @@ impl CudaBackend {
     ) -> Result<Self> {
         let b = max_batch.max(1);
         let max_sequences = max_sequences.clamp(1, b);
-        let logit_rows = max_sequences;
+        let logit_rows = (max_sequences * (1 + options.draft_rows)).min(b);
         let f32s = |label: &str, n: usize| {
             owner.alloc_device(BufferKind::Activations, label, &device, n * 4)
         };
