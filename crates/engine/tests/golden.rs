@@ -42,6 +42,10 @@ const LOGPROB_TOLERANCE: f32 = 1e-3;
 /// large (errors up to 0.105 measured on the H200 against transformers' f32: llama-bf16,
 /// case 4, step 0). A wrong layout or a lost row shows as errors of whole units.
 const CUDA_GEMM_BF16_TOLERANCE: f32 = 0.15;
+/// The same with the batch-invariant kernel, which computes every 16-bit product, decode rows'
+/// too, on a bf16 copy of the activations, so a run's rounding builds up over its steps as
+/// well (H100: llama-bf16 case 0 step 5 off by 0.163, first steps by 0.01-0.02).
+const CUDA_INVARIANT_BF16_TOLERANCE: f32 = 0.25;
 /// The longest batch CUDA computes with matrix-vector kernels (f32 activations).
 const CUDA_MATVEC_BATCH: usize = 8;
 /// How far bf16 activations may move a mixture-of-experts router logit on the bf16-GEMM road.
@@ -91,13 +95,11 @@ fn batch_invariant() -> bool {
 }
 
 fn tolerance(name: &str, run: Run) -> f32 {
-    // The batch-invariant kernel computes every 16-bit product, decode rows too, on a bf16
-    // copy of the activations (H100: llama-bf16 0.16 off at a free-running step, 0.01-0.02
-    // at first steps): every run of a BF16 checkpoint is on the bf16 road then.
-    let bf16_road = batch_invariant()
-        || run.max_batch > CUDA_MATVEC_BATCH
-        || run.kv_dtype != Some(KvDtype::F32);
-    if device() != Device::Cpu && name.ends_with("bf16") && bf16_road {
+    let bf16_road = run.max_batch > CUDA_MATVEC_BATCH || run.kv_dtype != Some(KvDtype::F32);
+    let on_cuda_bf16 = device() != Device::Cpu && name.ends_with("bf16");
+    if on_cuda_bf16 && batch_invariant() {
+        CUDA_INVARIANT_BF16_TOLERANCE
+    } else if on_cuda_bf16 && bf16_road {
         CUDA_GEMM_BF16_TOLERANCE
     } else {
         LOGPROB_TOLERANCE

@@ -192,8 +192,8 @@ __device__ __forceinline__ LaneRope<E> lane_rope(const DecodeRope& r, int lane, 
 }
 
 // This lane's E values of a head, RMS-normalised by `norm` (when `has_norm`) and rotated by
-// `lr`, in place: rope.cu's arithmetic, with the sum of squares taken over the lanes' own
-// values. Needs the halves to start on a lane's first value (d / 2 a multiple of E, checked
+// `lr`, in place: rope.cu's arithmetic step for step (its sum of squares in this order, its
+// products contracted as here), so a prompt row rotated there has the bits of a decode row. Needs the halves to start on a lane's first value (d / 2 a multiple of E, checked
 // by the host); every lane of the warp takes part.
 template <int E>
 __device__ __forceinline__ void norm_rotate(float* x, const LaneRope<E>& lr, const float* norm,
@@ -215,8 +215,8 @@ __device__ __forceinline__ void norm_rotate(float* x, const LaneRope<E>& lr, con
         for (int j = 0; j < E; j += 2) {
             if (e0 + j >= d) break;
             const float x1 = x[j], x2 = x[j + 1];
-            x[j] = x1 * lr.cos[j] - x2 * lr.sin[j];
-            x[j + 1] = x2 * lr.cos[j] + x1 * lr.sin[j];
+            x[j] = fmaf(x1, lr.cos[j], -(x2 * lr.sin[j]));
+            x[j + 1] = fmaf(x2, lr.cos[j], x1 * lr.sin[j]);
         }
         return;
     }
@@ -229,7 +229,8 @@ __device__ __forceinline__ void norm_rotate(float* x, const LaneRope<E>& lr, con
     for (int j = 0; j < E; ++j) {
         const float other = __shfl_sync(FULL_MASK, x[j], partner & 31);
         if (e0 + j >= d) continue;
-        x[j] = low ? x[j] * lr.cos[j] - other * lr.sin[j] : x[j] * lr.cos[j] + other * lr.sin[j];
+        x[j] = low ? fmaf(x[j], lr.cos[j], -(other * lr.sin[j]))
+                   : fmaf(x[j], lr.cos[j], other * lr.sin[j]);
     }
 }
 

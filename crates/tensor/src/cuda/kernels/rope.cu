@@ -6,7 +6,8 @@
 // rotates 2i with 2i + 1 (GGUF llama).
 //
 // With a norm weight set, each head is first RMS-normalised and scaled by it (Qwen3's q/k
-// norm), so the head is read and written once. One warp per (row, head).
+// norm), so the head is read and written once. One warp per (row, head). The arithmetic is
+// the decode kernel's own rotation (`norm_rotate` in attention_decode.cu), step for step.
 
 #define ROPE_THREADS 128
 
@@ -35,8 +36,19 @@ extern "C" __global__ void __launch_bounds__(ROPE_THREADS)
     float* h = x + (size_t)item * d;
     float scale = 1.0f;
     if (norm_weight) {
+        // The sum of squares in the decode kernel's order (`norm_rotate` in
+        // attention_decode.cu: lane l sums its run of e values from l·e), so a position
+        // rotated here, as a prompt row, gets the bits it gets rotated there, decoded.
+        const int e = d <= 64 ? 2 : d <= 128 ? 4 : 8;  // `lane_width` in attention/mod.rs
         float ss = 0.0f;
-        for (int i = lane; i < d; i += 32) ss = fmaf(h[i], h[i], ss);
+        if (d <= 32 * e) {
+            for (int j = 0; j < e; ++j) {
+                const int i = lane * e + j;
+                if (i < d) ss = fmaf(h[i], h[i], ss);
+            }
+        } else {
+            for (int i = lane; i < d; i += 32) ss = fmaf(h[i], h[i], ss);
+        }
         scale = 1.0f / sqrtf(warp_sum(ss) / (float)d + eps);
     }
     const float* c = cos_table + (size_t)pos * half;
@@ -50,7 +62,9 @@ extern "C" __global__ void __launch_bounds__(ROPE_THREADS)
             x1 = norm_weight[a] * (x1 * scale);
             x2 = norm_weight[b] * (x2 * scale);
         }
-        h[a] = x1 * c[i] - x2 * s[i];
-        h[b] = x2 * c[i] + x1 * s[i];
+        // Contracted explicitly, as `norm_rotate` does: the same bits whatever the compiler
+        // would fuse.
+        h[a] = fmaf(x1, c[i], -(x2 * s[i]));
+        h[b] = fmaf(x2, c[i], x1 * s[i]);
     }
 }
