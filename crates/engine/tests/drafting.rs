@@ -5,8 +5,8 @@
 //! greedy and seeded sampling, draft depths 1 to 8, several requests at once, on every golden
 //! fixture and on the default GGUF model.
 //!
-//! `EMBER_TEST_DEVICE=cuda` runs the prompt-lookup and misleading-source tests on the GPU with
-//! `--batch-invariant` (a draft model runs beside a CPU model only).
+//! `EMBER_TEST_DEVICE=cuda` runs them on the GPU with `--batch-invariant`, draft models beside
+//! the target on the GPU (the default GGUF model's tests stay on the CPU).
 
 #[path = "common/replies.rs"]
 mod replies;
@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use ember_engine::draft::{DraftKind, DraftOptions, DraftSource, NgramDrafter};
 use ember_engine::sampler::SamplingParams;
 use ember_engine::scheduler::SeqId;
-use ember_engine::{BatchEvent, Engine, EngineOptions, FinishReason, GenerateParams};
+use ember_engine::{BatchEvent, Device, Engine, EngineOptions, FinishReason, GenerateParams};
 use replies::{Draws, Reply, Request, alone, bits, golden, on_test_device};
 
 /// An engine of `parallel` sequences drafting by prompt lookup, up to 8 tokens a pass.
@@ -348,9 +348,10 @@ fn a_request_ending_on_its_first_token_leaves_its_whole_prompt_to_the_cache() {
     assert_eq!(cached, vec![0, 32]);
 }
 
-/// An engine of two sequences drafting with the model at `draft`, up to 6 tokens a pass.
+/// An engine of two sequences drafting with the model at `draft`, up to 6 tokens a pass, on
+/// the device under test (the draft beside the target).
 fn load_with_draft_model(path: &Path, draft: &Path) -> Result<Engine, ember_engine::Error> {
-    let options = EngineOptions {
+    let options = on_test_device(EngineOptions {
         threads: Some(2),
         context: Some(256),
         parallel: Some(2),
@@ -362,7 +363,7 @@ fn load_with_draft_model(path: &Path, draft: &Path) -> Result<Engine, ember_engi
         },
         draft_model: Some(draft.to_path_buf()),
         ..EngineOptions::default()
-    };
+    });
     Engine::load(path, &options)
 }
 
@@ -408,7 +409,18 @@ fn a_target_drafting_for_itself_has_every_greedy_draft_accepted() {
     batched(&mut engine, &requests);
     let drafts = engine.step_timing().drafts;
     assert!(drafts.drafted > 0);
-    assert_eq!(drafts.accepted, drafts.drafted);
+    if replies::device() == Device::Cpu {
+        assert_eq!(drafts.accepted, drafts.drafted);
+    } else {
+        // On CUDA the draft takes the fastest products, the target the batch-invariant ones:
+        // the same model to within rounding, so a near tie may go the other way.
+        assert!(
+            drafts.accepted * 10 >= drafts.drafted * 9,
+            "{} of {} accepted",
+            drafts.accepted,
+            drafts.drafted
+        );
+    }
 }
 
 #[test]

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use ember_models::KvLayout;
 
-use crate::engine::{BatchEvent, DraftStats, Engine, GenerateParams, StepTiming};
+use crate::engine::{BatchEvent, Engine, GenerateParams, StepTiming};
 use crate::error::{Error, Result};
 use crate::sampler::SamplingParams;
 
@@ -186,17 +186,6 @@ fn run(
         prefill_s: (first - start).as_secs_f64(),
         decode_s: (end - first).as_secs_f64(),
         decode_tokens: total - at,
-        timing: StepTiming {
-            passes: now.passes - timing.passes,
-            preemptions: now.preemptions - timing.preemptions,
-            rows: now.rows - timing.rows,
-            schedule: now.schedule - timing.schedule,
-            pass: now.pass - timing.pass,
-            sample: now.sample - timing.sample,
-            drafts: DraftStats {
-                drafted: now.drafts.drafted - timing.drafts.drafted,
-                accepted: now.drafts.accepted - timing.drafts.accepted,
-            },
-        },
+        timing: now.since(&timing),
     })
 }

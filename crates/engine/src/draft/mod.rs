@@ -122,13 +122,23 @@ impl DraftOptions {
 
 /// One sequence's drafting depth, following how much of its drafts the target keeps: all of a
 /// draft accepted doubles the next one's length (to `max`), a rejection takes it to one past
-/// what was accepted (down to `min`), so drafts that keep missing cost little.
+/// what was accepted (down to `min`), so drafts that keep missing cost little. Drafts of which
+/// nothing stands, one after another, make the sequence sit out passes: 1, 3, 7, … up to
+/// [`MAX_REST`] after the first, second, third miss, until one is accepted again (a draft that
+/// never hits would otherwise widen every pass for nothing: a 0.6b draft for qwen3-8b on an
+/// H100, 0 of 133 accepted, made decode 0.76× as fast).
 #[derive(Clone, Copy, Debug)]
 pub struct Depth {
     now: usize,
     min: usize,
     max: usize,
+    /// Drafts in a row of which nothing stood, and passes still to sit out.
+    misses: u32,
+    rest: usize,
 }
+
+/// Most passes a sequence sits out after drafts that missed.
+pub const MAX_REST: usize = 63;
 
 impl Depth {
     pub fn new(options: &DraftOptions) -> Self {
@@ -136,7 +146,19 @@ impl Depth {
             now: options.max,
             min: options.min.max(1),
             max: options.max,
+            misses: 0,
+            rest: 0,
         }
+    }
+
+    /// Whether this pass may draft: false while the sequence sits out after misses (counting
+    /// the pass off).
+    pub fn take_turn(&mut self) -> bool {
+        if self.rest > 0 {
+            self.rest -= 1;
+            return false;
+        }
+        true
     }
 
     /// Tokens to ask the source for.
@@ -156,6 +178,13 @@ impl Depth {
         } else {
             (accepted + 1).clamp(self.min, self.max)
         };
+        if accepted > 0 {
+            self.misses = 0;
+            self.rest = 0;
+        } else {
+            self.misses += 1;
+            self.rest = ((1usize << self.misses.min(6)) - 1).min(MAX_REST);
+        }
     }
 }
 
@@ -181,5 +210,34 @@ mod tests {
         assert_eq!(depth.get(), 8, "never above the maximum");
         depth.update(8, 4);
         assert_eq!(depth.get(), 5);
+        assert!(depth.take_turn(), "drafts that hit never sit out");
+    }
+
+    #[test]
+    fn drafts_that_keep_missing_sit_out_ever_longer_until_one_hits() {
+        let options = DraftOptions {
+            kind: DraftKind::Model,
+            max: 8,
+            min: 1,
+        };
+        let mut depth = Depth::new(&options);
+        // Passes sat out after each of seven misses in a row.
+        let mut rests = Vec::new();
+        for _ in 0..7 {
+            assert!(depth.take_turn());
+            depth.update(depth.get(), 0);
+            let mut sat = 0;
+            while !depth.take_turn() {
+                sat += 1;
+            }
+            rests.push(sat);
+            // `take_turn` said yes: that pass drafts (the loop's next update).
+        }
+        assert_eq!(rests, [1, 3, 7, 15, 31, MAX_REST, MAX_REST]);
+        // One accepted token ends it.
+        depth.update(1, 1);
+        depth.update(2, 0);
+        assert!(!depth.take_turn());
+        assert!(depth.take_turn());
     }
 }

@@ -68,15 +68,12 @@ impl DraftModel {
     ) -> Result<()> {
         // The draft steps hold the sequence and all but the last drafted token.
         let max = max.min(self.runner.context().saturating_sub(tokens.len()));
-        let Some(&last) = tokens.last() else {
-            return Ok(());
-        };
-        if max == 0 {
+        if tokens.is_empty() || max == 0 {
             return Ok(());
         }
         let seq = self.seqs.entry(id).or_default();
-        // What the blocks hold of `tokens` stays, but for the last token: it is the input of
-        // the pass that makes the first draft.
+        // What the blocks hold of `tokens` stays, but for the last token: it is in the pass
+        // that makes the first draft.
         let keep = common_prefix(&seq.tokens, tokens).min(tokens.len() - 1);
         seq.tokens.truncate(keep);
         seq.table.truncate(keep);
@@ -90,23 +87,27 @@ impl DraftModel {
             };
             seq.table.push_block(block);
         }
-        let fresh = &tokens[keep..tokens.len() - 1];
-        for chunk in fresh.chunks(self.runner.max_batch()) {
-            self.runner.forward(&mut seq.table, chunk, Logits::None)?;
+        // What the blocks lack, the last token included: its last chunk's pass makes the
+        // first draft (one pass, not a catch-up and then a step).
+        let fresh = &tokens[keep..];
+        let chunks = fresh.len().div_ceil(self.runner.max_batch());
+        let mut pick = 0;
+        for (i, chunk) in fresh.chunks(self.runner.max_batch()).enumerate() {
+            if i + 1 < chunks {
+                self.runner.forward(&mut seq.table, chunk, Logits::None)?;
+            } else {
+                pick = self.runner.forward_greedy(&mut seq.table, chunk)?;
+            }
         }
         seq.tokens.extend_from_slice(fresh);
-        let mut input = last;
-        loop {
-            let pick = self.runner.forward_greedy(&mut seq.table, &[input])?;
-            seq.tokens.push(input);
-            if pick as usize >= self.target_vocab {
-                break;
-            }
+        while (pick as usize) < self.target_vocab {
             out.push(pick);
             if out.len() == max {
                 break;
             }
-            input = pick;
+            let input = pick;
+            pick = self.runner.forward_greedy(&mut seq.table, &[input])?;
+            seq.tokens.push(input);
         }
         Ok(())
     }

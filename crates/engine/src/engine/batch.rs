@@ -99,10 +99,31 @@ pub struct StepTiming {
     /// Scheduling; the forward passes, until their picks or logits are on the host; and
     /// sampling on the host with the events it sends.
     pub schedule: Duration,
+    /// Of `schedule`, proposing drafts (a draft model's own passes).
+    pub propose: Duration,
     pub pass: Duration,
     pub sample: Duration,
     /// Drafted tokens verified, and those accepted.
     pub drafts: DraftStats,
+}
+
+impl StepTiming {
+    /// What went on since `before` (an earlier reading of the same engine).
+    pub fn since(&self, before: &StepTiming) -> StepTiming {
+        StepTiming {
+            passes: self.passes - before.passes,
+            preemptions: self.preemptions - before.preemptions,
+            rows: self.rows - before.rows,
+            schedule: self.schedule - before.schedule,
+            propose: self.propose - before.propose,
+            pass: self.pass - before.pass,
+            sample: self.sample - before.sample,
+            drafts: DraftStats {
+                drafted: self.drafts.drafted - before.drafts.drafted,
+                accepted: self.drafts.accepted - before.drafts.accepted,
+            },
+        }
+    }
 }
 
 impl Batch {
@@ -301,7 +322,9 @@ impl Engine {
             batch.scheduler.schedule(&mut pool)
         };
         let mut plan = plan;
+        let drafting = Instant::now();
         self.add_drafts(&mut plan.runs);
+        self.batch.timing.propose += drafting.elapsed();
         self.run_transfers()?;
         self.batch.timing.schedule += started.elapsed();
         self.batch.timing.preemptions += plan.preempted.len();
@@ -563,7 +586,7 @@ impl Engine {
             // What the request may make after this pass's own token.
             let left = a.limit - (a.tokens.len() - a.prompt_len) - 1;
             let want = a.depth.get().min(left).min(token_room).min(logit_room);
-            if want < a.depth.min() {
+            if want < a.depth.min() || !a.depth.take_turn() {
                 continue;
             }
             drafter.propose(run.id, &a.tokens, want, &mut batch.proposal);

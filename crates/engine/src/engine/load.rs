@@ -17,7 +17,7 @@ use ember_tensor::cuda::{self, CudaDevice, CudaResidency};
 use ember_tensor::{BufferKind, BufferOwner, DType, ThreadPool};
 use serde_json::Value;
 
-use super::load_draft::{DraftTarget, load_draft_model};
+use super::load_draft::{DraftDevice, DraftTarget, load_draft_model};
 use super::{
     DEFAULT_CONTEXT, DEFAULT_PARALLEL_CPU, DEFAULT_PARALLEL_CUDA, DEFAULT_PREFILL_CHUNK_CPU,
     DEFAULT_PREFILL_CHUNK_CUDA, Device, Engine, EngineOptions, KEEPALIVE_SCRATCH_BYTES,
@@ -131,11 +131,6 @@ impl Engine {
                  rows are the bits of decode steps",
             ));
         }
-        if draft.kind == DraftKind::Model && cuda.is_some() {
-            return Err(Error::NotOnCuda(
-                "a draft model (--draft-model) runs beside a model on the CPU only for now",
-            ));
-        }
         if drafting {
             tracing::info!(
                 "drafting (speculative decoding): {:?}, {} to {} tokens a pass",
@@ -183,7 +178,7 @@ impl Engine {
                         let target = DraftTarget {
                             tokenizer: &tokenizer,
                             config: &model.config,
-                            pool,
+                            device: DraftDevice::Cpu(pool),
                             context,
                             parallel,
                             max_batch,
@@ -239,6 +234,22 @@ impl Engine {
                         },
                     )?;
                     let model = Transformer::load(&backend, config, source, context)?;
+                    // Before the pool's plan, which sizes the cache from the device memory
+                    // left.
+                    if let (DraftKind::Model, Some(path)) = (draft.kind, &options.draft_model) {
+                        let target = DraftTarget {
+                            tokenizer: &tokenizer,
+                            config: &model.config,
+                            device: DraftDevice::Cuda {
+                                device: device.clone(),
+                                graphs: options.cuda_graphs,
+                            },
+                            context,
+                            parallel,
+                            max_batch,
+                        };
+                        drafter = Some(Box::new(load_draft_model(path, target, &owner)?));
+                    }
                     let plan = PoolPlan::new(
                         options,
                         &model.config,
@@ -524,7 +535,7 @@ impl PoolPlan {
 /// first step records the decode graph: H200, the first 2048-token prompt of qwen3-8b after
 /// load took 223 ms against 59 ms for the next, and a 512-token prompt after a warm-up of
 /// 2048 alone still paid 14 ms more on qwen3-0.6b. Paid at load, not by the first request.
-fn warm_up(runner: &mut dyn Runner) -> Result<()> {
+pub(super) fn warm_up(runner: &mut dyn Runner) -> Result<()> {
     let started = std::time::Instant::now();
     let capacity = runner.context();
     // At load no block is anyone's: the first ones serve, and are forgotten with the table.

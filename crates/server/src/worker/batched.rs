@@ -136,7 +136,7 @@ pub(super) fn run(
 }
 
 /// The batched loop's figures after a step: its sequences, its preemptions, and the tokens of
-/// its pass (none when it ran none).
+/// its pass (none when it ran none); at trace level, where the step's time went.
 fn record_step(metrics: &Metrics, engine: &Engine, before: StepTiming) {
     let after = engine.step_timing();
     let (running, waiting) = engine.sequences();
@@ -146,13 +146,20 @@ fn record_step(metrics: &Metrics, engine: &Engine, before: StepTiming) {
     metrics
         .sequences_waiting
         .store(waiting as i64, Ordering::Relaxed);
-    metrics.preemptions.fetch_add(
-        (after.preemptions - before.preemptions) as u64,
-        Ordering::Relaxed,
-    );
-    if after.passes > before.passes {
-        metrics
-            .batch_tokens
-            .observe((after.rows - before.rows) as f64);
+    let step = after.since(&before);
+    metrics
+        .preemptions
+        .fetch_add(step.preemptions as u64, Ordering::Relaxed);
+    if step.passes > 0 {
+        metrics.batch_tokens.observe(step.rows as f64);
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        tracing::trace!(
+            "step of {} rows: schedule {:.2} ms (drafts {:.2} ms), pass {:.2} ms, sample {:.2} ms",
+            step.rows,
+            ms(step.schedule),
+            ms(step.propose),
+            ms(step.pass),
+            ms(step.sample),
+        );
     }
 }
