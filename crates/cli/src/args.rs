@@ -122,6 +122,8 @@ pub struct RunArgs {
     /// Disable thinking in templates that support it (passes enable_thinking=false).
     #[arg(long)]
     pub no_think: bool,
+    #[command(flatten)]
+    pub draft: DraftArgs,
 }
 
 #[derive(Args, Debug)]
@@ -227,18 +229,26 @@ pub struct ServeArgs {
     /// GPU, at most half of what the residency bound leaves; none on the CPU].
     #[arg(long, default_value = "auto", env = "EMBER_PROMPT_CACHE_HOST_GIB")]
     pub prompt_cache_host_gib: ember_engine::prompt_cache::CacheBudget,
+    #[command(flatten)]
+    pub draft: DraftArgs,
+}
+
+/// Speculative decoding's flags (`ember serve`, `ember run`).
+#[derive(Args, Debug)]
+pub struct DraftArgs {
     /// Speculative decoding: where drafted tokens come from, verified in the pass that makes
     /// the next one, the output the same bits either way (a request opts out with `"draft":
     /// false`). ngram: the continuation of the reply's last few tokens where they appeared
     /// before in the prompt or reply (prompt lookup); model: a draft model's greedy picks
-    /// (--draft-model); none: one token a pass; auto: model with --draft-model, else ngram on
-    /// the CPU and none on CUDA. The CPU only for now.
-    #[arg(long, default_value = "auto", env = "EMBER_DRAFT")]
-    pub draft: ember_engine::draft::DraftKind,
+    /// (--draft-model); none: one token a pass; auto: model with --draft-model, else ngram
+    /// where a pass's rows are the bits of decode steps (the CPU, and CUDA with
+    /// --batch-invariant, which drafting on CUDA needs), else none.
+    #[arg(long = "draft", default_value = "auto", env = "EMBER_DRAFT")]
+    pub kind: ember_engine::draft::DraftKind,
     /// The draft model for --draft model (or auto): a smaller model of the same vocabulary (a
-    /// Hugging Face directory or a GGUF file), run beside the model on the same threads, its
-    /// weights and KV cache (a whole context for each of --parallel sequences) held with the
-    /// model's.
+    /// Hugging Face directory or a GGUF file), run beside the model on its device (on the CPU
+    /// on the same threads), its weights and KV cache (a whole context for each of --parallel
+    /// sequences) held with the model's.
     #[arg(long, env = "EMBER_DRAFT_MODEL")]
     pub draft_model: Option<std::path::PathBuf>,
     /// Most tokens drafted for one pass; a sequence's depth follows how many the model keeps.
@@ -249,6 +259,24 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = ember_engine::draft::DEFAULT_DRAFT_MIN,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
     pub draft_min: usize,
+}
+
+impl DraftArgs {
+    /// The engine's drafting options; `--draft-min` past `--draft-max` is refused.
+    pub fn options(&self) -> anyhow::Result<ember_engine::draft::DraftOptions> {
+        if self.draft_min > self.draft_max {
+            anyhow::bail!(
+                "--draft-min {} is more than --draft-max {}",
+                self.draft_min,
+                self.draft_max
+            );
+        }
+        Ok(ember_engine::draft::DraftOptions {
+            kind: self.kind,
+            max: self.draft_max,
+            min: self.draft_min,
+        })
+    }
 }
 
 #[derive(Subcommand, Debug)]

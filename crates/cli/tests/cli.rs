@@ -108,6 +108,56 @@ fn same_seed_gives_the_same_sampled_text() {
     );
 }
 
+/// `ember run` drafts as `serve` does (`--draft`, `--draft-model`), the text the same as
+/// undrafted; the summary line counts the drafts kept.
+#[test]
+fn run_drafts_with_the_same_text() {
+    let dir = fixture("qwen3-f32");
+    let model = dir.to_str().unwrap();
+    let run = |draft: &[&str]| {
+        let args = [
+            "run",
+            "-m",
+            model,
+            "-p",
+            "one two three one two three one two",
+        ];
+        let rest = ["-n", "24", "--ignore-eos", "--threads", "2"];
+        let out = ember(&[&args[..], &rest[..], draft].concat());
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{stderr}");
+        (out.stdout, stderr)
+    };
+    let (plain, plain_err) = run(&["--draft", "none"]);
+    assert!(!plain_err.contains("drafts:"), "{plain_err}");
+    let (ngram, _) = run(&["--draft", "ngram"]);
+    assert_eq!(ngram, plain);
+    // The model drafting for itself: every draft kept.
+    let (drafted, stderr) = run(&["--draft-model", model]);
+    assert_eq!(drafted, plain);
+    let kept = stderr
+        .split("drafts: ")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no drafts counted: {stderr}"));
+    let words: Vec<&str> = kept.split_whitespace().collect();
+    assert_eq!(words[0], words[2], "all kept: {stderr}");
+    let bad = ember(&[
+        "run",
+        "-m",
+        model,
+        "-p",
+        "hi",
+        "--draft-min",
+        "5",
+        "--draft-max",
+        "2",
+    ]);
+    assert!(!bad.status.success());
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("--draft-min 5 is more than --draft-max 2")
+    );
+}
+
 #[test]
 fn chat_renders_the_template() {
     let dir = fixture("qwen3-f32");
@@ -177,6 +227,8 @@ fn help_lists_every_command_and_flag() {
         "--ignore-eos",
         "--threads",
         "--context",
+        "--draft",
+        "--draft-model",
     ] {
         assert!(run.contains(flag), "ember run --help lacks {flag}");
     }

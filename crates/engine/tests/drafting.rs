@@ -12,6 +12,7 @@
 mod replies;
 
 use std::collections::HashMap;
+use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
 use ember_engine::draft::{DraftKind, DraftOptions, DraftSource, NgramDrafter};
@@ -241,6 +242,57 @@ fn drafted_equals_undrafted_on_the_default_gguf_model() {
         return;
     }
     check(&path, file);
+}
+
+/// `Engine::generate` on an engine that drafts (`ember run`) takes the batched loop for a
+/// request that may draft: the same tokens and logits as undrafted, drafts verified, and a
+/// caller that stops early gets what it saw, the engine free for the next request.
+#[test]
+fn generate_on_a_drafting_engine_drafts_with_the_same_output() {
+    let mut engine = load(&golden("qwen3-f32"), 1);
+    engine.set_draft_source(Box::new(NgramDrafter { min_n: 1, max_n: 4 }), 8, 1);
+    let requests = requests(engine.config().vocab_size);
+    let mut drafted = 0;
+    for (id, r) in requests.iter().enumerate() {
+        let want = alone(&mut engine, r);
+        let mut logits = Vec::new();
+        let before = engine.step_timing();
+        let generation = engine
+            .generate(&r.prompt, &r.params, |step| {
+                logits.push(bits(step.logits.expect("step logits asked for")));
+                ControlFlow::Continue(())
+            })
+            .unwrap();
+        assert_eq!(generation.tokens, want.0, "request {id}'s tokens");
+        assert!(logits == want.1, "request {id}'s logits");
+        let drafts = engine.step_timing().since(&before).drafts;
+        assert_eq!(
+            (generation.drafted_tokens, generation.accepted_tokens),
+            (drafts.drafted, drafts.accepted)
+        );
+        if !r.params.draft {
+            assert_eq!(drafts.drafted, 0, "request {id} opted out");
+        }
+        drafted += drafts.drafted;
+    }
+    assert!(drafted > 0, "nothing drafted");
+    // Stopped after three tokens, whatever a pass made past them.
+    let r = &requests[0];
+    let want = alone(&mut engine, r);
+    let mut seen = 0;
+    let generation = engine
+        .generate(&r.prompt, &r.params, |_| {
+            seen += 1;
+            match seen {
+                3 => ControlFlow::Break(()),
+                _ => ControlFlow::Continue(()),
+            }
+        })
+        .unwrap();
+    assert_eq!(generation.tokens, want.0[..3]);
+    assert_eq!(generation.finish_reason, FinishReason::Stop);
+    assert_eq!(engine.pending_requests(), 0);
+    assert_eq!(alone(&mut engine, r), want);
 }
 
 #[test]

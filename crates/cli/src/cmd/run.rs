@@ -26,7 +26,12 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     };
     // Bad flags fail before seconds are spent loading a model.
     sampling.validate()?;
-    let mut engine = super::load_engine(&args.model)?;
+    let options = ember_engine::EngineOptions {
+        draft: args.draft.options()?,
+        draft_model: args.draft.draft_model.clone(),
+        ..super::engine_options(&args.model)
+    };
+    let mut engine = super::load_engine_with(&args.model, &options)?;
     let prompt = if args.chat {
         let mut kwargs = serde_json::Map::new();
         if args.no_think {
@@ -83,8 +88,12 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let prefill_s = generation.prefill_time.as_secs_f64();
     let decode_s = generation.decode_time.as_secs_f64();
     let decoded = generation.tokens.len().saturating_sub(1);
+    let drafts = match generation.drafted_tokens {
+        0 => String::new(),
+        n => format!(" | drafts: {} of {n} kept", generation.accepted_tokens),
+    };
     eprintln!(
-        "prompt: {} tokens in {:.3} s ({:.1} tok/s) | generated: {} tokens, {:.2} tok/s | finish: {}",
+        "prompt: {} tokens in {:.3} s ({:.1} tok/s) | generated: {} tokens, {:.2} tok/s | finish: {}{drafts}",
         generation.prompt_tokens,
         prefill_s,
         generation.prompt_tokens as f64 / prefill_s.max(1e-9),

@@ -16,13 +16,6 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     if !(args.keep_warm.is_finite() && args.keep_warm >= 0.0) {
         bail!("--keep-warm must be a number of seconds >= 0");
     }
-    if args.draft_min > args.draft_max {
-        bail!(
-            "--draft-min {} is more than --draft-max {}",
-            args.draft_min,
-            args.draft_max
-        );
-    }
     let options = ServerOptions {
         host: args.host,
         port: args.port,
@@ -32,12 +25,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
             kv_pool_tokens: args.kv_pool_tokens,
             prompt_cache: args.prompt_cache_gib,
             prompt_cache_host: args.prompt_cache_host_gib,
-            draft: ember_engine::draft::DraftOptions {
-                kind: args.draft,
-                max: args.draft_max,
-                min: args.draft_min,
-            },
-            draft_model: args.draft_model,
+            draft: args.draft.options()?,
+            draft_model: args.draft.draft_model,
             ..super::engine_options(&args.model)
         },
         api_keys_file: args.api_keys_file,

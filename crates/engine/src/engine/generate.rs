@@ -6,12 +6,13 @@ use std::time::{Duration, Instant};
 
 use ember_models::{Logits, PassInput};
 
-use super::Engine;
 use super::picker::Picker;
+use super::{BatchEvent, Engine};
 use crate::constraint::Constraint;
 use crate::error::{Error, Result};
 use crate::kv::Transfer;
 use crate::sampler::SamplingParams;
+use crate::scheduler::SeqId;
 
 /// One generation request.
 #[derive(Clone, Copy, Debug)]
@@ -251,6 +252,11 @@ impl Engine {
                 context: self.context(),
             });
         }
+        // Drafts are verified in the batched loop only: there, alone, the request drafts and
+        // gets the same tokens.
+        if params.draft && constraint.is_none() && self.drafts() && self.pending_requests() == 0 {
+            return self.generate_drafted(prompt, params, stop, on_step);
+        }
         self.reset();
         let cache = params.cache_prompt && self.cache_enabled;
         let mut seq = self.blocks.start(prompt, cache, &mut self.transfers)?;
@@ -348,6 +354,90 @@ impl Engine {
             decode_time: first.elapsed(),
             drafted_tokens: 0,
             accepted_tokens: 0,
+        })
+    }
+
+    /// [`Self::generate_until`] through the batched loop, the request alone in it, so that it
+    /// drafts (`ember run` on an engine loaded to draft).
+    fn generate_drafted(
+        &mut self,
+        prompt: &[u32],
+        params: &GenerateParams,
+        stop: &dyn Fn() -> bool,
+        mut on_step: impl FnMut(Step<'_>) -> ControlFlow<()>,
+    ) -> Result<Generation> {
+        // No other request is pending: any id is free.
+        const ID: SeqId = 0;
+        if params.max_tokens == 0 {
+            // What the serial road gives: nothing generated, nothing to stop.
+            return Ok(Generation {
+                tokens: Vec::new(),
+                finish_reason: FinishReason::Length,
+                prompt_tokens: prompt.len(),
+                cached_tokens: 0,
+                prefill_time: Duration::ZERO,
+                decode_time: Duration::ZERO,
+                drafted_tokens: 0,
+                accepted_tokens: 0,
+            });
+        }
+        let (start, before) = (Instant::now(), self.step_timing());
+        self.submit(ID, prompt, *params, None)?;
+        let mut made = Vec::new();
+        let (mut cached, mut first_token_at) = (0, None);
+        let (mut ended, mut failed, mut stopped) = (None, None, false);
+        while ended.is_none() && failed.is_none() && !stopped {
+            if made.is_empty() && stop() {
+                self.cancel(ID);
+                return Err(Error::Cancelled);
+            }
+            let stepped = self.step_batch(&mut |_, event| match event {
+                BatchEvent::Prompt { cached_tokens } => cached = cached_tokens,
+                // Tokens of the same pass after the caller stopped are not its.
+                BatchEvent::Token { .. } if stopped => {}
+                BatchEvent::Token {
+                    token,
+                    logits,
+                    is_eos,
+                } => {
+                    first_token_at.get_or_insert_with(Instant::now);
+                    made.push(token);
+                    let step = Step {
+                        token,
+                        logits,
+                        is_eos,
+                        cached_tokens: cached,
+                    };
+                    stopped = on_step(step).is_break();
+                }
+                BatchEvent::Finished(generation) => ended = Some(generation),
+                BatchEvent::Failed(e) => failed = Some(e),
+            });
+            // A failed pass fails its requests with it (their events).
+            if let (Err(e), None) = (stepped, &failed) {
+                failed = Some(e);
+            }
+        }
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        if let Some(generation) = ended {
+            return Ok(generation);
+        }
+        // The caller stopped it: it ends here, as the serial road ends.
+        self.cancel(ID);
+        let first = first_token_at.unwrap_or_else(Instant::now);
+        // It ran alone: the loop's drafts since it came are its own.
+        let drafts = self.step_timing().since(&before).drafts;
+        Ok(Generation {
+            tokens: made,
+            finish_reason: FinishReason::Stop,
+            prompt_tokens: prompt.len(),
+            cached_tokens: cached,
+            prefill_time: first - start,
+            decode_time: first.elapsed(),
+            drafted_tokens: drafts.drafted,
+            accepted_tokens: drafts.accepted,
         })
     }
 

@@ -55,12 +55,16 @@ pub fn bits(logits: &[f32]) -> Vec<u32> {
     logits.iter().map(|x| x.to_bits()).collect()
 }
 
-/// The request alone on the one-sequence road (which neither batches nor drafts); it must ask
-/// for step logits.
+/// The request alone on the one-sequence road, undrafted (an engine that drafts takes the
+/// batched loop for a drafted request); it must ask for step logits.
 pub fn alone(engine: &mut Engine, r: &Request) -> Reply {
     let mut logits = Vec::new();
+    let params = GenerateParams {
+        draft: false,
+        ..r.params
+    };
     let generation = engine
-        .generate(&r.prompt, &r.params, |step| {
+        .generate(&r.prompt, &params, |step| {
             logits.push(bits(step.logits.expect("step logits asked for")));
             ControlFlow::Continue(())
         })
