@@ -149,26 +149,14 @@ impl Engine {
             match cuda {
                 None => {
                     let pool = Arc::new(ThreadPool::new(threads));
-                    // An f16 cache is the GGUF path, checked against llama.cpp: imitate its
-                    // arithmetic there; elsewhere transformers' (the golden fixtures, and its bf16
-                    // cache for bf16 checkpoints).
-                    let arithmetic = match kv_dtype {
-                        KvDtype::F16 => Arithmetic::LlamaCpp,
-                        KvDtype::F32 | KvDtype::Bf16 => Arithmetic::Transformers,
-                    };
-                    let mut backend = CpuBackend::new(
+                    let (backend, owned) = cpu_backend(
                         &config,
                         Arc::clone(&pool),
                         &owner,
-                        max_batch,
-                        context,
-                        logit_rows,
-                        arithmetic,
+                        [max_batch, context, logit_rows],
+                        kv_dtype,
+                        &weights,
                     )?;
-                    let owned = owns_weights(&weights);
-                    if owned {
-                        backend = backend.owning_weights();
-                    }
                     let model = Transformer::load(&backend, config, source, context)?;
                     if !backend.quantized_types().is_empty() {
                         tracing::info!("cpu kernels, by timing: {}", cpu::quant_kernel_report());
@@ -535,6 +523,32 @@ impl PoolPlan {
 /// first step records the decode graph: H200, the first 2048-token prompt of qwen3-8b after
 /// load took 223 ms against 59 ms for the next, and a 512-token prompt after a warm-up of
 /// 2048 alone still paid 14 ms more on qwen3-0.6b. Paid at load, not by the first request.
+/// A CPU backend for `config` over `[max_batch, context, logit_rows]`, and whether it copies
+/// the weights out of `weights` into its own buffers (the files' mapping then goes).
+pub(super) fn cpu_backend(
+    config: &ModelConfig,
+    pool: Arc<ThreadPool>,
+    owner: &BufferOwner,
+    [max_batch, context, logit_rows]: [usize; 3],
+    kv_dtype: KvDtype,
+    weights: &WeightFiles,
+) -> Result<(CpuBackend, bool)> {
+    // An f16 cache is the GGUF path, checked against llama.cpp: imitate its arithmetic there;
+    // elsewhere transformers' (the golden fixtures, and its bf16 cache for bf16 checkpoints).
+    let arithmetic = match kv_dtype {
+        KvDtype::F16 => Arithmetic::LlamaCpp,
+        KvDtype::F32 | KvDtype::Bf16 => Arithmetic::Transformers,
+    };
+    let backend = CpuBackend::new(
+        config, pool, owner, max_batch, context, logit_rows, arithmetic,
+    )?;
+    let owned = owns_weights(weights);
+    Ok(match owned {
+        true => (backend.owning_weights(), true),
+        false => (backend, false),
+    })
+}
+
 pub(super) fn warm_up(runner: &mut dyn Runner) -> Result<()> {
     let started = std::time::Instant::now();
     let capacity = runner.context();

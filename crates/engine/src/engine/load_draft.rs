@@ -8,13 +8,12 @@ use std::sync::Arc;
 
 use ember_checkpoint::{GgufFile, SafetensorsSet};
 use ember_models::{
-    Arithmetic, CpuBackend, CudaBackend, CudaKvPool, CudaOptions, KV_BLOCK_SIZE, KvDtype, KvLayout,
-    KvPool, ModelConfig, Transformer,
+    CudaBackend, CudaKvPool, CudaOptions, KV_BLOCK_SIZE, KvLayout, KvPool, ModelConfig, Transformer,
 };
 use ember_tensor::cuda::CudaDevice;
 use ember_tensor::{BufferOwner, ThreadPool};
 
-use super::load::{WeightFiles, default_kv_dtype, gguf_path, owns_weights, warm_up};
+use super::load::{WeightFiles, cpu_backend, default_kv_dtype, gguf_path, warm_up};
 use crate::draft::DraftModel;
 use crate::error::{Error, Result};
 use crate::gguf_tokenizer::tokenizer_from_gguf;
@@ -73,23 +72,14 @@ pub(super) fn load_draft_model(
     // logits: the greedy pick.
     let (runner, files): (Box<dyn Runner>, Option<Box<dyn Send>>) = match target.device {
         DraftDevice::Cpu(pool) => {
-            let arithmetic = match kv_dtype {
-                KvDtype::F16 => Arithmetic::LlamaCpp,
-                KvDtype::F32 | KvDtype::Bf16 => Arithmetic::Transformers,
-            };
-            let mut backend = CpuBackend::new(
+            let (backend, owned) = cpu_backend(
                 &config,
                 pool,
                 owner,
-                target.max_batch,
-                context,
-                1,
-                arithmetic,
+                [target.max_batch, context, 1],
+                kv_dtype,
+                &weights,
             )?;
-            let owned = owns_weights(&weights);
-            if owned {
-                backend = backend.owning_weights();
-            }
             let model = Transformer::load(&backend, config, weights.source(), context)?;
             let kv = KvPool::new(layout, blocks, 0, owner)?;
             let runner = ModelRunner {
