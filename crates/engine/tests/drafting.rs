@@ -3,10 +3,10 @@
 //! drafts are accepted, rejected at every place and cut by the request's end) gives the tokens,
 //! and each token's logits bit for bit, that the same request gets undrafted and alone —
 //! greedy and seeded sampling, draft depths 1 to 8, several requests at once, on every golden
-//! fixture and on the default GGUF model.
+//! fixture and on the real GGUF models (SmolLM2, and Qwen2.5-Coder-1.5B where fetched).
 //!
 //! `EMBER_TEST_DEVICE=cuda` runs them on the GPU with `--batch-invariant`, draft models beside
-//! the target on the GPU (the default GGUF model's tests stay on the CPU).
+//! the target on the GPU (gpu-invariance skips the GGUF models' test).
 
 #[path = "common/replies.rs"]
 mod replies;
@@ -227,21 +227,29 @@ fn drafted_equals_undrafted_on_every_golden_fixture() {
     }
 }
 
+/// Both real GGUF models: the default one (CI fetches it) and Qwen2.5-Coder-1.5B where
+/// `scripts/fetch-model qwen2.5-coder-1.5b` put it.
 #[test]
-fn drafted_equals_undrafted_on_the_default_gguf_model() {
-    let file = "SmolLM2-135M-Instruct.Q4_1.gguf";
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../models")
-        .join(file);
-    if !path.is_file() {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "{file} is missing: CI must run scripts/fetch-model smollm2"
-        );
-        eprintln!("SKIPPED: {file} is not in models/ (scripts/fetch-model smollm2)");
-        return;
+fn drafted_equals_undrafted_on_the_real_gguf_models() {
+    let mut ran = 0;
+    for file in [
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
+    ] {
+        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../models")
+            .join(file);
+        if path.is_file() {
+            check(&path, file);
+            ran += 1;
+        } else {
+            eprintln!("SKIPPED: {file} is not in models/ (scripts/fetch-model)");
+        }
     }
-    check(&path, file);
+    assert!(
+        ran > 0 || std::env::var_os("CI").is_none(),
+        "CI must run scripts/fetch-model smollm2"
+    );
 }
 
 /// `Engine::generate` on an engine that drafts (`ember run`) takes the batched loop for a

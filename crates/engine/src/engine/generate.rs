@@ -421,10 +421,11 @@ impl Engine {
         if let Some(e) = failed {
             return Err(e);
         }
-        if let Some(generation) = ended {
+        if let (Some(generation), false) = (ended, stopped) {
             return Ok(generation);
         }
-        // The caller stopped it: it ends here, as the serial road ends.
+        // The caller stopped it: it ends at the token that stopped it, as on the serial road
+        // (and if the same pass ended it, with tokens past that one, it is already gone).
         self.cancel(ID);
         let first = first_token_at.unwrap_or_else(Instant::now);
         // It ran alone: the loop's drafts since it came are its own.
