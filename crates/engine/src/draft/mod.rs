@@ -126,7 +126,7 @@ impl DraftOptions {
 /// nothing stands, one after another, make the sequence sit out passes: 1, 3, 7, … up to
 /// [`MAX_REST`] after the first, second, third miss, until one is accepted again (a draft that
 /// never hits would otherwise widen every pass for nothing: a 0.6b draft for qwen3-8b on an
-/// H100, 0 of 133 accepted, made decode 0.76× as fast).
+/// H100, 0 of 133 accepted, made decode 0.63× as fast; sitting out, 0.95×).
 #[derive(Clone, Copy, Debug)]
 pub struct Depth {
     now: usize,

@@ -543,10 +543,12 @@ pub(super) fn cpu_backend(
         config, pool, owner, max_batch, context, logit_rows, arithmetic,
     )?;
     let owned = owns_weights(weights);
-    Ok(match owned {
-        true => (backend.owning_weights(), true),
-        false => (backend, false),
-    })
+    let backend = if owned {
+        backend.owning_weights()
+    } else {
+        backend
+    };
+    Ok((backend, owned))
 }
 
 pub(super) fn warm_up(runner: &mut dyn Runner) -> Result<()> {
