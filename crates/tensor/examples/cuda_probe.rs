@@ -14,7 +14,7 @@ use std::process::ExitCode;
 use ember_tensor::cpu::AttentionShape;
 use ember_tensor::cuda::{
     self, CudaDevice, CudaError, DevMat, DeviceBuffer, DeviceElem, Epilogue, Float, Gemm,
-    MatvecNorm, MatvecOutput, matvec_bytes,
+    MatvecNorm, MatvecOutput, SlicedGemm, SlicedTile, matvec_bytes,
 };
 use ember_tensor::{BufferKind, BufferOwner};
 use half::{bf16, f16};
@@ -249,6 +249,41 @@ impl Probe {
         Ok(results)
     }
 
+    /// Microseconds a product `[m, k] · W[n, k]ᵀ` of bf16 takes (into f32), each run over
+    /// enough copies of W to pass [`SWEEP_BYTES`] so L2 cannot serve them: by `product`.
+    fn product_us(
+        &mut self,
+        m: usize,
+        n: usize,
+        k: usize,
+        mut product: impl FnMut(
+            cuda::DevSlice<'_, bf16>,
+            &DevMat<'_>,
+            &mut cuda::DevSliceMut<'_, f32>,
+        ) -> Result<(), CudaError>,
+    ) -> Result<f64, CudaError> {
+        let bytes = n * k * 2;
+        let copies = SWEEP_BYTES.div_ceil(bytes).max(2);
+        let first = self.random(n * k, bf16::from_f32)?;
+        let mut weights = vec![first];
+        for _ in 1..copies {
+            let mut w = self.alloc(bytes)?;
+            self.device
+                .copy(weights[0].as_slice::<u8>(), &mut w.as_mut_slice::<u8>())?;
+            weights.push(w);
+        }
+        let a = self.random(m * k, bf16::from_f32)?;
+        let mut out = self.alloc(m * n * 4)?;
+        let ms = time(&self.device, || {
+            for w in &weights {
+                let mat = DevMat::from_slice(w.as_slice::<bf16>(), n, k)?;
+                product(a.as_slice::<bf16>(), &mat, &mut out.as_mut_slice::<f32>())?;
+            }
+            Ok(())
+        })?;
+        Ok(ms * 1e3 / copies as f64)
+    }
+
     fn gemm(
         &mut self,
         gemm: &Gemm,
@@ -423,6 +458,55 @@ struct LayerShape {
     inter: usize,
 }
 
+/// `cuda_probe products [M...]`: every batch-invariant tile (split and not) against the plan
+/// it would pick and cuBLASLt, at qwen3-8b's product shapes, for each batch M.
+fn products(probe: &mut Probe, copy: f64, batches: &[usize]) -> Result<(), CudaError> {
+    let mut sliced = SlicedGemm::new(&probe.device, &probe.owner)?;
+    let gemm = Gemm::new(&probe.device, &probe.owner)?;
+    println!("\nproducts, bf16 weights streamed from HBM, µs (share of copy rate for the weights)");
+    let shapes = [
+        ("q/o", 4096, 4096),
+        ("k/v", 1024, 4096),
+        ("gate/up", 12288, 4096),
+        ("down", 4096, 12288),
+        ("head", 151936, 4096),
+    ];
+    for (name, n, k) in shapes {
+        for &m in batches {
+            let bound_us = (n * k * 2) as f64 / copy * 2.0 / 1e3;
+            let line = |label: String, us: f64| {
+                println!(
+                    "{name:<8} m {m:>4} {label:<14} {us:>9.1} µs {:>5.2}",
+                    bound_us / us
+                );
+            };
+            let us = probe.product_us(m, n, k, |a, w, y| gemm.matmul(a, w, y, false))?;
+            line("cublas".into(), us);
+            sliced.force_tile(None);
+            let us = probe.product_us(m, n, k, |a, w, y| sliced.matmul(a, w, y, false))?;
+            line("planned".into(), us);
+            // The head's every tile takes minutes: the plan and cuBLASLt only.
+            let tiles: &[SlicedTile] = if name == "head" {
+                &[]
+            } else {
+                &SlicedTile::ALL
+            };
+            for &tile in tiles {
+                for split in [false, true] {
+                    sliced.force_tile(Some((tile, split)));
+                    let us = probe.product_us(m, n, k, |a, w, y| sliced.matmul(a, w, y, false))?;
+                    line(
+                        format!("{}{}", tile.name(), if split { " split" } else { "" }),
+                        us,
+                    );
+                }
+            }
+            sliced.force_tile(None);
+        }
+    }
+    Ok(())
+}
+
 fn run() -> Result<(), CudaError> {
     let device = CudaDevice::open(0)?;
     println!("device: {}", device.info());
@@ -437,6 +521,16 @@ fn run() -> Result<(), CudaError> {
 
     let copy = probe.copy_bandwidth()?;
     println!("device-to-device copy: {copy:.0} GB/s (read + write)");
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some("products") {
+        let batches: Vec<usize> = args[1..].iter().filter_map(|a| a.parse().ok()).collect();
+        let batches = if batches.is_empty() {
+            vec![1, 4, 16, 64, 256]
+        } else {
+            batches
+        };
+        return products(&mut probe, copy, &batches);
+    }
 
     println!("\nmatvec (decode), weights streamed from HBM:");
     println!(

@@ -15,7 +15,7 @@ use ember_tensor::cpu::{self, AttentionShape, RopeLayout, RopeTables};
 use ember_tensor::cuda::{
     self, AttentionPrecision, CudaDevice, CudaError, DevMat, DeviceBuffer, DeviceElem, Epilogue,
     ExpertRoad, FloatElem, Gemm, MatvecNorm, MatvecOutput, Module, PagedCache, PagedCacheMut,
-    Position, RopeHeads, RopeNorm, SlicedGemm, compile,
+    Position, RopeHeads, RopeNorm, SlicedGemm, SlicedTile, compile,
 };
 use ember_tensor::{BufferKind, BufferOwner, Location, ThreadPool};
 use half::{bf16, f16};
@@ -695,7 +695,7 @@ fn sliced_gemm_gives_a_row_the_same_bits_in_every_batch() {
     let Some(ctx) = Ctx::new() else { return };
     let mut sliced = SlicedGemm::new(&ctx.device, &ctx.owner).unwrap();
     let mut rng = Rng(21);
-    // 4096 rows of 1024 take slices of 128: 8 of them, split in blocks up to ~600 tokens.
+    // 4096 rows of 1024 take slices of 128: 8 of them, split in blocks up to 128 tokens.
     let (n, k, most) = (4096, 1024, 1200);
     let a: Vec<bf16> = round(&rng.vec(most * k));
     let w: Vec<bf16> = round(&rng.vec(n * k));
@@ -729,6 +729,22 @@ fn sliced_gemm_gives_a_row_the_same_bits_in_every_batch() {
             "rows {first}..{} alone differ from the same rows in a batch of {most}",
             first + m
         );
+    }
+    // Every tile, its slices split across blocks or summed in one, whatever the batch.
+    for tile in SlicedTile::ALL {
+        for split in [false, true] {
+            sliced.force_tile(Some((tile, split)));
+            for (first, m) in [(0, 1), (3, 64), (100, 300)] {
+                let got = run(&mut sliced, first, m);
+                assert!(
+                    got == all[first * n..(first + m) * n],
+                    "rows {first}..{} by {} (split {split}) differ from the planned batch of \
+                     {most}",
+                    first + m,
+                    tile.name()
+                );
+            }
+        }
     }
 }
 

@@ -25,6 +25,9 @@ const SLICE_TARGET_BLOCKS: usize = 512;
 /// 64 over qwen3-8b's widest products takes 13 MiB.
 const PARTIALS_BYTES: usize = 64 << 20;
 
+/// The longest batch whose slices may run in blocks of their own.
+const SPLIT_MOST_TOKENS: usize = 128;
+
 /// Tickets of the split form: one per tile of a launch.
 const TICKETS: usize = 8192;
 
@@ -43,51 +46,62 @@ pub fn slice_len(n: usize, k: usize) -> usize {
 /// `SLICED_GEMM_ALL` table in sliced_gemm.cu).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum SlicedTile {
-    M64N8,
-    M64N32,
-    M128N64,
-    M128N128,
+    M128N8K2,
+    M64N16K4,
+    M64N32K4,
+    M64N64W8K4,
+    M128N128K2,
 }
 
 impl SlicedTile {
-    pub const ALL: [SlicedTile; 4] = [
-        SlicedTile::M64N8,
-        SlicedTile::M64N32,
-        SlicedTile::M128N64,
-        SlicedTile::M128N128,
+    pub const ALL: [SlicedTile; 5] = [
+        SlicedTile::M128N8K2,
+        SlicedTile::M64N16K4,
+        SlicedTile::M64N32K4,
+        SlicedTile::M64N64W8K4,
+        SlicedTile::M128N128K2,
     ];
 
-    /// `(weight rows, tokens, warps, stages)`.
-    fn shape(self) -> (usize, usize, usize, usize) {
+    /// `(weight rows, tokens, warps, stages, steps a stage)`.
+    fn shape(self) -> (usize, usize, usize, usize, usize) {
         match self {
-            SlicedTile::M64N8 => (64, 8, 4, 8),
-            SlicedTile::M64N32 => (64, 32, 4, 6),
-            SlicedTile::M128N64 => (128, 64, 4, 4),
-            SlicedTile::M128N128 => (128, 128, 8, 3),
+            SlicedTile::M128N8K2 => (128, 8, 8, 4, 2),
+            SlicedTile::M64N16K4 => (64, 16, 4, 4, 4),
+            SlicedTile::M64N32K4 => (64, 32, 4, 3, 4),
+            SlicedTile::M64N64W8K4 => (64, 64, 8, 3, 4),
+            SlicedTile::M128N128K2 => (128, 128, 8, 3, 2),
         }
     }
 
     pub fn name(self) -> &'static str {
         match self {
-            SlicedTile::M64N8 => "m64n8",
-            SlicedTile::M64N32 => "m64n32",
-            SlicedTile::M128N64 => "m128n64",
-            SlicedTile::M128N128 => "m128n128",
+            SlicedTile::M128N8K2 => "m128n8k2",
+            SlicedTile::M64N16K4 => "m64n16k4",
+            SlicedTile::M64N32K4 => "m64n32k4",
+            SlicedTile::M64N64W8K4 => "m64n64w8k4",
+            SlicedTile::M128N128K2 => "m128n128k2",
         }
     }
 
-    /// The smallest tile that holds `m` tokens in one row of blocks, up to the largest.
+    /// The tile for a batch of `m` tokens: the fastest of a sweep of 16 shapes at qwen3-8b's
+    /// products on an H100 (`cuda_probe products`, December 2026). Up to 8 tokens: 128
+    /// weight rows of 8 warps, stages of 64 values (q/o 14.8 µs at one token against
+    /// cuBLASLt's 16.5); up to 256: 64 rows of 8 warps by 64 tokens, stages of 128 values (q/o
+    /// 30.8 µs at 64 tokens, cuBLASLt 15.6); beyond, 128 by 128 for the prompt's reuse.
     fn for_tokens(m: usize) -> SlicedTile {
-        SlicedTile::ALL
-            .into_iter()
-            .find(|t| t.shape().1 >= m)
-            .unwrap_or(SlicedTile::M128N128)
+        match m {
+            0..=8 => SlicedTile::M128N8K2,
+            9..=16 => SlicedTile::M64N16K4,
+            17..=32 => SlicedTile::M64N32K4,
+            33..=256 => SlicedTile::M64N64W8K4,
+            _ => SlicedTile::M128N128K2,
+        }
     }
 
-    /// Shared memory a block takes: its stages of weight and token rows, 64 bytes each.
+    /// Shared memory a block takes: its stages of weight and token rows, 64 bytes a step each.
     pub fn smem_bytes(self) -> usize {
-        let (rows, tokens, _, stages) = self.shape();
-        stages * (rows + tokens) * STEP * 2
+        let (rows, tokens, _, stages, steps) = self.shape();
+        stages * (rows + tokens) * steps * STEP * 2
     }
 }
 
@@ -120,6 +134,7 @@ pub struct SlicedGemm {
     device: CudaDevice,
     partials: DeviceBuffer,
     tickets: DeviceBuffer,
+    forced: Option<(SlicedTile, bool)>,
 }
 
 impl std::fmt::Debug for SlicedGemm {
@@ -150,7 +165,15 @@ impl SlicedGemm {
             device: device.clone(),
             partials,
             tickets,
+            forced: None,
         })
+    }
+
+    /// Runs every later product with `tile`, its slices split across blocks or not (where the
+    /// split's sums fit), instead of the plan for its batch; `None` goes back to planning. For
+    /// benchmarks and tests: every tile and form gives the same bits.
+    pub fn force_tile(&mut self, forced: Option<(SlicedTile, bool)>) {
+        self.forced = forced;
     }
 
     /// `out = a · Wᵀ`, or `out += a · Wᵀ` with `accumulate`. `a` has `w.cols` values per row
@@ -185,13 +208,11 @@ impl SlicedGemm {
         if m == 0 || n == 0 {
             return Ok(());
         }
-        let plan = plan(
-            m,
-            n,
-            k,
-            self.device.info().multiprocessors,
-            self.partials.len() / 4,
-        );
+        let partials = self.partials.len() / 4;
+        let mut plan = plan(m, n, k, self.device.info().multiprocessors, partials);
+        if let Some((tile, split)) = self.forced {
+            plan = plan.with_tile(tile, split, m, n, partials);
+        }
         let mut args = KernelArgs {
             w: w.data.device_ptr(),
             x: a.device_ptr(),
@@ -216,7 +237,7 @@ impl SlicedGemm {
             tile: plan.tile,
             split: plan.split,
         };
-        let (_, _, warps, _) = plan.tile.shape();
+        let (_, _, warps, ..) = plan.tile.shape();
         let grid = (
             int(OP, "row tiles", plan.grid.0)? as u32,
             int(OP, "token tiles", plan.grid.1)? as u32,
@@ -237,19 +258,40 @@ struct Plan {
     split: bool,
 }
 
+impl Plan {
+    /// This plan's slices with `tile`, split where asked and the sums fit.
+    fn with_tile(self, tile: SlicedTile, split: bool, m: usize, n: usize, partials: usize) -> Plan {
+        let (rows, tokens, ..) = tile.shape();
+        let grid = (n.div_ceil(rows), m.div_ceil(tokens));
+        let split = split
+            && self.slices > 1
+            && grid.0 * grid.1 <= TICKETS
+            && self.slices * m * n <= partials;
+        Plan {
+            tile,
+            grid,
+            split,
+            ..self
+        }
+    }
+}
+
 /// The plan for `[m, k] · [n, k]ᵀ` on a device of `sms` multiprocessors with room for
 /// `partials` slice sums. Only the slice length enters the arithmetic, and it depends on the
 /// matrix alone; the tile and the split are free to follow the batch.
 fn plan(m: usize, n: usize, k: usize, sms: usize, partials: usize) -> Plan {
     let tile = SlicedTile::for_tokens(m);
-    let (rows, tokens, _, _) = tile.shape();
+    let (rows, tokens, ..) = tile.shape();
     let grid = (n.div_ceil(rows), m.div_ceil(tokens));
     let slice = slice_len(n, k);
     let slices = k.div_ceil(slice);
-    // Slices in blocks of their own when the tiles alone would leave the device mostly idle,
-    // and their sums fit.
+    // Slices in blocks of their own when the tiles alone would leave the device half idle and
+    // the batch is short enough that writing and reading back its slice sums costs less than
+    // the idle time (measured: 256 tokens run faster unsplit even on 64 blocks), and the sums
+    // fit.
     let split = slices > 1
         && grid.0 * grid.1 < 2 * sms
+        && m <= SPLIT_MOST_TOKENS
         && grid.0 * grid.1 <= TICKETS
         && slices * m * n <= partials;
     Plan {
@@ -270,9 +312,12 @@ mod tests {
     fn constants_match_the_kernel() {
         assert_eq!(Module::SlicedGemm.define("SG_STEP"), STEP);
         assert!(SLICE_LENS.iter().all(|s| s.is_multiple_of(STEP)));
-        // Every tile fits the shared memory a block gets without asking for more.
+        // Every tile fits the shared memory a block of sm_86 can have (99 KiB), and its
+        // steps a stage divide every slice.
         for tile in SlicedTile::ALL {
-            assert!(tile.smem_bytes() <= 48 << 10, "{tile:?}");
+            assert!(tile.smem_bytes() <= 99 << 10, "{tile:?}");
+            let steps = tile.shape().4;
+            assert!(SLICE_LENS.iter().all(|s| (s / STEP).is_multiple_of(steps)));
         }
     }
 
@@ -291,7 +336,7 @@ mod tests {
                 .split(',')
                 .map(|x| x.trim().parse().unwrap())
                 .collect();
-            let [wm, wn, warps_m, warps_n, stages] = v[..] else {
+            let [wm, wn, warps_m, warps_n, stages, steps] = v[..] else {
                 panic!("{tile:?}: {line}")
             };
             let shape = (
@@ -299,6 +344,7 @@ mod tests {
                 8 * wn * warps_n,
                 warps_m * warps_n,
                 stages,
+                steps,
             );
             assert_eq!(tile.shape(), shape, "{tile:?}");
         }
@@ -328,12 +374,19 @@ mod tests {
     fn short_batches_split_their_slices_long_ones_do_not() {
         let sms = 132;
         let decode = plan(1, 4096, 4096, sms, PARTIALS_BYTES / 4);
-        assert_eq!(decode.tile, SlicedTile::M64N8);
+        assert_eq!(decode.tile, SlicedTile::M128N8K2);
         assert!(decode.split);
-        assert_eq!(decode.grid, (64, 1));
+        assert_eq!(decode.grid, (32, 1));
+        // gate/up's 12288 rows fill the device at 128 tokens without splitting.
+        let wide = plan(128, 12288, 4096, sms, PARTIALS_BYTES / 4);
+        assert_eq!(
+            (wide.tile, wide.grid, wide.split),
+            (SlicedTile::M64N64W8K4, (192, 2), false)
+        );
         let prompt = plan(2048, 4096, 4096, sms, PARTIALS_BYTES / 4);
-        assert_eq!(prompt.tile, SlicedTile::M128N128);
+        assert_eq!(prompt.tile, SlicedTile::M128N128K2);
         assert!(!prompt.split);
+        assert!(!plan(256, 1024, 4096, sms, PARTIALS_BYTES / 4).split);
         // Without room for the sums the slices run in order inside each block: same bits.
         assert!(!plan(1, 4096, 4096, sms, 0).split);
     }

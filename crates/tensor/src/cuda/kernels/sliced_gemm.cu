@@ -25,12 +25,20 @@
 // so each product still pairs x[t, k] with W[r, k]; it lets a row's 64 bytes of a step be read
 // as one contiguous 512-byte warp load per 8 rows (no bank conflicts, no padding).
 //
-// Stages of 32 values of the block's W rows and x rows go to shared memory by cp.async,
-// STAGES deep; the weights of the first stages are requested before the kernel waits for the
-// one before it (weights are never written during a step).
+// Stages of KS steps (32·KS values) of the block's W rows and x rows go to shared memory by
+// cp.async, STAGES deep; the weights of the first stages are requested before the kernel waits
+// for the one before it (weights are never written during a step). A stage reads 64·KS
+// contiguous bytes of each row: runs of 128 or 256 bytes stream from HBM at nearly the rate of
+// one long read, runs of 64 at about two thirds of it (measured on an H100). KS changes how
+// values reach the registers, never which products are summed in which order: step s of a
+// slice is the same two mma instructions over the same values for every KS, tile and grid.
+//
+// A shared row holds 4·KS pieces of 16 bytes. With KS > 1 a row's piece c sits at c ^ 4 in odd
+// rows, so the 8 lanes of a quarter warp (two rows, pieces 4j .. 4j + 3 of each) read 8
+// distinct 16-byte bank groups.
 
 #define SG_STEP 32
-// Bytes of a shared row of one step: 32 16-bit values.
+// Bytes of one step of a row: 32 16-bit values.
 #define SG_ROW_BYTES 64
 
 // Mirrors `KernelArgs` in sliced_gemm.rs field for field.
@@ -63,14 +71,21 @@ template <> struct SlicedMma<f16_t> {
     }
 };
 
+// Byte offset of piece `piece` (16 bytes) of shared row `row`, rows of 4·KS pieces.
+template <int KS>
+__device__ __forceinline__ int sg_piece_offset(int row, int piece) {
+    return row * (SG_ROW_BYTES * KS) + ((KS > 1 ? piece ^ ((row & 1) << 2) : piece) << 4);
+}
+
 // A block's place: BM = 16·WM·WARPS_M weight rows by BN = 8·WN·WARPS_N tokens (a warp takes
 // WM 16-row tiles by WN 8-token tiles), and the values it sums: all of k, or its slice.
-template <int WM, int WN, int WARPS_M, int WARPS_N, int STAGES, bool SPLIT>
+template <int WM, int WN, int WARPS_M, int WARPS_N, int STAGES, int KS, bool SPLIT>
 struct SgBlock {
     static constexpr int BM = 16 * WM * WARPS_M, BN = 8 * WN * WARPS_N;
     static constexpr int THREADS = 32 * WARPS_M * WARPS_N;
-    static constexpr int W_BYTES = BM * SG_ROW_BYTES, STAGE_BYTES = (BM + BN) * SG_ROW_BYTES;
-    int r0, t0, k_begin, k_end, steps;
+    static constexpr int ROW_BYTES = SG_ROW_BYTES * KS, PIECES = 4 * KS;
+    static constexpr int W_BYTES = BM * ROW_BYTES, STAGE_BYTES = (BM + BN) * ROW_BYTES;
+    int r0, t0, k_begin, k_end, steps, stages;
 
     __device__ __forceinline__ explicit SgBlock(const SlicedGemmArgs& a) {
         r0 = blockIdx.x * BM;
@@ -78,19 +93,21 @@ struct SgBlock {
         k_begin = SPLIT ? blockIdx.z * a.slice : 0;
         k_end = SPLIT ? min(a.k, k_begin + a.slice) : a.k;
         steps = (k_end - k_begin + SG_STEP - 1) / SG_STEP;
+        stages = (steps + KS - 1) / KS;
     }
 
-    // Step `s`'s `rows` rows from `first` of `src` ([.., k]) into `dst`, 16 bytes a piece (4 a
-    // row); pieces past `limit` rows or past the block's values read nothing and stage zeros.
+    // Stage `s`'s `rows` rows from `first` of `src` ([.., k]) into `dst`, 16 bytes a piece;
+    // pieces past `limit` rows or past the block's values read nothing and stage zeros.
     __device__ __forceinline__ void stage(unsigned char* dst, const void* src, int first, int rows,
                                           int limit, int k, int s) const {
-        const int col = k_begin + s * SG_STEP;
-        for (int p = threadIdx.x; p < rows * 4; p += THREADS) {
-            const int row = first + p / 4, c = col + (p % 4) * 8;
+        const int col = k_begin + s * SG_STEP * KS;
+        for (int p = threadIdx.x; p < rows * PIECES; p += THREADS) {
+            const int r = p / PIECES, piece = p % PIECES;
+            const int row = first + r, c = col + piece * 8;
             const bool valid = row < limit && c < k_end;
             const unsigned char* from =
                 (const unsigned char*)src + (valid ? ((size_t)row * k + c) * 2 : 0);
-            cp_async_16(shared_address(dst + p * 16), from, valid);
+            cp_async_16(shared_address(dst + sg_piece_offset<KS>(r, piece)), from, valid);
         }
     }
     __device__ __forceinline__ void stage_w(const SlicedGemmArgs& a, unsigned char* smem, int s) const {
@@ -104,12 +121,12 @@ struct SgBlock {
 extern __shared__ __align__(16) unsigned char sg_smem[];
 
 // The weights of the first stages, requested before the kernel waits for the one before it.
-template <int WM, int WN, int WARPS_M, int WARPS_N, int STAGES, bool SPLIT>
+template <int WM, int WN, int WARPS_M, int WARPS_N, int STAGES, int KS, bool SPLIT>
 __device__ __forceinline__ void sliced_gemm_weights_ahead(const SlicedGemmArgs& a) {
-    const SgBlock<WM, WN, WARPS_M, WARPS_N, STAGES, SPLIT> blk(a);
+    const SgBlock<WM, WN, WARPS_M, WARPS_N, STAGES, KS, SPLIT> blk(a);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s)
-        if (s < blk.steps) blk.stage_w(a, sg_smem, s);
+        if (s < blk.stages) blk.stage_w(a, sg_smem, s);
 }
 
 // f(i, j, e, token, row) for each element of a lane's tiles inside the output. A function
@@ -128,21 +145,21 @@ __device__ __forceinline__ void sliced_each_output(const SlicedGemmArgs& a, cons
             }
 }
 
-template <typename T, int WM, int WN, int WARPS_M, int WARPS_N, int STAGES, bool SPLIT>
+template <typename T, int WM, int WN, int WARPS_M, int WARPS_N, int STAGES, int KS, bool SPLIT>
 __device__ __forceinline__ void sliced_gemm(const SlicedGemmArgs& a) {
-    const SgBlock<WM, WN, WARPS_M, WARPS_N, STAGES, SPLIT> blk(a);
-    using Block = SgBlock<WM, WN, WARPS_M, WARPS_N, STAGES, SPLIT>;
+    using Block = SgBlock<WM, WN, WARPS_M, WARPS_N, STAGES, KS, SPLIT>;
+    const Block blk(a);
     constexpr int W_BYTES = Block::W_BYTES, STAGE_BYTES = Block::STAGE_BYTES;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
     const int warp_m = warp % WARPS_M, warp_n = warp / WARPS_M;
-    const int steps = blk.steps, steps_per_slice = a.slice / SG_STEP;
+    const int steps = blk.steps, stages = blk.stages, steps_per_slice = a.slice / SG_STEP;
     const int r0 = blk.r0, t0 = blk.t0;
 
     // x (written by the kernel before) for the first stages, whose weights are on their way:
     // group i holds stage i's x, and group 0 also the early stages' weights.
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < steps) blk.stage_x(a, sg_smem, s);
+        if (s < stages) blk.stage_x(a, sg_smem, s);
         cp_async_commit();
     }
 
@@ -155,10 +172,10 @@ __device__ __forceinline__ void sliced_gemm(const SlicedGemmArgs& a) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[i][j][e] = total[i][j][e] = 0.0f;
 
-    for (int s = 0; s < steps; ++s) {
+    for (int s = 0; s < stages; ++s) {
         cp_async_wait<STAGES - 2>();
         __syncthreads();  // stage s is in, and every warp is done with the buffer refilled next
-        if (s + STAGES - 1 < steps) {
+        if (s + STAGES - 1 < stages) {
             blk.stage_w(a, sg_smem, s + STAGES - 1);
             blk.stage_x(a, sg_smem, s + STAGES - 1);
         }
@@ -166,34 +183,42 @@ __device__ __forceinline__ void sliced_gemm(const SlicedGemmArgs& a) {
 
         const unsigned char* ws = sg_smem + (s % STAGES) * STAGE_BYTES;
         const unsigned char* xs = ws + W_BYTES;
-        uint4 b[WN];
 #pragma unroll
-        for (int j = 0; j < WN; ++j)
-            b[j] = *(const uint4*)(xs + ((warp_n * WN + j) * 8 + g) * SG_ROW_BYTES + tq * 16);
+        for (int q = 0; q < KS; ++q) {
+            // A stage's steps past the block's values (zeros) are never summed, so an
+            // element's sums are the same instructions as with one step a stage.
+            if (s * KS + q >= steps) break;
+            const int piece = q * 4 + tq;
+            uint4 b[WN];
 #pragma unroll
-        for (int i = 0; i < WM; ++i) {
-            const int row = (warp_m * WM + i) * 16 + g;
-            const uint4 lo = *(const uint4*)(ws + row * SG_ROW_BYTES + tq * 16);
-            const uint4 hi = *(const uint4*)(ws + (row + 8) * SG_ROW_BYTES + tq * 16);
-            const unsigned a0[4] = {lo.x, hi.x, lo.y, hi.y};
-            const unsigned a1[4] = {lo.z, hi.z, lo.w, hi.w};
+            for (int j = 0; j < WN; ++j)
+                b[j] = *(const uint4*)(xs + sg_piece_offset<KS>((warp_n * WN + j) * 8 + g, piece));
 #pragma unroll
-            for (int j = 0; j < WN; ++j) {
-                SlicedMma<T>::mma(acc[i][j], a0, b[j].x, b[j].y);
-                SlicedMma<T>::mma(acc[i][j], a1, b[j].z, b[j].w);
+            for (int i = 0; i < WM; ++i) {
+                const int row = (warp_m * WM + i) * 16 + g;
+                const uint4 lo = *(const uint4*)(ws + sg_piece_offset<KS>(row, piece));
+                const uint4 hi = *(const uint4*)(ws + sg_piece_offset<KS>(row + 8, piece));
+                const unsigned a0[4] = {lo.x, hi.x, lo.y, hi.y};
+                const unsigned a1[4] = {lo.z, hi.z, lo.w, hi.w};
+#pragma unroll
+                for (int j = 0; j < WN; ++j) {
+                    SlicedMma<T>::mma(acc[i][j], a0, b[j].x, b[j].y);
+                    SlicedMma<T>::mma(acc[i][j], a1, b[j].z, b[j].w);
+                }
             }
-        }
-        if (!SPLIT && ((s + 1) % steps_per_slice == 0 || s + 1 == steps)) {
-            // A slice ends: its sum joins the total, the next starts from zero.
+            const int step = s * KS + q;
+            if (!SPLIT && ((step + 1) % steps_per_slice == 0 || step + 1 == steps)) {
+                // A slice ends: its sum joins the total, the next starts from zero.
 #pragma unroll
-            for (int i = 0; i < WM; ++i)
+                for (int i = 0; i < WM; ++i)
 #pragma unroll
-                for (int j = 0; j < WN; ++j)
+                    for (int j = 0; j < WN; ++j)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        total[i][j][e] += acc[i][j][e];
-                        acc[i][j][e] = 0.0f;
-                    }
+                        for (int e = 0; e < 4; ++e) {
+                            total[i][j][e] += acc[i][j][e];
+                            acc[i][j][e] = 0.0f;
+                        }
+            }
         }
     }
     cp_async_wait<0>();
@@ -245,26 +270,27 @@ __device__ __forceinline__ void sliced_gemm(const SlicedGemmArgs& a) {
 }
 
 // The tiles the host picks from (`SlicedTile` in sliced_gemm.rs): a name, then WM, WN,
-// WARPS_M, WARPS_N, STAGES. Shared memory: STAGES · (BM + BN) · 64 bytes.
-#define SLICED_GEMM_KERNEL(tname, T, tile, WM, WN, WARPS_M, WARPS_N, STAGES)                      \
+// WARPS_M, WARPS_N, STAGES, KS. Shared memory: STAGES · (BM + BN) · 64 · KS bytes.
+#define SLICED_GEMM_KERNEL(tname, T, tile, WM, WN, WARPS_M, WARPS_N, STAGES, KS)                  \
     extern "C" __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N)                          \
         sliced_gemm_##tname##_##tile(const SlicedGemmArgs a) {                                    \
-        sliced_gemm_weights_ahead<WM, WN, WARPS_M, WARPS_N, STAGES, false>(a);                    \
+        sliced_gemm_weights_ahead<WM, WN, WARPS_M, WARPS_N, STAGES, KS, false>(a);                \
         grid_dependency_wait();                                                                   \
-        sliced_gemm<T, WM, WN, WARPS_M, WARPS_N, STAGES, false>(a);                               \
+        sliced_gemm<T, WM, WN, WARPS_M, WARPS_N, STAGES, KS, false>(a);                           \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N)                          \
         sliced_gemm_##tname##_##tile##_split(const SlicedGemmArgs a) {                            \
-        sliced_gemm_weights_ahead<WM, WN, WARPS_M, WARPS_N, STAGES, true>(a);                     \
+        sliced_gemm_weights_ahead<WM, WN, WARPS_M, WARPS_N, STAGES, KS, true>(a);                 \
         grid_dependency_wait();                                                                   \
-        sliced_gemm<T, WM, WN, WARPS_M, WARPS_N, STAGES, true>(a);                                \
+        sliced_gemm<T, WM, WN, WARPS_M, WARPS_N, STAGES, KS, true>(a);                            \
     }
 
 #define SLICED_GEMM_ALL(tname, T)                              \
-    SLICED_GEMM_KERNEL(tname, T, m64n8, 1, 1, 4, 1, 8)         \
-    SLICED_GEMM_KERNEL(tname, T, m64n32, 1, 4, 4, 1, 6)        \
-    SLICED_GEMM_KERNEL(tname, T, m128n64, 2, 8, 4, 1, 4)       \
-    SLICED_GEMM_KERNEL(tname, T, m128n128, 2, 8, 4, 2, 3)
+    SLICED_GEMM_KERNEL(tname, T, m128n8k2, 1, 1, 8, 1, 4, 2)   \
+    SLICED_GEMM_KERNEL(tname, T, m64n16k4, 1, 2, 4, 1, 4, 4)   \
+    SLICED_GEMM_KERNEL(tname, T, m64n32k4, 1, 4, 4, 1, 3, 4)   \
+    SLICED_GEMM_KERNEL(tname, T, m64n64w8k4, 1, 4, 4, 2, 3, 4) \
+    SLICED_GEMM_KERNEL(tname, T, m128n128k2, 2, 8, 4, 2, 3, 2)
 
 SLICED_GEMM_ALL(bf16, bf16_t)
 SLICED_GEMM_ALL(f16, f16_t)
