@@ -25,10 +25,26 @@ pub trait DraftSource: Send {
     /// prompt and reply so far of sequence `id`; none when it has no guess.
     fn propose(&mut self, id: SeqId, tokens: &[u32], max: usize, out: &mut Vec<u32>);
 
+    /// [`DraftSource::propose`] for several sequences at once, `outs[i]` for `asks[i]`: a
+    /// draft model runs them in shared passes. By default, one after another.
+    fn propose_all(&mut self, asks: &[Proposal<'_>], outs: &mut [Vec<u32>]) {
+        for (ask, out) in asks.iter().zip(outs) {
+            self.propose(ask.id, ask.tokens, ask.max, out);
+        }
+    }
+
     /// Sequence `id` ended: what was kept for it goes.
     fn finish(&mut self, id: SeqId) {
         let _ = id;
     }
+}
+
+/// One sequence's ask for a proposal: up to `max` tokens to follow `tokens`.
+#[derive(Clone, Copy, Debug)]
+pub struct Proposal<'a> {
+    pub id: SeqId,
+    pub tokens: &'a [u32],
+    pub max: usize,
 }
 
 /// Where drafts come from (`--draft`).

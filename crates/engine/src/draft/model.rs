@@ -5,9 +5,9 @@
 
 use std::collections::HashMap;
 
-use ember_models::{BlockTable, Logits};
+use ember_models::{BlockTable, Logits, SequencePass};
 
-use super::DraftSource;
+use super::{DraftSource, Proposal};
 use crate::error::{Error, Result};
 use crate::runner::Runner;
 use crate::scheduler::SeqId;
@@ -59,70 +59,159 @@ impl DraftModel {
         self.seqs.len()
     }
 
-    fn try_propose(
-        &mut self,
-        id: SeqId,
-        tokens: &[u32],
-        max: usize,
-        out: &mut Vec<u32>,
-    ) -> Result<()> {
+    /// Sequence `ask.id`'s blocks made ready for a proposal: cut back to what they hold of
+    /// `ask.tokens` (but its last token), grown to hold the drafts, and caught up but for the
+    /// last chunk of what they lack, which the first shared pass takes (its pick is the first
+    /// draft). `None` when there is nothing to propose.
+    fn begin(&mut self, slot: usize, ask: &Proposal<'_>) -> Result<Option<Going>> {
+        let tokens = ask.tokens;
         // The draft steps hold the sequence and all but the last drafted token.
-        let max = max.min(self.runner.context().saturating_sub(tokens.len()));
+        let max = ask
+            .max
+            .min(self.runner.context().saturating_sub(tokens.len()));
         if tokens.is_empty() || max == 0 {
-            return Ok(());
+            return Ok(None);
         }
-        let seq = self.seqs.entry(id).or_default();
-        // What the blocks hold of `tokens` stays, but for the last token: it is in the pass
-        // that makes the first draft.
+        let mut seq = self.seqs.remove(&ask.id).unwrap_or_default();
         let keep = common_prefix(&seq.tokens, tokens).min(tokens.len() - 1);
         seq.tokens.truncate(keep);
         seq.table.truncate(keep);
-        let needed = tokens.len() + max - 1;
-        let blocks = needed.div_ceil(self.block_size);
+        let blocks = (tokens.len() + max - 1).div_ceil(self.block_size);
         while seq.table.blocks().len() < blocks {
             let Some(block) = self.free.pop() else {
+                self.free.extend(seq.table.take_blocks());
                 // Every sequence's context fits the pool; more sequences than the engine runs
                 // at once would have to end first.
                 return Err(Error::DraftPoolFull);
             };
             seq.table.push_block(block);
         }
-        // What the blocks lack, the last token included: its last chunk's pass makes the
-        // first draft (one pass, not a catch-up and then a step).
+        let chunk = self.runner.max_batch();
         let fresh = &tokens[keep..];
-        let chunks = fresh.len().div_ceil(self.runner.max_batch());
-        let mut pick = 0;
-        for (i, chunk) in fresh.chunks(self.runner.max_batch()).enumerate() {
-            if i + 1 < chunks {
-                self.runner.forward(&mut seq.table, chunk, Logits::None)?;
-            } else {
-                pick = self.runner.forward_greedy(&mut seq.table, chunk)?;
+        let last = (fresh.len() - 1) / chunk * chunk;
+        for earlier in fresh[..last].chunks(chunk) {
+            if let Err(e) = self.runner.forward(&mut seq.table, earlier, Logits::None) {
+                self.free.extend(seq.table.take_blocks());
+                return Err(e);
             }
+            seq.tokens.extend_from_slice(earlier);
         }
-        seq.tokens.extend_from_slice(fresh);
-        while (pick as usize) < self.target_vocab {
-            out.push(pick);
-            if out.len() == max {
-                break;
-            }
-            let input = pick;
-            pick = self.runner.forward_greedy(&mut seq.table, &[input])?;
-            seq.tokens.push(input);
-        }
-        Ok(())
+        Ok(Some(Going {
+            slot,
+            id: ask.id,
+            max,
+            input: fresh[last..].to_vec(),
+            seq,
+        }))
     }
+
+    /// One step of every proposal under way, in as few passes as the runner takes (tokens
+    /// and rows of logits): each sequence's input in, its greedy pick out, in order.
+    fn step(&mut self, going: &mut [Going]) -> Result<Vec<u32>> {
+        let (most_tokens, most_rows) = (self.runner.max_batch(), self.runner.logit_rows());
+        let mut picks = Vec::with_capacity(going.len());
+        let mut rest = going;
+        while !rest.is_empty() {
+            let mut take = 0;
+            let mut tokens = 0;
+            while take < rest.len()
+                && take < most_rows.max(1)
+                && (take == 0 || tokens + rest[take].input.len() <= most_tokens)
+            {
+                tokens += rest[take].input.len();
+                take += 1;
+            }
+            let (now, later) = rest.split_at_mut(take);
+            let mut passes: Vec<SequencePass<'_, '_>> = now
+                .iter_mut()
+                .map(|g| SequencePass {
+                    seq: &mut g.seq.table,
+                    tokens: &g.input,
+                    logits: Logits::Last,
+                })
+                .collect();
+            let rows = self.runner.forward_batch(&mut passes)?;
+            picks.extend(self.runner.greedy_tokens(rows)?);
+            for g in now.iter_mut() {
+                g.seq.tokens.extend_from_slice(&g.input);
+            }
+            rest = later;
+        }
+        Ok(picks)
+    }
+
+    fn propose_together(&mut self, asks: &[Proposal<'_>], outs: &mut [Vec<u32>]) {
+        let mut going = Vec::with_capacity(asks.len());
+        for (slot, ask) in asks.iter().enumerate() {
+            outs[slot].clear();
+            match self.begin(slot, ask) {
+                Ok(Some(g)) => going.push(g),
+                Ok(None) => {}
+                Err(e) => self.give_up(ask.id, &e),
+            }
+        }
+        while !going.is_empty() {
+            let picks = match self.step(&mut going) {
+                Ok(picks) => picks,
+                Err(e) => {
+                    for Going { slot, id, seq, .. } in going.drain(..) {
+                        outs[slot].clear();
+                        let mut table = seq.table;
+                        self.free.extend(table.take_blocks());
+                        self.give_up(id, &e);
+                    }
+                    return;
+                }
+            };
+            let mut still = Vec::with_capacity(going.len());
+            for (mut g, pick) in going.drain(..).zip(picks) {
+                let out = &mut outs[g.slot];
+                // A pick past the target's vocabulary (a padded row) ends the proposal.
+                let more = (pick as usize) < self.target_vocab && {
+                    out.push(pick);
+                    out.len() < g.max
+                };
+                if more {
+                    g.input.clear();
+                    g.input.push(pick);
+                    still.push(g);
+                } else {
+                    self.seqs.insert(g.id, g.seq);
+                }
+            }
+            going = still;
+        }
+    }
+
+    /// A proposal failed: a draft is only ever a guess, so the sequence goes on undrafted
+    /// this pass, and its blocks start over.
+    fn give_up(&mut self, id: SeqId, e: &Error) {
+        tracing::warn!("the draft model could not propose for request {id}: {e}");
+        self.finish(id);
+    }
+}
+
+/// A sequence's proposal under way: its blocks (out of [`DraftModel::seqs`] meanwhile) and
+/// the tokens its next pass takes.
+struct Going {
+    /// Its place among the asks.
+    slot: usize,
+    id: SeqId,
+    max: usize,
+    input: Vec<u32>,
+    seq: DraftSequence,
 }
 
 impl DraftSource for DraftModel {
     fn propose(&mut self, id: SeqId, tokens: &[u32], max: usize, out: &mut Vec<u32>) {
-        out.clear();
-        if let Err(e) = self.try_propose(id, tokens, max, out) {
-            // A draft is only ever a guess: the sequence goes on undrafted this pass, and its
-            // blocks start over.
-            tracing::warn!("the draft model could not propose for request {id}: {e}");
-            out.clear();
-            self.finish(id);
-        }
+        let ask = Proposal { id, tokens, max };
+        self.propose_together(&[ask], std::slice::from_mut(out));
+    }
+
+    /// The sequences' draft steps share passes: a step of four sequences is one pass, not
+    /// four.
+    fn propose_all(&mut self, asks: &[Proposal<'_>], outs: &mut [Vec<u32>]) {
+        self.propose_together(asks, outs);
     }
 
     fn finish(&mut self, id: SeqId) {

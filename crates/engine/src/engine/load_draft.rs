@@ -13,6 +13,7 @@ use ember_models::{
 use ember_tensor::cuda::CudaDevice;
 use ember_tensor::{BufferOwner, ThreadPool};
 
+use super::batch::DRAFT_STEP_ASIDE;
 use super::load::{WeightFiles, cpu_backend, default_kv_dtype, gguf_path, warm_up};
 use crate::draft::DraftModel;
 use crate::error::{Error, Result};
@@ -68,15 +69,16 @@ pub(super) fn load_draft_model(
     let blocks = layout.blocks_for(target.context) * target.parallel;
     let (hidden, layers) = (config.hidden_size, config.num_hidden_layers);
     let context = target.context;
-    // One sequence a pass (a draft step is one token; its catch-up one chunk), one row of
-    // logits: the greedy pick.
+    // A pass takes the draft steps of every sequence drafting at once (a token each; a
+    // catch-up, a chunk each), a row of logits each: their greedy picks.
+    let drafting = target.parallel.clamp(1, DRAFT_STEP_ASIDE);
     let (runner, files): (Box<dyn Runner>, Option<Box<dyn Send>>) = match target.device {
         DraftDevice::Cpu(pool) => {
             let (backend, owned) = cpu_backend(
                 &config,
                 pool,
                 owner,
-                [target.max_batch, context, 1],
+                [target.max_batch, context, drafting],
                 kv_dtype,
                 &weights,
             )?;
@@ -102,7 +104,7 @@ pub(super) fn load_draft_model(
                 owner,
                 target.max_batch,
                 context.div_ceil(KV_BLOCK_SIZE),
-                1,
+                drafting,
                 CudaOptions {
                     graphs,
                     batch_invariant: false,
@@ -173,10 +175,16 @@ fn show(token: &Option<String>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::draft::DraftSource;
+    use crate::draft::{DraftSource, Proposal};
 
-    /// The golden qwen3 fixture as a draft for itself, over a context of 128 positions.
+    /// The golden qwen3 fixture as a draft for itself, over a context of 128 positions, for
+    /// a target of two sequences at once.
     fn draft() -> DraftModel {
+        draft_for(2)
+    }
+
+    /// The same for a target of `parallel` sequences at once (as many share a draft step).
+    fn draft_for(parallel: usize) -> DraftModel {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/golden/qwen3-f32");
         let tokenizer = Tokenizer::from_dir(&dir).unwrap();
         let config = ModelConfig::from_dir(&dir).unwrap();
@@ -185,7 +193,7 @@ mod tests {
             config: &config,
             device: DraftDevice::Cpu(Arc::new(ThreadPool::new(1))),
             context: 128,
-            parallel: 2,
+            parallel,
             max_batch: 16,
         };
         load_draft_model(&dir, target, &BufferOwner::new()).unwrap()
@@ -227,6 +235,62 @@ mod tests {
         kept.finish(1);
         kept.finish(2);
         assert_eq!(kept.sequences(), 0);
+    }
+
+    /// Sequences proposing together (their draft steps in shared passes) get what each
+    /// would alone: a sequence cut back after a rejection, one whose prompt takes several
+    /// chunks to catch up, a short one, one with nothing to propose; four asks over passes of
+    /// three rows.
+    #[test]
+    fn proposals_together_are_each_alone() {
+        let prompt: Vec<u32> = (0..23).map(|i| (i * 7 + 3) % 400).collect();
+        let long: Vec<u32> = (0..40).map(|i| (i * 13 + 1) % 400).collect();
+        let short = [5, 9, 100, 3, 77];
+        let mut together = draft_for(3);
+        let first = propose(&mut together, 1, &prompt, 4);
+        let cut = [&prompt[..], &[first[0], (first[1] + 1) % 400]].concat();
+        let asks = [
+            Proposal {
+                id: 1,
+                tokens: &cut,
+                max: 5,
+            },
+            Proposal {
+                id: 2,
+                tokens: &long,
+                max: 3,
+            },
+            Proposal {
+                id: 3,
+                tokens: &short,
+                max: 6,
+            },
+            Proposal {
+                id: 4,
+                tokens: &[],
+                max: 4,
+            },
+        ];
+        let mut outs = vec![vec![1]; asks.len()];
+        together.propose_all(&asks, &mut outs);
+
+        let mut alone = draft_for(1);
+        let each: Vec<Vec<u32>> = asks
+            .iter()
+            .map(|a| propose(&mut alone, a.id + 10, a.tokens, a.max))
+            .collect();
+        assert_eq!(outs, each);
+        assert_eq!(outs.iter().map(Vec::len).collect::<Vec<_>>(), [5, 3, 6, 0]);
+        // Their next proposals go on from the blocks the shared passes filled.
+        let next = [&long[..], &outs[1][..], &[4]].concat();
+        assert_eq!(
+            propose(&mut together, 2, &next, 4),
+            propose(&mut draft_for(1), 7, &next, 4)
+        );
+        for id in 1..=4 {
+            together.finish(id);
+        }
+        assert_eq!(together.sequences(), 0);
     }
 
     #[test]
