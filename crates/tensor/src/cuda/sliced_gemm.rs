@@ -83,18 +83,22 @@ impl SlicedTile {
         }
     }
 
-    /// The tile for a batch of `m` tokens: the fastest of a sweep of 16 shapes at qwen3-8b's
-    /// products on an H100 (`cuda_probe products`, December 2026). Up to 8 tokens: 128
-    /// weight rows of 8 warps, stages of 64 values (q/o 14.8 µs at one token against
-    /// cuBLASLt's 16.5); up to 256: 64 rows of 8 warps by 64 tokens, stages of 128 values (q/o
-    /// 30.8 µs at 64 tokens, cuBLASLt 15.6); beyond, 128 by 128 for the prompt's reuse.
-    fn for_tokens(m: usize) -> SlicedTile {
+    /// The tile for a batch of `m` tokens of `n`-row weights on `sms` multiprocessors: the
+    /// fastest of a sweep of 16 shapes at qwen3-8b's products on an H100 (`cuda_probe
+    /// products`, December 2026). Up to 8 tokens: 128 weight rows of 8 warps, stages of 64
+    /// values (q/o 14.8 µs at one token against cuBLASLt's 16.5); up to 256: 64 rows of 8
+    /// warps by 64 tokens, stages of 128 values (q/o 30.8 µs at 64 tokens, cuBLASLt 15.6);
+    /// beyond, 128 by 128 for the reuse where that still makes half as many blocks as
+    /// multiprocessors (q/o at 512 tokens 96 µs against 132), else 64 by 64 (k/v's 1024 rows
+    /// at 512 tokens: 47 µs against 103).
+    fn for_batch(m: usize, n: usize, sms: usize) -> SlicedTile {
         match m {
             0..=8 => SlicedTile::M128N8K2,
             9..=16 => SlicedTile::M64N16K4,
             17..=32 => SlicedTile::M64N32K4,
             33..=256 => SlicedTile::M64N64W8K4,
-            _ => SlicedTile::M128N128K2,
+            _ if n.div_ceil(128) * m.div_ceil(128) >= sms / 2 => SlicedTile::M128N128K2,
+            _ => SlicedTile::M64N64W8K4,
         }
     }
 
@@ -280,7 +284,7 @@ impl Plan {
 /// `partials` slice sums. Only the slice length enters the arithmetic, and it depends on the
 /// matrix alone; the tile and the split are free to follow the batch.
 fn plan(m: usize, n: usize, k: usize, sms: usize, partials: usize) -> Plan {
-    let tile = SlicedTile::for_tokens(m);
+    let tile = SlicedTile::for_batch(m, n, sms);
     let (rows, tokens, ..) = tile.shape();
     let grid = (n.div_ceil(rows), m.div_ceil(tokens));
     let slice = slice_len(n, k);
@@ -387,6 +391,9 @@ mod tests {
         assert_eq!(prompt.tile, SlicedTile::M128N128K2);
         assert!(!prompt.split);
         assert!(!plan(256, 1024, 4096, sms, PARTIALS_BYTES / 4).split);
+        // k/v's 1024 rows: too few 128-row blocks at 512 tokens, enough at 2048.
+        assert_eq!(plan(512, 1024, 4096, sms, 0).tile, SlicedTile::M64N64W8K4);
+        assert_eq!(plan(2048, 1024, 4096, sms, 0).tile, SlicedTile::M128N128K2);
         // Without room for the sums the slices run in order inside each block: same bits.
         assert!(!plan(1, 4096, 4096, sms, 0).split);
     }
