@@ -83,6 +83,21 @@ impl Probe {
         Ok(buf)
     }
 
+    /// `first` and as many copies of it as pass [`SWEEP_BYTES`] (at least two in all), so
+    /// a run over them all reads each from HBM, never from L2.
+    fn sweep(&self, first: DeviceBuffer) -> Result<Vec<DeviceBuffer>, CudaError> {
+        let bytes = first.len();
+        let copies = SWEEP_BYTES.div_ceil(bytes).max(2);
+        let mut all = vec![first];
+        for _ in 1..copies {
+            let mut w = self.alloc(bytes)?;
+            self.device
+                .copy(all[0].as_slice::<u8>(), &mut w.as_mut_slice::<u8>())?;
+            all.push(w);
+        }
+        Ok(all)
+    }
+
     fn copy_bandwidth(&self) -> Result<f64, CudaError> {
         let bytes = 2usize << 30;
         let src = self.alloc(bytes)?;
@@ -103,20 +118,13 @@ impl Probe {
         cols: usize,
         batch: usize,
     ) -> Result<f64, CudaError> {
-        let weight_bytes = rows * cols * dtype.size_in_bytes();
-        let copies = SWEEP_BYTES.div_ceil(weight_bytes).max(2);
         let first = match dtype {
             Float::F32 => self.random(rows * cols, |x| x)?,
             Float::Bf16 => self.random(rows * cols, bf16::from_f32)?,
             Float::F16 => self.random(rows * cols, f16::from_f32)?,
         };
-        let mut weights = vec![first];
-        for _ in 1..copies {
-            let mut w = self.alloc(weight_bytes)?;
-            self.device
-                .copy(weights[0].as_slice::<u8>(), &mut w.as_mut_slice::<u8>())?;
-            weights.push(w);
-        }
+        let weights = self.sweep(first)?;
+        let copies = weights.len();
         let x = self.random(batch * cols, |v| v)?;
         let mut y = self.alloc(batch * rows * 4)?;
         let ms = time(&self.device, || {
@@ -262,16 +270,9 @@ impl Probe {
             &mut cuda::DevSliceMut<'_, f32>,
         ) -> Result<(), CudaError>,
     ) -> Result<f64, CudaError> {
-        let bytes = n * k * 2;
-        let copies = SWEEP_BYTES.div_ceil(bytes).max(2);
         let first = self.random(n * k, bf16::from_f32)?;
-        let mut weights = vec![first];
-        for _ in 1..copies {
-            let mut w = self.alloc(bytes)?;
-            self.device
-                .copy(weights[0].as_slice::<u8>(), &mut w.as_mut_slice::<u8>())?;
-            weights.push(w);
-        }
+        let weights = self.sweep(first)?;
+        let copies = weights.len();
         let a = self.random(m * k, bf16::from_f32)?;
         let mut out = self.alloc(m * n * 4)?;
         let ms = time(&self.device, || {
