@@ -250,18 +250,19 @@ fn main() {
             keys[i].extend(kr_ref.iter().map(|&x| half::f16::from_f32(x).to_bits()));
             values[i].extend(vcur.iter().map(|&x| half::f16::from_f32(x).to_bits()));
             let mut out = vec![0f32; m * nh * hd];
-            let mut scratch = vec![0f32; cpu::attention_scratch_len(2, pos0 + n)];
+            let shape = AttentionShape {
+                n_heads: nh,
+                n_kv_heads: nkv,
+                head_dim: hd,
+            };
+            let mut scratch = vec![0f32; cpu::attention_scratch_len(2, pos0 + n, shape)];
             cpu::causal_attention(
                 &pool,
                 &qr_ref,
                 PagedKv::contiguous(KvSlice::F16(&keys[i]), KvSlice::F16(&values[i]), nkv * hd),
                 pos0,
                 n,
-                AttentionShape {
-                    n_heads: nh,
-                    n_kv_heads: nkv,
-                    head_dim: hd,
-                },
+                shape,
                 1.0 / (hd as f32).sqrt(),
                 &mut out,
                 &mut scratch,

@@ -428,6 +428,14 @@ impl ModelConfig {
         self.num_key_value_heads * self.head_dim
     }
 
+    pub fn attention_shape(&self) -> ember_tensor::cpu::AttentionShape {
+        ember_tensor::cpu::AttentionShape {
+            n_heads: self.num_attention_heads,
+            n_kv_heads: self.num_key_value_heads,
+            head_dim: self.head_dim,
+        }
+    }
+
     /// The widest MLP: the dense one's or an expert's intermediate size.
     pub fn ffn_width(&self) -> usize {
         self.intermediate_size

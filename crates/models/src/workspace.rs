@@ -67,7 +67,7 @@ impl Workspace {
             )?,
             attention_scratch: alloc(
                 "attention scores",
-                attention_scratch_len(n_threads, context),
+                attention_scratch_len(n_threads, context, config.attention_shape()),
             )?,
             moe,
         })

@@ -1,5 +1,5 @@
 //! Kernel micro-benchmarks: `cargo run --release -p ember-tensor --example kernels [threads]
-//! [quant | hot [type [k [m]]] | matvec | gemm [type] | attention]`. Prints the read bandwidth of the probe beside
+//! [quant | hot [type [k [m]]] | matvec | gemm [type] | attention[-step] [positions]]`. Prints the read bandwidth of the probe beside
 //! matrix-vector and matrix-matrix rates; with `quant`, only the quantized ones. The "hot"
 //! lines run one thread on a matrix that fits in L2: what one core's kernel can consume, which
 //! must exceed its share of the probe for decode to be bound by memory. `hot` runs only those
@@ -8,8 +8,9 @@
 //! against a probe read just before it;
 //! `gemm` one thread's prefill products (512 activation rows) at those shapes, in GMAC/s, in
 //! plain rows and in the layout a model's weights take;
-//! `attention` a 512-token prompt's causal attention over an f16 and an f32 cache (a 1.5B
-//! model's 12 heads over 2 of 128), the fastest of 15 runs (the least disturbed by neighbours).
+//! `attention` a 512-token (or `positions`) prompt's causal attention over an f16 and an f32
+//! cache (a 1.5B model's 12 heads over 2 of 128), the fastest of 15 runs (the least
+//! disturbed by neighbours); `attention-step` one decode step's over as many positions.
 
 use std::time::Instant;
 
@@ -41,8 +42,9 @@ fn main() {
         model_matvecs(&pool, &owner, threads);
         return;
     }
-    if mode == "attention" {
-        prompt_attention(&pool);
+    if mode == "attention" || mode == "attention-step" {
+        let positions = std::env::args().nth(3).and_then(|a| a.parse().ok());
+        attention(&pool, positions.unwrap_or(512), mode == "attention-step");
         return;
     }
     if mode == "gemm" {
@@ -338,8 +340,8 @@ fn quantized(owner: &BufferOwner, dtype: DType, n: usize, k: usize) -> Buffer {
     w
 }
 
-fn prompt_attention(pool: &ThreadPool) {
-    let (n, kv_heads, d) = (512, 2, 128);
+fn attention(pool: &ThreadPool, n: usize, step: bool) {
+    let (kv_heads, d) = (2, 128);
     let shape = AttentionShape {
         n_heads: 12,
         n_kv_heads: kv_heads,
@@ -360,11 +362,38 @@ fn prompt_attention(pool: &ThreadPool) {
     };
     let (k16, v16) = (f16(&k), f16(&v));
     let mut out = vec![0f32; q.len()];
-    let mut scratch = vec![0f32; attention_scratch_len(pool.n_threads(), n)];
+    let mut scratch = vec![0f32; attention_scratch_len(pool.n_threads(), n, shape)];
     for (name, keys, values) in [
         ("f16", KvSlice::F16(&k16), KvSlice::F16(&v16)),
         ("f32", KvSlice::F32(&k), KvSlice::F32(&v)),
     ] {
+        if step {
+            let step_ms = (0..15)
+                .map(|_| {
+                    let t = Instant::now();
+                    let kv = PagedKv::contiguous(keys, values, kv_heads * d);
+                    let last = &q[(n - 1) * shape.n_heads * d..];
+                    causal_attention(
+                        pool,
+                        last,
+                        kv,
+                        n - 1,
+                        1,
+                        shape,
+                        0.088,
+                        &mut out,
+                        &mut scratch,
+                    );
+                    t.elapsed().as_secs_f64() * 1e3
+                })
+                .fold(f64::INFINITY, f64::min);
+            let macs = (n * 2 * d * shape.n_heads) as f64;
+            println!(
+                "attention {name} cache, one query over {n}: {step_ms:6.3} ms, {:5.1} GMAC/s",
+                macs / step_ms / 1e6
+            );
+            continue;
+        }
         let ms = (0..15)
             .map(|_| {
                 let t = Instant::now();

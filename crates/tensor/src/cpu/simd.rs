@@ -39,6 +39,19 @@ pub(crate) unsafe trait Simd: Copy {
     /// `2^n` for lanes holding integers `n` in the normal exponent range.
     unsafe fn pow2i(n: Self::V) -> Self::V;
     unsafe fn hsum(v: Self::V) -> f32;
+    /// `[hsum(v[0]), …, hsum(v[3])]`, the same bits: sets with wide registers take the four
+    /// trees' steps side by side.
+    #[inline(always)]
+    unsafe fn hsum4(v: [Self::V; 4]) -> [f32; 4] {
+        unsafe {
+            [
+                Self::hsum(v[0]),
+                Self::hsum(v[1]),
+                Self::hsum(v[2]),
+                Self::hsum(v[3]),
+            ]
+        }
+    }
     /// Hints that the cache line at `p` will be read soon.
     #[inline(always)]
     unsafe fn prefetch(p: *const u8) {
@@ -378,6 +391,28 @@ mod x86 {
                 hsum8(_mm256_add_ps(lo, hi))
             }
         }
+        #[inline(always)]
+        unsafe fn hsum4(v: [__m512; 4]) -> [f32; 4] {
+            unsafe {
+                // Lane l + l+8: two vectors' halves side by side, [v0 | v1] and [v2 | v3].
+                let fold8 = |a: __m512, b: __m512| {
+                    let lo = _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b);
+                    let hi = _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b);
+                    _mm512_add_ps(lo, hi)
+                };
+                let (s01, s23) = (fold8(v[0], v[1]), fold8(v[2], v[3]));
+                // l + l+4: vector k's four sums in 128-bit lane k.
+                let lo = _mm512_shuffle_f32x4::<0b10_00_10_00>(s01, s23);
+                let hi = _mm512_shuffle_f32x4::<0b11_01_11_01>(s01, s23);
+                let s4 = _mm512_add_ps(lo, hi);
+                // l + l+2, then l + l+1, within each 128-bit lane (as `hsum8`).
+                let s2 = _mm512_add_ps(s4, _mm512_permute_ps::<0b11_10_11_10>(s4));
+                let s1 = _mm512_add_ps(s2, _mm512_permute_ps::<0b01_01_01_01>(s2));
+                let mut out = [0f32; 16];
+                _mm512_storeu_ps(out.as_mut_ptr(), s1);
+                [out[0], out[4], out[8], out[12]]
+            }
+        }
     }
 
     /// The tree shared by both x86 sets: (l, l+4), (l, l+2), (l, l+1) over 8 lanes.
@@ -508,6 +543,27 @@ mod x86 {
         unsafe fn hsum(v: __m256) -> f32 {
             unsafe { hsum8(v) }
         }
+        #[inline(always)]
+        unsafe fn hsum4(v: [__m256; 4]) -> [f32; 4] {
+            unsafe {
+                // Lane l + l+4: [v0 | v1] and [v2 | v3], a vector's four sums a 128-bit lane.
+                let fold4 = |a: __m256, b: __m256| {
+                    let lo = _mm256_permute2f128_ps::<0x20>(a, b);
+                    let hi = _mm256_permute2f128_ps::<0x31>(a, b);
+                    _mm256_add_ps(lo, hi)
+                };
+                let (s01, s23) = (fold4(v[0], v[1]), fold4(v[2], v[3]));
+                // l + l+2: [0 | 1] and [2 | 3] lanes 0-1 from s01, 2-3 from s23.
+                let lo = _mm256_shuffle_ps::<0b01_00_01_00>(s01, s23);
+                let hi = _mm256_shuffle_ps::<0b11_10_11_10>(s01, s23);
+                let s2 = _mm256_add_ps(lo, hi);
+                // l + l+1: the four sums land in lanes 0, 2 (v0, v2) and 4, 6 (v1, v3).
+                let s1 = _mm256_add_ps(s2, _mm256_permute_ps::<0b11_11_01_01>(s2));
+                let mut out = [0f32; 8];
+                _mm256_storeu_ps(out.as_mut_ptr(), s1);
+                [out[0], out[4], out[2], out[6]]
+            }
+        }
     }
 }
 
@@ -583,6 +639,30 @@ mod tests {
                 }
             }
         }};
+    }
+
+    fn check_hsum4<S: Simd>() {
+        // Sums whose rounding depends on the order of the adds: any other tree gives other
+        // bits for some of them.
+        let mut seed = 9u64;
+        for _ in 0..2000 {
+            let mut x = [0f32; 64];
+            for e in x.iter_mut() {
+                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+                let m = (seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                *e = m * [1.0, 1e-7, 3e7][(seed >> 20) as usize % 3];
+            }
+            unsafe {
+                let v: [S::V; 4] = std::array::from_fn(|k| S::load(x.as_ptr().add(k * S::LANES)));
+                let each = v.map(|v| S::hsum(v).to_bits());
+                assert_eq!(S::hsum4(v).map(f32::to_bits), each);
+            }
+        }
+    }
+
+    #[test]
+    fn four_sums_side_by_side_are_each_alone_on_every_available_set() {
+        on_every_available_set!(check_hsum4);
     }
 
     #[test]

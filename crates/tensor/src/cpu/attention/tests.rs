@@ -18,7 +18,7 @@ fn matches_naive_attention_and_decode_equals_prefill() {
     let k: Vec<f32> = (0..n * kv_row).map(|_| next()).collect();
     let v: Vec<f32> = (0..n * kv_row).map(|_| next()).collect();
     let pool = ThreadPool::new(2);
-    let mut scratch = vec![0f32; attention_scratch_len(2, n)];
+    let mut scratch = vec![0f32; attention_scratch_len(2, n, shape)];
     let mut out = vec![0f32; n * q_row];
     causal_attention(
         &pool,
@@ -132,7 +132,7 @@ fn bf16_cache_equals_f32_cache_of_the_same_values() {
     let v16 = bits(&(0..n * kv_row).map(|_| next()).collect::<Vec<_>>());
     let (k, v) = (widen(&k16), widen(&v16));
     let pool = ThreadPool::new(2);
-    let mut scratch = vec![0f32; attention_scratch_len(2, n)];
+    let mut scratch = vec![0f32; attention_scratch_len(2, n, shape)];
     let mut run = |keys: KvSlice<'_>, values: KvSlice<'_>, pos0: usize, rows: usize| {
         let mut out = vec![0f32; rows * q_row];
         causal_attention(
@@ -216,7 +216,7 @@ impl F16Case {
             n_kv_heads: 1,
             head_dim: d,
         };
-        let mut scratch = vec![0f32; attention_scratch_len(pool.n_threads(), pos0 + rows)];
+        let mut scratch = vec![0f32; attention_scratch_len(pool.n_threads(), pos0 + rows, shape)];
         let mut out = vec![0f32; rows * 2 * d];
         causal_attention(
             pool,
@@ -335,7 +335,7 @@ fn a_paged_cache_gives_the_bits_of_a_contiguous_one() {
         pv[at..at + kv_row].copy_from_slice(&v[t * kv_row..(t + 1) * kv_row]);
     }
     let pool = ThreadPool::new(2);
-    let mut scratch = vec![0f32; attention_scratch_len(2, n)];
+    let mut scratch = vec![0f32; attention_scratch_len(2, n, shape)];
     let mut run = |kv: PagedKv<'_>, pos0: usize, rows: usize| {
         let mut out = vec![0f32; rows * q_row];
         let q = &q[pos0 * q_row..(pos0 + rows) * q_row];
@@ -379,6 +379,85 @@ fn a_paged_cache_gives_the_bits_of_a_contiguous_one() {
         assert_eq!(run(paged, 0, n), run(flat, 0, n));
         for pos in 0..n {
             assert_eq!(run(paged, pos, 1), run(flat, pos, 1));
+        }
+    }
+}
+
+#[test]
+fn a_unit_of_a_whole_group_gives_each_head_the_bits_of_a_unit_of_one() {
+    // Groups of 1 to 8 heads (7: sets of weighted sums of unequal sizes), heads of 20, 80
+    // (f16 lanes' leftovers) and 136 (the f32 blocked and leftover loops), prompts of 1 to
+    // 70 keys (three key blocks; more keys than f16 lanes): every cache type and every
+    // instruction set here, prefill and a query resumed at 40, the bits of one head a unit.
+    let mut seed = 17u64;
+    let mut next = || {
+        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+        ((seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+    };
+    let pool = ThreadPool::new(2);
+    for (group, d, n) in [
+        (1, 20, 5),
+        (2, 80, 70),
+        (3, 136, 33),
+        (6, 80, 70),
+        (7, 20, 66),
+        (8, 136, 41),
+    ] {
+        let shape = AttentionShape {
+            n_heads: 2 * group,
+            n_kv_heads: 2,
+            head_dim: d,
+        };
+        assert_eq!(shape.unit_heads(), group);
+        let (kv_row, q_row) = (2 * d, 2 * group * d);
+        let q: Vec<f32> = (0..n * q_row).map(|_| next() * 4.0).collect();
+        let k: Vec<f32> = (0..n * kv_row).map(|_| next() * 4.0).collect();
+        let v: Vec<f32> = (0..n * kv_row).map(|_| next()).collect();
+        let f16 =
+            |x: &[f32]| -> Vec<u16> { x.iter().map(|&x| crate::dtype::f32_to_f16(x)).collect() };
+        let bf16 =
+            |x: &[f32]| -> Vec<u16> { x.iter().map(|&x| crate::dtype::f32_to_bf16(x)).collect() };
+        let (k16, v16, kb, vb) = (f16(&k), f16(&v), bf16(&k), bf16(&v));
+        let caches = [
+            (KvSlice::F32(&k), KvSlice::F32(&v)),
+            (KvSlice::F16(&k16), KvSlice::F16(&v16)),
+            (KvSlice::Bf16(&kb), KvSlice::Bf16(&vb)),
+        ];
+        let mut scratch = vec![0f32; attention_scratch_len(2, n, shape)];
+        for isa in Isa::available() {
+            for (keys, values) in caches {
+                let mut run = |pos0: usize, heads: usize| {
+                    let rows = n - pos0;
+                    let mut out = vec![0f32; rows * q_row];
+                    let kv = PagedKv::contiguous(keys, values, kv_row);
+                    let q = &q[pos0 * q_row..];
+                    attention_units(
+                        isa,
+                        &pool,
+                        q,
+                        kv,
+                        pos0,
+                        rows,
+                        shape,
+                        0.3,
+                        &mut out,
+                        &mut scratch,
+                        heads,
+                    );
+                    out.iter().map(|x| x.to_bits()).collect::<Vec<u32>>()
+                };
+                for pos0 in [0, 40.min(n - 1)] {
+                    assert!(
+                        run(pos0, group) == run(pos0, 1),
+                        "{isa:?}, cache {}: group {group}, head {d}, {n} keys from {pos0}",
+                        ["f32", "f16", "bf16"][match keys {
+                            KvSlice::F32(_) => 0,
+                            KvSlice::F16(_) => 1,
+                            KvSlice::Bf16(_) => 2,
+                        }]
+                    );
+                }
+            }
         }
     }
 }
