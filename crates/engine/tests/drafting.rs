@@ -14,7 +14,9 @@ mod replies;
 use std::collections::HashMap;
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
+use ember_engine::constraint::{Constraint, ConstraintCompiler, Grammar};
 use ember_engine::draft::{DraftKind, DraftOptions, DraftSource, NgramDrafter};
 use ember_engine::sampler::SamplingParams;
 use ember_engine::scheduler::SeqId;
@@ -79,8 +81,19 @@ fn requests(vocab: usize) -> Vec<Request> {
 
 /// Every request submitted at once to the batched loop, run to the end.
 fn batched(engine: &mut Engine, requests: &[Request]) -> HashMap<u64, Reply> {
+    batched_held(engine, requests, &|| None)
+}
+
+/// [`batched`], each request held to the constraint `held` makes (if any).
+fn batched_held(
+    engine: &mut Engine,
+    requests: &[Request],
+    held: &dyn Fn() -> Option<Constraint>,
+) -> HashMap<u64, Reply> {
     for (id, r) in requests.iter().enumerate() {
-        engine.submit(id as u64, &r.prompt, r.params, None).unwrap();
+        engine
+            .submit(id as u64, &r.prompt, r.params, held())
+            .unwrap();
     }
     let mut replies: HashMap<u64, Reply> = HashMap::new();
     let mut finished = 0;
@@ -301,6 +314,67 @@ fn generate_on_a_drafting_engine_drafts_with_the_same_output() {
     assert_eq!(generation.finish_reason, FinishReason::Stop);
     assert_eq!(engine.pending_requests(), 0);
     assert_eq!(alone(&mut engine, r), want);
+}
+
+#[test]
+fn a_grammar_held_request_is_drafted_for_with_the_same_output() {
+    // Held to a JSON schema, greedy and seeded: the drafts (the true continuation, a token
+    // made wrong here and there) are cut where the grammar stops allowing them, each row's
+    // pick is masked as the drafts before it leave the grammar, and every reply is the same
+    // request's undrafted, tokens and logits.
+    let mut engine = load(&golden("qwen3-f32"), 2);
+    let vocab = engine.config().vocab_size;
+    let compiler = ConstraintCompiler::new(
+        Arc::clone(engine.tokenizer()),
+        vocab,
+        engine.eos_token_ids(),
+    );
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {"a": {"type": "string"}, "b": {"type": "array", "items": {"type": "integer"}}},
+        "required": ["a", "b"]
+    });
+    let held = || {
+        Some(
+            compiler
+                .compile(&Grammar::JsonSchema(schema.clone()))
+                .unwrap(),
+        )
+    };
+    let mut requests = requests(vocab);
+    requests.truncate(4);
+    let mut want = Vec::new();
+    for (id, r) in requests.iter().enumerate() {
+        let alone = Request {
+            prompt: r.prompt.clone(),
+            params: GenerateParams {
+                draft: false,
+                ..r.params
+            },
+        };
+        let mut replies = batched_held(&mut engine, std::slice::from_ref(&alone), &held);
+        want.push(replies.remove(&0).unwrap_or_else(|| panic!("request {id}")));
+    }
+    for depth in [1, 3, 8] {
+        let source = Misleading::new(&requests, &want, vocab);
+        engine.set_draft_source(Box::new(source), depth, 1);
+        let before = engine.step_timing().drafts;
+        let got = batched_held(&mut engine, &requests, &held);
+        for (id, want) in want.iter().enumerate() {
+            let (tokens, logits) = &got[&(id as u64)];
+            assert_eq!(tokens, &want.0, "request {id}'s tokens, depth {depth}");
+            assert!(logits == &want.1, "request {id}'s logits, depth {depth}");
+        }
+        let after = engine.step_timing().drafts;
+        let (drafted, accepted) = (
+            after.drafted - before.drafted,
+            after.accepted - before.accepted,
+        );
+        assert!(
+            accepted > 0 && (depth == 1 || accepted < drafted),
+            "depth {depth}: {accepted} of {drafted} drafted tokens accepted"
+        );
+    }
 }
 
 #[test]

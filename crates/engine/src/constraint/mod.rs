@@ -309,6 +309,19 @@ impl Constraint {
             .map_err(|e| ConstraintError::Matcher(e.to_string()))
     }
 
+    /// How many of `tokens`, taken in turn from where the output stands, the grammar allows
+    /// (a draft's verifiable part); the matcher does not move. Stops at an end-of-sequence
+    /// token: a draft never ends the output.
+    pub fn allowed_prefix(&mut self, tokens: &[u32]) -> usize {
+        let before_end = tokens
+            .iter()
+            .position(|t| self.eos.contains(t))
+            .unwrap_or(tokens.len());
+        self.matcher
+            .validate_tokens(&tokens[..before_end])
+            .unwrap_or(0)
+    }
+
     /// Whether the grammar is done: no token may follow, so the request ends here.
     pub fn is_complete(&self) -> bool {
         self.matcher.is_stopped()

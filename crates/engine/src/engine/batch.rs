@@ -559,8 +559,10 @@ impl Engine {
     /// Gives the plan's decoding runs the tokens the draft source proposes for them, each
     /// a row more to verify in the same pass: within the pass's tokens and rows of logits,
     /// blocks the pool has free (a draft never preempts), and what the request may still
-    /// make. Requests that opted out (`"draft": false`) or are held to a grammar are not
-    /// drafted for, nor are any in a pass of more than [`DRAFT_STEP_ASIDE`] sampling runs.
+    /// make; for a request held to a grammar, the drafts it allows (each row's pick is then
+    /// masked as the tokens before it leave the grammar). Requests that opted out
+    /// (`"draft": false`) are not drafted for, nor are any in a pass of more than
+    /// [`DRAFT_STEP_ASIDE`] sampling runs.
     fn add_drafts(&mut self, runs: &mut [Scheduled]) {
         let Engine {
             batch,
@@ -586,7 +588,7 @@ impl Engine {
                 continue;
             }
             let a = batch.active.get_mut(&run.id).expect("scheduled");
-            if !a.params.draft || a.picker.has_constraint() {
+            if !a.params.draft {
                 continue;
             }
             debug_assert_eq!(a.tokens.len(), run.start + 1);
@@ -618,6 +620,7 @@ impl Engine {
             let run = &mut runs[i];
             let a = batch.active.get_mut(&run.id).expect("scheduled");
             let k = proposal.len().min(want);
+            let k = a.picker.allowed_drafts(&proposal[..k]);
             if k < a.depth.min() {
                 continue;
             }

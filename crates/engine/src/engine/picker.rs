@@ -38,10 +38,13 @@ impl Picker {
         self.sampler.params().is_greedy() && !self.penalties.any() && self.constraint.is_none()
     }
 
-    /// Whether an output constraint holds the picks (its masks follow each accepted token,
-    /// so such a request is not drafted for).
-    pub(super) fn has_constraint(&self) -> bool {
-        self.constraint.is_some()
+    /// How many of the drafted `tokens` could be picked in turn: those the output
+    /// constraint allows (all without one), so a pass never verifies a draft no pick can equal.
+    pub(super) fn allowed_drafts(&mut self, tokens: &[u32]) -> usize {
+        match &mut self.constraint {
+            Some(c) => c.allowed_prefix(tokens),
+            None => tokens.len(),
+        }
     }
 
     /// Runs `work` (the forward pass whose logits the next pick takes) while the constraint's
