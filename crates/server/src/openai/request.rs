@@ -583,5 +583,5 @@ fn token_ids(items: &[Value], param: &str) -> Result<Vec<u32>, ApiError> {
 // Field readers. Each takes the value (None when absent or null) and the param to blame.
 
 #[cfg(test)]
-#[path = "request_tests.rs"]
+#[path = "request_tests/mod.rs"]
 mod tests;
