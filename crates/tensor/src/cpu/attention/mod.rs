@@ -5,9 +5,10 @@
 //! A unit walks the keys and values in blocks that every one of its heads takes in turn, so a
 //! block read from L2 once serves the whole group from L1 (grouped-query attention's reuse;
 //! L2 bandwidth bounds a head that streams its prefix alone). Each (query, head) pair's sums
-//! run in the same order in either unit. Over an f32 or bf16 cache the sums run in key order and prefill
-//! and decode run the same unit, so a token's output is the same whichever way it was computed
-//! (bf16 is widened on load: the same sums as an f32 cache holding the same values).
+//! run in the same order in either unit. Over an f32 or bf16 cache the sums run in key order
+//! and prefill and decode run the same sums, so a token's output is the same whichever way it
+//! was computed (bf16 is widened on load: the same sums as an f32 cache holding the same
+//! values).
 //! Over an f16 cache the unit is llama.cpp's for a lone query (see `attend_items_f16`), and
 //! every query takes it, alone or in a batch.
 //!
