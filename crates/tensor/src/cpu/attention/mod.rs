@@ -162,27 +162,10 @@ pub fn causal_attention(
     out: &mut [f32],
     scratch: &mut [f32],
 ) {
-    let AttentionShape {
-        n_heads,
-        n_kv_heads,
-        head_dim,
-    } = shape;
-    assert!(
-        n_heads % n_kv_heads == 0,
-        "attention: {n_heads} heads over {n_kv_heads} kv heads"
-    );
-    assert!(
-        head_dim <= MAX_HEAD_DIM,
-        "attention: head_dim {head_dim} > {MAX_HEAD_DIM}"
-    );
-    let kv_row = n_kv_heads * head_dim;
-    let context = pos0 + n;
-    kv.check(context, kv_row);
-    assert!(q.len() >= n * n_heads * head_dim && out.len() >= n * n_heads * head_dim);
     // Whole groups when there are enough of them to keep every thread busy; the bits are
     // the same either way.
     let grouped = shape.unit_heads();
-    let heads = if n * (n_heads / grouped) >= UNITS_PER_THREAD * pool.n_threads() {
+    let heads = if n * (shape.n_heads / grouped) >= UNITS_PER_THREAD * pool.n_threads() {
         grouped
     } else {
         1
@@ -206,7 +189,23 @@ fn attention_units(
     scratch: &mut [f32],
     heads: usize,
 ) {
+    let AttentionShape {
+        n_heads,
+        n_kv_heads,
+        head_dim,
+    } = shape;
+    assert!(
+        n_heads % n_kv_heads == 0,
+        "attention: {n_heads} heads over {n_kv_heads} kv heads"
+    );
+    assert!(
+        head_dim <= MAX_HEAD_DIM,
+        "attention: head_dim {head_dim} > {MAX_HEAD_DIM}"
+    );
+    let kv_row = n_kv_heads * head_dim;
     let context = pos0 + n;
+    kv.check(context, kv_row);
+    assert!(q.len() >= n * n_heads * head_dim && out.len() >= n * n_heads * head_dim);
     let per_thread = scratch.len() / pool.n_threads();
     assert!(
         per_thread >= heads * context,
