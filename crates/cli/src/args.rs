@@ -320,6 +320,11 @@ pub struct BenchBatchArgs {
     /// Size of the memory read probe in MiB (well past the last-level cache).
     #[arg(long, default_value_t = 1024)]
     pub probe_mib: usize,
+    /// On CUDA, the decode steps a profiler started with `--profile-from-start off` records
+    /// (e.g. `ncu --profile-from-start off`), from the middle of each setting's decode; the
+    /// capture waits for the device at its ends, so time a run without it.
+    #[arg(long, default_value_t = 0)]
+    pub profile_steps: usize,
 }
 
 #[derive(Args, Debug)]

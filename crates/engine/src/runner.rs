@@ -54,6 +54,9 @@ pub(crate) trait Runner: Send {
     /// The memory bandwidth that bounds decode, in GB/s, measured over `bytes` made through
     /// `owner`: a CPU read pass, or a device-to-device copy (read plus written) on a GPU.
     fn measure_bandwidth(&self, owner: &BufferOwner, bytes: usize, passes: usize) -> Result<f64>;
+    /// Starts or stops a GPU profiler's capture ([`CudaDevice::profiler_capture`]); nothing on
+    /// the CPU.
+    fn profiler_capture(&self, on: bool) -> Result<()>;
 }
 
 pub(crate) struct ModelRunner<B: Backend> {
@@ -183,6 +186,10 @@ impl Runner for ModelRunner<CpuBackend> {
         std::hint::black_box(sink);
         Ok(median(&rates))
     }
+
+    fn profiler_capture(&self, _on: bool) -> Result<()> {
+        Ok(())
+    }
 }
 
 impl Runner for ModelRunner<CudaBackend> {
@@ -210,5 +217,9 @@ impl Runner for ModelRunner<CudaBackend> {
             rates.push(2.0 * bytes as f64 / (ms as f64 / 1e3) / 1e9);
         }
         Ok(median(&rates))
+    }
+
+    fn profiler_capture(&self, on: bool) -> Result<()> {
+        Ok(self.backend.device().profiler_capture(on)?)
     }
 }

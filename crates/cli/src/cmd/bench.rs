@@ -35,6 +35,7 @@ fn batch(args: BenchBatchArgs) -> anyhow::Result<ExitCode> {
             decode_tokens: args.decode_tokens,
             sequences: args.sequences,
             probe_bytes: args.probe_mib << 20,
+            profile_steps: args.profile_steps,
         },
     )?;
     for line in lines {

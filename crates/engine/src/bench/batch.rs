@@ -20,6 +20,9 @@ pub struct BatchBenchOptions {
     /// Sequences at once, one setting each.
     pub sequences: Vec<usize>,
     pub probe_bytes: usize,
+    /// Decode steps a GPU profiler captures (started with `--profile-from-start off`), from
+    /// the middle of each setting's decode; 0 for none.
+    pub profile_steps: usize,
 }
 
 /// One setting's figures.
@@ -91,11 +94,12 @@ pub fn bench_batch(
     let mut seed = 1;
     for &n in &options.sequences {
         let warm_up = (options.prompt_tokens.min(64), 4);
-        run(engine, n, warm_up, &mut seed)?;
+        run(engine, n, warm_up, 0, &mut seed)?;
         let run = run(
             engine,
             n,
             (options.prompt_tokens, options.decode_tokens),
+            options.profile_steps,
             &mut seed,
         )?;
         let mean_position = options.prompt_tokens as f64 + options.decode_tokens as f64 / 2.0;
@@ -128,11 +132,13 @@ struct Run {
     timing: StepTiming,
 }
 
-/// `n` requests of distinct prompts of `prompt` tokens, `decode` tokens each, greedy.
+/// `n` requests of distinct prompts of `prompt` tokens, `decode` tokens each, greedy; a
+/// profiler captures `profile_steps` decode steps from the middle of the decode.
 fn run(
     engine: &mut Engine,
     n: usize,
     (prompt, decode): (usize, usize),
+    profile_steps: usize,
     seed: &mut u64,
 ) -> Result<Run> {
     let vocab = engine.config().vocab_size as u64;
@@ -160,6 +166,7 @@ fn run(
     let mut made: HashMap<u64, usize> = HashMap::new();
     let (mut total, mut failed) = (0usize, None);
     let mut decoding: Option<(Instant, usize, StepTiming)> = None;
+    let (mut capturing, mut captured) = (false, 0);
     loop {
         let more = engine.step_batch(&mut |id, event| match event {
             BatchEvent::Token { .. } => {
@@ -175,9 +182,29 @@ fn run(
         if decoding.is_none() && made.len() == n {
             decoding = Some((Instant::now(), total, engine.step_timing()));
         }
+        if let Some((_, at, _)) = decoding
+            && profile_steps > 0
+        {
+            // Steps since every sequence had its first token, each a token of each.
+            let steps = (total - at) / n;
+            let first = (decode / 2).saturating_sub(profile_steps / 2);
+            if steps == first && !capturing && captured == 0 {
+                engine.profiler_capture(true)?;
+                capturing = true;
+            } else if capturing {
+                captured += 1;
+                if captured == profile_steps {
+                    engine.profiler_capture(false)?;
+                    capturing = false;
+                }
+            }
+        }
         if !more {
             break;
         }
+    }
+    if capturing {
+        engine.profiler_capture(false)?;
     }
     let end = Instant::now();
     let (first, at, timing) = decoding.unwrap_or((end, total, engine.step_timing()));

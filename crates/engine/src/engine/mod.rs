@@ -194,6 +194,11 @@ impl Engine {
         self.runner.measure_bandwidth(&self.owner, bytes, passes)
     }
 
+    /// Starts or stops a GPU profiler's capture (see `bench batch --profile-steps`).
+    pub fn profiler_capture(&self, on: bool) -> Result<()> {
+        self.runner.profiler_capture(on)
+    }
+
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {
         &self.encoder.tokenizer
     }

@@ -619,6 +619,23 @@ impl CudaDevice {
         .map_err(CudaError::driver("cuMemsetD8Async"))
     }
 
+    /// Starts (`on`) or stops what a profiler started with `--profile-from-start off` (Nsight
+    /// Compute's, Nsight Systems' `--capture-range cudaProfilerApi`) records, after the work
+    /// enqueued so far has finished, so that a window of steps can be profiled alone.
+    pub fn profiler_capture(&self, on: bool) -> Result<(), CudaError> {
+        self.bind()?;
+        self.synchronize()?;
+        // SAFETY: the device's context is current on this thread; the calls take no pointers.
+        let (op, status) = unsafe {
+            if on {
+                ("cuProfilerStart", drv_sys::cuProfilerStart())
+            } else {
+                ("cuProfilerStop", drv_sys::cuProfilerStop())
+            }
+        };
+        status.result().map_err(CudaError::driver(op))
+    }
+
     /// Milliseconds of device time `work` enqueues, measured with events on the stream.
     pub fn time_ms(&self, work: impl FnOnce() -> Result<(), CudaError>) -> Result<f32, CudaError> {
         let event = || {
