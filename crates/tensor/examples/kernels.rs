@@ -1,11 +1,13 @@
 //! Kernel micro-benchmarks: `cargo run --release -p ember-tensor --example kernels [threads]
-//! [quant | hot [type [k [m]]] | matvec | gemm [type] | attention[-step] [positions]]`. Prints the read bandwidth of the probe beside
-//! matrix-vector and matrix-matrix rates; with `quant`, only the quantized ones. The "hot"
-//! lines run one thread on a matrix that fits in L2: what one core's kernel can consume, which
-//! must exceed its share of the probe for decode to be bound by memory. `hot` runs only those
-//! (for `perf stat`), optionally only for one type, row length and batch (`hot q4_k 1536 4`). `matvec` runs decode's
-//! products at a 1.5B model's shapes from memory (in the layout a model's weights take), each
-//! against a probe read just before it;
+//! [quant | hot [type [k [m]]] | choice | matvec | gemm [type] | attention[-step]
+//! [positions]]`. Prints the read bandwidth of the probe beside matrix-vector and
+//! matrix-matrix rates; with `quant`, only the quantized ones. The "hot" lines run one thread
+//! on a matrix that fits in L2: what one core's kernel can consume, which must exceed its share
+//! of the probe for decode to be bound by memory. `hot` runs only those (for `perf stat`),
+//! optionally only for one type, row length and batch (`hot q4_k 1536 4`). `choice` prints
+//! what the timing that picks each quantized type's kernels measured (the load log's line).
+//! `matvec` runs decode's products at a 1.5B model's shapes from memory (in the layout a
+//! model's weights take), each against a probe read just before it;
 //! `gemm` one thread's prefill products (512 activation rows) at those shapes, in GMAC/s, in
 //! plain rows and in the layout a model's weights take;
 //! `attention` a 512-token (or `positions`) prompt's causal attention over an f16 and an f32
@@ -16,7 +18,7 @@ use std::time::Instant;
 
 use ember_tensor::cpu::{
     AttentionShape, KvSlice, MatRef, PagedKv, WeightLayout, attention_scratch_len,
-    causal_attention, matmul, matmul_scratch_len, read_sum,
+    causal_attention, matmul, matmul_scratch_len, quant_kernel_report, read_sum,
 };
 use ember_tensor::{Buffer, BufferKind, BufferOwner, DType, ThreadPool};
 
@@ -36,6 +38,10 @@ fn main() {
     if mode == "hot" {
         let only = std::env::args().nth(3);
         hot_kernels(&owner, only.as_deref());
+        return;
+    }
+    if mode == "choice" {
+        println!("{}", quant_kernel_report());
         return;
     }
     if mode == "matvec" {
@@ -267,6 +273,7 @@ fn gemm_kernels(owner: &BufferOwner, only: Option<&str>) {
         DType::Q6_K,
         DType::Q4_1,
         DType::Q4_0,
+        DType::Q8_0,
         DType::Q5_K,
     ] {
         if only.is_some_and(|o| o != dtype.name().to_lowercase()) {

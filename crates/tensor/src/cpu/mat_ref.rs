@@ -22,9 +22,9 @@ pub enum WeightLayout {
     /// Row after row, as checkpoints store them.
     #[default]
     Rows,
-    /// Q4_K, Q5_K, Q4_0, Q4_1 or Q6_K rows interleaved sixteen at a time, in the same bytes
-    /// (`quant_dot::x16`): what the kernels read fastest with AVX-512 VNNI (and Q4_0, Q4_1 with
-    /// AVX2), products of a few activation rows most.
+    /// Q4_K, Q5_K, Q8_0, Q4_0, Q4_1 or Q6_K rows interleaved sixteen at a time, in as many
+    /// bytes (`quant_dot::x16`): what the kernels read fastest with AVX-512 VNNI (and Q8_0,
+    /// Q4_0, Q4_1 with AVX2), products of a few activation rows most.
     Interleaved16,
 }
 

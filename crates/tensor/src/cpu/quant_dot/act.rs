@@ -26,10 +26,10 @@ pub(crate) enum ActKind {
 
 impl ActKind {
     /// The kind for weights of `dtype` interleaved sixteen rows at a time (`super::x16`):
-    /// Q4_0's and Q4_1's kernels there read values in order.
+    /// Q8_0's, Q4_0's and Q4_1's kernels there read values in order.
     pub(crate) fn for_interleaved(dtype: DType) -> ActKind {
         match dtype {
-            DType::Q4_0 | DType::Q4_1 => ActKind::Q8,
+            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => ActKind::Q8,
             _ => ActKind::for_weights(dtype),
         }
     }

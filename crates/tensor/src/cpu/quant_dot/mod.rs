@@ -39,8 +39,8 @@
 //! [`qv`] is the vector operations the kernels are written in, implemented by [`portable`],
 //! `avx2` and `avx512`; [`tiles`] holds each weight type's tile; [`wide`] the wide road;
 //! [`rows`] one thread's share of a product, and the dispatch by type and instruction set;
-//! [`x16`] Q4_K, Q5_K, Q4_0, Q4_1 and Q6_K weights interleaved sixteen rows at a time and their
-//! kernels; [`choice`] which set and layout each type runs with, by measurement.
+//! [`x16`] Q4_K, Q5_K, Q8_0, Q4_0, Q4_1 and Q6_K weights interleaved sixteen rows at a time and
+//! their kernels; [`choice`] which set and layout each type runs with, by measurement.
 
 mod act;
 #[cfg(target_arch = "x86_64")]

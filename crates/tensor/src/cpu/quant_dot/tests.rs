@@ -531,20 +531,27 @@ fn every_row_gives_its_bits_alone_in_any_batch() {
     }
 }
 
-/// Q4_K, Q5_K, Q4_0, Q4_1 and Q6_K rows interleaved sixteen at a time convert back to their
-/// plain bytes, and give every product the bits of the plain rows: on every instruction set
-/// (the VNNI kernel, or the portable one), for batches of 1 to 20 rows, some or all of them on
-/// the wide road.
+/// Q4_K, Q5_K, Q8_0, Q4_0, Q4_1 and Q6_K rows interleaved sixteen at a time convert back to
+/// their plain bytes, and give every product the bits of the plain rows: on every instruction
+/// set (the VNNI kernel, the AVX2 one or the portable one), for batches of 1 to 20 rows, some
+/// or all of them on the wide road.
 #[test]
 fn interleaved_rows_give_the_bits_of_plain_ones() {
     for dtype in [
         DType::Q4_K,
         DType::Q5_K,
+        DType::Q8_0,
         DType::Q4_0,
         DType::Q4_1,
         DType::Q6_K,
     ] {
-        let (n, k, rows) = (2 * X16, 3 * 256, 20);
+        // 32-value blocks: an odd count, a last block unpaired (Q8_0's layout pairs them).
+        let k = if dtype.block_size() == 32 {
+            25 * 32
+        } else {
+            3 * 256
+        };
+        let (n, rows) = (2 * X16, 20);
         let row_bytes = dtype.row_bytes(k);
         let mut seed = 99;
         let w: Vec<u8> = (0..n)

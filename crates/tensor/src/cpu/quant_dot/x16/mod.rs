@@ -1,4 +1,4 @@
-//! Weights interleaved sixteen rows at a time (Q4_K, Q5_K, Q4_0, Q4_1, Q6_K), for kernels
+//! Weights interleaved sixteen rows at a time (Q4_K, Q5_K, Q8_0, Q4_0, Q4_1, Q6_K), for kernels
 //! that hold one weight row per i32 lane.
 //!
 //! The row-by-row tiles ([`super::tiles`]) sum each weight row in a vector of its own and
@@ -6,17 +6,19 @@
 //! values of each of sixteen rows fill one 64-byte vector, an activation's four values are
 //! broadcast to every lane (`vpdpbusd` with a broadcast operand), and lane `r` accumulates
 //! row `r`'s sums as they are: no reduction, no shuffles. A group of 16 rows keeps the bytes
-//! of its plain rows, block by block; each type's file says how they lie.
+//! of its plain rows (Q8_0's values offset to unsigned bytes), block by block (Q8_0: a pair of
+//! blocks at a time); each type's file says how they lie.
 //!
 //! Per row, the integer sums are exact and the float steps are those of the type's tile in
 //! [`super::tiles`], lane for lane: a row gives the same bits interleaved or not, alone or in
-//! any batch, on the VNNI kernel, the AVX2 one (Q4_0 and Q4_1: a group as two halves of
+//! any batch, on the VNNI kernel, the AVX2 one (Q8_0, Q4_0 and Q4_1: a group as two halves of
 //! eight rows, [`runs_on`]) or the portable one.
 
 mod q40;
 mod q41;
 mod q4k;
 mod q6k;
+mod q80;
 
 use super::act::ActLayout;
 use super::prefetch_ahead;
@@ -30,22 +32,22 @@ pub(crate) const X16: usize = 16;
 pub(crate) fn interleaves(dtype: DType) -> bool {
     matches!(
         dtype,
-        DType::Q4_K | DType::Q5_K | DType::Q4_0 | DType::Q4_1 | DType::Q6_K
+        DType::Q4_K | DType::Q5_K | DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q6_K
     )
 }
 
 /// Whether `dtype`'s interleaved rows have a SIMD kernel on `isa` (the portable one computes
 /// them on any set, too slowly to be chosen). Without VNNI, the 32-value types' 256-bit
-/// kernels take a group as two halves of eight rows (see [`q41`]). Q4_K and Q5_K ones written
-/// so ran a 1536-wide matrix in L2 60% faster than their plain rows, but no faster from memory
+/// kernels take a group as two halves of eight rows (see [`q41`]); Q8_0's (AVX2, one core,
+/// hot) ran 1.4-1.6 times its plain rows' rate for 1 to 4 activation rows, 576 to 8960 wide,
+/// and prompts 512x2048x1536 at 25 against 15 GMAC/s. Q4_K and Q5_K ones written so ran a
+/// 1536-wide matrix in L2 60% faster than their plain rows, but no faster from memory
 /// (0.80-0.90 of the probe against 0.89-1.14), and prompts of 8960-wide rows 18% slower (one
 /// activation row at a time, their sums filling the registers): not kept.
 pub(crate) fn runs_on(dtype: DType, isa: QIsa) -> bool {
     match isa {
         QIsa::Avx512Vnni => interleaves(dtype),
-        QIsa::Avx512 | QIsa::Avx2 => {
-            matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q4_K | DType::Q5_K)
-        }
+        QIsa::Avx512 | QIsa::Avx2 => matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1),
         QIsa::Portable => false,
     }
 }
@@ -59,6 +61,7 @@ pub(crate) fn interleave(dtype: DType, src: &[u8], rows: usize, k: usize, dst: &
     match dtype {
         DType::Q4_K => q4k::interleave(false, src, rows, k, dst),
         DType::Q5_K => q4k::interleave(true, src, rows, k, dst),
+        DType::Q8_0 => q80::interleave(src, rows, k, dst),
         DType::Q4_0 => q40::interleave(src, rows, k, dst),
         DType::Q4_1 => q41::interleave(src, rows, k, dst),
         DType::Q6_K => q6k::interleave(src, rows, k, dst),
@@ -71,6 +74,7 @@ pub(crate) fn plain_row(dtype: DType, group: &[u8], k: usize, r: usize, out: &mu
     match dtype {
         DType::Q4_K => q4k::plain_row(false, group, k / 256, r, out),
         DType::Q5_K => q4k::plain_row(true, group, k / 256, r, out),
+        DType::Q8_0 => q80::plain_row(group, k / 32, r, out),
         DType::Q4_0 => q40::plain_row(group, k / 32, r, out),
         DType::Q4_1 => q41::plain_row(group, k / 32, r, out),
         DType::Q6_K => q6k::plain_row(group, k / 256, r, out),
@@ -79,11 +83,13 @@ pub(crate) fn plain_row(dtype: DType, group: &[u8], k: usize, r: usize, out: &mu
 }
 
 /// Rows `r0..r0 + 8` of one super-block (`block_size` columns) of a group of `dtype` at
-/// `sb` as plain blocks one after another from `out`.
+/// `sb` as plain blocks one after another from `out`. For the types whose groups lie block
+/// by block (not Q8_0, which pairs them and has no wide road).
 ///
 /// # Safety
 /// `sb` holds a group's super-block; `out` has room for 8 plain blocks.
 pub(crate) unsafe fn plain_rows8(dtype: DType, sb: *const u8, r0: usize, out: *mut u8) {
+    debug_assert_ne!(dtype, DType::Q8_0, "Q8_0's groups pair their blocks");
     if dtype == DType::Q6_K {
         return unsafe { q6k::plain_rows8(sb, r0, out) };
     }
@@ -135,6 +141,7 @@ pub(crate) fn rows(isa: QIsa, dtype: DType, job: QJob) {
     match dtype {
         DType::Q4_K => rows_with::<q4k::Q45K<false>>(isa, &job),
         DType::Q5_K => rows_with::<q4k::Q45K<true>>(isa, &job),
+        DType::Q8_0 => rows_with::<q80::Q80>(isa, &job),
         DType::Q4_0 => rows_with::<q40::Q40>(isa, &job),
         DType::Q4_1 => rows_with::<q41::Q41>(isa, &job),
         DType::Q6_K => rows_with::<q6k::Q6K>(isa, &job),
