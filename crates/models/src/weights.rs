@@ -100,11 +100,18 @@ impl WeightLoader<'_> {
         self.place(&t, rows, cols, WeightLayout::best_for(t.dtype, rows))
     }
 
-    /// A 3-d tensor `[experts, rows, cols]`, as one `experts·rows × cols` matrix (rows after
-    /// rows: experts are cut out of it at any row).
+    /// A 3-d tensor `[experts, rows, cols]`, as one `experts·rows × cols` matrix, experts one
+    /// after another: an expert is cut out of it at its first row, so when one expert's rows
+    /// suit the interleaved layout, the whole tensor takes it (each expert's rows then fill
+    /// whole groups of their own).
     pub fn stacked(&self, name: &str, experts: usize, rows: usize, cols: usize) -> Result<Matrix> {
         let t = self.set.get_shaped(name, &[experts, rows, cols])?;
-        self.place(&t, experts * rows, cols, WeightLayout::Rows)
+        self.place(
+            &t,
+            experts * rows,
+            cols,
+            WeightLayout::best_for(t.dtype, rows),
+        )
     }
 
     /// The matrix in place, or (when the loader owns its weights) copied in `owned_layout`.
@@ -163,5 +170,112 @@ impl WeightLoader<'_> {
         let out = buf.as_mut_slice::<f32>();
         dequantize_row(t.dtype, t.bytes, out);
         Ok(Vector(buf))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use ember_checkpoint::CheckpointError;
+    use ember_tensor::ThreadPool;
+    use ember_tensor::cpu::{matmul, matmul_scratch_len};
+
+    use super::*;
+
+    /// One tensor held in memory, as a checkpoint would map it.
+    struct OneTensor {
+        name: &'static str,
+        dtype: DType,
+        shape: Vec<usize>,
+        buffer: Arc<Buffer>,
+    }
+
+    impl TensorSource for OneTensor {
+        fn get(&self, name: &str) -> ember_checkpoint::Result<TensorRef<'_>> {
+            if name != self.name {
+                return Err(CheckpointError::MissingTensor {
+                    path: "memory".into(),
+                    name: name.into(),
+                });
+            }
+            Ok(TensorRef {
+                name: self.name,
+                dtype: self.dtype,
+                shape: &self.shape,
+                bytes: self.buffer.bytes(),
+                path: Path::new("memory"),
+                buffer: &self.buffer,
+                offset: 0,
+            })
+        }
+
+        fn contains(&self, name: &str) -> bool {
+            name == self.name
+        }
+    }
+
+    /// Stacked Q4_K experts in the layout the kernels read best give each expert the bits of
+    /// its plain rows read in place, whatever that layout is on this CPU.
+    #[test]
+    fn each_expert_of_a_stacked_tensor_gives_the_bits_of_its_plain_rows() {
+        let (experts, rows, cols, m) = (3, 48, 512, 3);
+        let owner = BufferOwner::new();
+        let row_bytes = DType::Q4_K.row_bytes(cols);
+        let mut bytes = owner
+            .alloc(BufferKind::Scratch, "experts", experts * rows * row_bytes)
+            .unwrap();
+        // Random blocks with finite scales: d and dmin (the first four bytes) small f16s.
+        let mut seed = 7u64;
+        for (i, b) in bytes.bytes_mut().iter_mut().enumerate() {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let in_block = i % DType::Q4_K.row_bytes(256);
+            *b = match in_block {
+                1 | 3 => 0x1c,
+                _ => (seed >> 56) as u8,
+            };
+        }
+        let source = OneTensor {
+            name: "experts",
+            dtype: DType::Q4_K,
+            shape: vec![experts, rows, cols],
+            buffer: Arc::new(bytes),
+        };
+        let owned = WeightLoader {
+            set: &source,
+            owner: &owner,
+            own: true,
+        };
+        let in_place = WeightLoader {
+            set: &source,
+            owner: &owner,
+            own: false,
+        };
+        let stacked = owned.stacked("experts", experts, rows, cols).unwrap();
+        let plain = in_place.stacked("experts", experts, rows, cols).unwrap();
+        assert_eq!(stacked.layout, WeightLayout::best_for(DType::Q4_K, rows));
+        assert_eq!(plain.layout, WeightLayout::Rows);
+
+        let pool = ThreadPool::new(2);
+        let x: Vec<f32> = (0..m * cols)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
+            .collect();
+        for e in 0..experts {
+            let run = |w: &Matrix| {
+                let (mut y, mut scratch) = (
+                    vec![0f32; m * rows],
+                    vec![0f32; matmul_scratch_len(2, m, cols)],
+                );
+                let expert = w.slice_rows(e * rows, (e + 1) * rows);
+                matmul(&pool, &x, m, &expert.as_mat(), &mut y, &mut scratch);
+                y
+            };
+            let (got, want) = (run(&stacked), run(&plain));
+            assert!(want.iter().all(|v| v.is_finite()));
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "expert {e}");
+        }
     }
 }
