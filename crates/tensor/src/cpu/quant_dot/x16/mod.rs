@@ -14,6 +14,26 @@
 //! any batch, on the VNNI kernel, the AVX2 one (Q8_0, Q4_0 and Q4_1: a group as two halves of
 //! eight rows, [`runs_on`]) or the portable one.
 
+/// The body of a 32-value type's [`GroupKernel::group`] (Q8_0, Q4_0, Q4_1), from its file's
+/// kernels: `group_vnni` for the `M` activation rows at once, `group_avx2` one row at a time
+/// without VNNI (its accumulators for sixteen rows fill the 256-bit registers), else
+/// `group_portable`.
+macro_rules! group_of_32_value_blocks {
+    ($isa:expr, $g:expr, $k:expr, $a:expr, $lay:expr, $ahead:expr) => {{
+        let (isa, g, nb, a, lay, ahead) = ($isa, $g, $k / 32, $a, $lay, $ahead);
+        #[cfg(target_arch = "x86_64")]
+        match isa {
+            QIsa::Avx512Vnni => return unsafe { group_vnni::<M>(g, nb, a, lay, ahead) },
+            QIsa::Avx512 | QIsa::Avx2 => {
+                return std::array::from_fn(|i| unsafe { group_avx2(g, nb, a[i], lay, ahead) });
+            }
+            QIsa::Portable => {}
+        }
+        let _ = (isa, ahead);
+        group_portable::<M>(g, nb, a, lay)
+    }};
+}
+
 mod q40;
 mod q41;
 mod q4k;

@@ -123,16 +123,7 @@ impl GroupKernel for Q80 {
         lay: &ActLayout,
         ahead: usize,
     ) -> [[f32; X16]; M] {
-        #[cfg(target_arch = "x86_64")]
-        match isa {
-            QIsa::Avx512Vnni => return unsafe { group_vnni::<M>(g, k / 32, a, lay, ahead) },
-            QIsa::Avx512 | QIsa::Avx2 => {
-                return std::array::from_fn(|i| unsafe { group_avx2(g, k / 32, a[i], lay, ahead) });
-            }
-            QIsa::Portable => {}
-        }
-        let _ = (isa, ahead);
-        group_portable::<M>(g, k / 32, a, lay)
+        group_of_32_value_blocks!(isa, g, k, a, lay, ahead)
     }
 }
 
