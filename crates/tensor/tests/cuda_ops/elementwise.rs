@@ -74,6 +74,60 @@ fn rms_norm_matches_cpu() {
     }
 }
 
+/// A row's norm is the same bits whatever rows share the launch and wherever the row lies
+/// (an unaligned row loads its groups of four one value at a time): batch invariance.
+#[test]
+fn rms_norm_of_a_row_is_the_same_bits_alone_among_64_and_unaligned() {
+    let Some(ctx) = Ctx::new() else { return };
+    let mut rng = Rng(5);
+    for d in [4096, 1000, 13] {
+        let rows = 64;
+        let x = rng.vec(rows * d);
+        let add = rng.vec(rows * d);
+        let w = rng.vec(d);
+        let wbuf = ctx.upload(&w);
+        let fused = |x: &[f32], add: &[f32], offset: usize| {
+            let pad = vec![0.5f32; offset];
+            let (xs, adds) = ([&pad[..], x].concat(), [&pad[..], add].concat());
+            let (mut xbuf, abuf) = (ctx.upload(&xs), ctx.upload(&adds));
+            let mut out = ctx.poisoned::<bf16>(xs.len());
+            let n = xs.len();
+            cuda::add_rms_norm(
+                &ctx.device,
+                &mut xbuf.as_mut_slice::<f32>().slice_mut(offset..n),
+                abuf.as_slice::<f32>().slice(offset..n),
+                wbuf.as_slice(),
+                1e-6,
+                &mut out.as_mut_slice::<bf16>().slice_mut(offset..n),
+            )
+            .unwrap();
+            let out = ctx.download::<bf16>(&out);
+            let sum = ctx.download::<f32>(&xbuf);
+            (sum[offset..].to_vec(), out[offset..].to_vec())
+        };
+        let (all_sum, all_out) = fused(&x, &add, 0);
+        for row in [0, 37, rows - 1] {
+            let r = row * d..(row + 1) * d;
+            for offset in [0, 1] {
+                let (sum, out) = fused(&x[r.clone()], &add[r.clone()], offset);
+                assert_eq!(
+                    sum,
+                    all_sum[r.clone()],
+                    "d {d} row {row} offset {offset}: x + add"
+                );
+                let same = out
+                    .iter()
+                    .zip(&all_out[r.clone()])
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same,
+                    "d {d} row {row} offset {offset}: its norm differs from among {rows}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn rope_matches_cpu_in_both_layouts_with_and_without_the_head_norm() {
     let Some(ctx) = Ctx::new() else { return };

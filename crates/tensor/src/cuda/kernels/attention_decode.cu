@@ -45,7 +45,7 @@
 #define DEC_WARPS 4
 #define DEC_THREADS (DEC_WARPS * 32)
 #define DEC_MAX_SPLITS 64
-#define DEC_MIN_KEYS_PER_SPLIT 32
+#define DEC_MIN_KEYS_PER_SPLIT 128
 #define DEC_KEY_ROUND 32
 // Blocks per multiprocessor the host sizes the chunks for (attention.rs): about what the
 // registers let one hold. Not imposed on the compiler: capped to fit three, the instances
@@ -54,10 +54,12 @@
 #define DEC_BLOCKS_PER_SM 3
 
 // Keys per chunk for a context: about `target_splits` chunks (the host sets it to fill the
-// device), at least DEC_MIN_KEYS_PER_SPLIT (one batch of keys a warp: short contexts spread
-// over twice the blocks chunks of 64 gave, each a memory round trip shorter), at most
-// DEC_MAX_SPLITS chunks, a whole number of DEC_KEY_ROUND. (With the early fetches described
-// at the top, a 512-key context went from 8.9 to 5.6 us on the H200; not measured apart.)
+// device), at least DEC_MIN_KEYS_PER_SPLIT, at most DEC_MAX_SPLITS chunks, a whole number of
+// DEC_KEY_ROUND. The least was 32 (one batch of keys a warp: a lone short context spread over
+// more blocks), but each chunk writes a partial of a quarter of what it reads and many rows
+// at once (a batched step) are bound by that: 128 took 64 rows of 576 keys on qwen3-8b from
+// 1.06 to 1.8 TB/s with the host's four waves (H100), and a lone 512-key step measured the
+// same (bench batch, 177 tok/s either way).
 __device__ __forceinline__ int decode_keys_per_split(int context, int target_splits) {
     int kps = max((context + target_splits - 1) / target_splits, DEC_MIN_KEYS_PER_SPLIT);
     kps = max(kps, (context + DEC_MAX_SPLITS - 1) / DEC_MAX_SPLITS);
