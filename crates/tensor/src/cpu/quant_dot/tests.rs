@@ -545,7 +545,8 @@ fn interleaved_rows_give_the_bits_of_plain_ones() {
         DType::Q4_1,
         DType::Q6_K,
     ] {
-        // 32-value blocks: an odd count, a last block unpaired (Q8_0's layout pairs them).
+        // 32-value blocks: an odd count, a last block unpaired (Q8_0's and Q4_0's layouts pair
+        // them).
         let k = if dtype.block_size() == 32 {
             25 * 32
         } else {

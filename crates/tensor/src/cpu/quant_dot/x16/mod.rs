@@ -6,8 +6,8 @@
 //! values of each of sixteen rows fill one 64-byte vector, an activation's four values are
 //! broadcast to every lane (`vpdpbusd` with a broadcast operand), and lane `r` accumulates
 //! row `r`'s sums as they are: no reduction, no shuffles. A group of 16 rows keeps the bytes
-//! of its plain rows (Q8_0's values offset to unsigned bytes), block by block (Q8_0: a pair of
-//! blocks at a time); each type's file says how they lie.
+//! of its plain rows (Q8_0's values offset to unsigned bytes), block by block (Q8_0 and Q4_0: a
+//! pair of blocks at a time); each type's file says how they lie.
 //!
 //! Per row, the integer sums are exact and the float steps are those of the type's tile in
 //! [`super::tiles`], lane for lane: a row gives the same bits interleaved or not, alone or in
@@ -104,12 +104,15 @@ pub(crate) fn plain_row(dtype: DType, group: &[u8], k: usize, r: usize, out: &mu
 
 /// Rows `r0..r0 + 8` of one super-block (`block_size` columns) of a group of `dtype` at
 /// `sb` as plain blocks one after another from `out`. For the types whose groups lie block
-/// by block (not Q8_0, which pairs them and has no wide road).
+/// by block (not Q8_0 or Q4_0, which pair them and have no wide road).
 ///
 /// # Safety
 /// `sb` holds a group's super-block; `out` has room for 8 plain blocks.
 pub(crate) unsafe fn plain_rows8(dtype: DType, sb: *const u8, r0: usize, out: *mut u8) {
-    debug_assert_ne!(dtype, DType::Q8_0, "Q8_0's groups pair their blocks");
+    debug_assert!(
+        !matches!(dtype, DType::Q8_0 | DType::Q4_0),
+        "{dtype}'s groups pair their blocks"
+    );
     if dtype == DType::Q6_K {
         return unsafe { q6k::plain_rows8(sb, r0, out) };
     }

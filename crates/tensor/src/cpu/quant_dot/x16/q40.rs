@@ -1,10 +1,17 @@
-//! Q4_0 interleaved. A group of 16 rows is `k / 32` blocks of [`GROUP_BLOCK`] bytes (16 × 18,
-//! the bytes of the plain rows), one per 32-value block:
+//! Q4_0 interleaved. A group of 16 rows holds the bytes of its plain rows (16 × 18 a block),
+//! its `k / 32` blocks in pairs of [`PAIR`] bytes, the `qs` first so that every 64-byte step
+//! lies on a cache line of its own (a block of 288 bytes left every other block's steps across
+//! two lines, which read L2 at half the rate):
 //!
 //! | bytes    | what                                                                       |
 //! |----------|----------------------------------------------------------------------------|
-//! | 0..32    | `d` of rows 0..16 (f16)                                                    |
-//! | 32..288  | `qs`: for step `t < 4`, 64 bytes: row `r`'s bytes `4t .. 4t + 4` at `4r`   |
+//! | 0..256   | the first block's `qs`: for step `t < 4`, 64 bytes, row `r`'s bytes        |
+//! |          | `4t .. 4t + 4` at `4r`                                                     |
+//! | 256..512 | the second block's `qs`, as the first's                                    |
+//! | 512..544 | the first block's `d` of rows 0..16 (f16)                                  |
+//! | 544..576 | the second block's `d`                                                     |
+//!
+//! A last, unpaired block is its `qs`, then its `d`s ([`block_at`]).
 //!
 //! A step's low nibbles are values `4t..4t+4` of each row, its high nibbles values
 //! `16+4t..`. The tile ([`super::super::tiles`]' `tile_q32`) sums a block's products in one
@@ -19,21 +26,59 @@ use super::{GroupKernel, X16};
 
 /// Bytes of one plain Q4_0 block.
 const BLOCK: usize = 18;
-/// Bytes of a group's block.
-const GROUP_BLOCK: usize = X16 * BLOCK;
-const OFF_QS: usize = 32;
+/// Bytes of a group's block's `qs`.
+const QS: usize = X16 * 16;
+/// Bytes of a group's pair of blocks.
+const PAIR: usize = 2 * X16 * BLOCK;
+
+/// Where block `b` of a group of `nb` blocks keeps its `qs` and its `d`s.
+#[inline(always)]
+fn block_at(b: usize, nb: usize) -> (usize, usize) {
+    let base = b / 2 * PAIR;
+    let in_pair = (nb - b / 2 * 2).min(2);
+    (base + QS * (b % 2), base + QS * in_pair + 32 * (b % 2))
+}
+
+/// Calls `block(qs, d, b)` for each block `b` of the group at `g` (`nb` blocks) in order, with
+/// where its `qs` and `d`s lie ([`block_at`]), the offsets constant within a pair. Prefetches
+/// each pair's `d` line `ahead`; the kernels prefetch their `qs` lines. The kernels' `block`s
+/// are `#[inline(always)]`: left to LLVM, the VNNI one for 4 rows stayed a call per block.
+#[inline(always)]
+unsafe fn each_block(
+    g: *const u8,
+    nb: usize,
+    ahead: usize,
+    mut block: impl FnMut(*const u8, *const u8, usize),
+) {
+    unsafe {
+        for p in 0..nb / 2 {
+            let base = g.add(p * PAIR);
+            #[cfg(target_arch = "x86_64")]
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
+                base.add(ahead + 2 * QS).cast(),
+            );
+            block(base, base.add(2 * QS), 2 * p);
+            block(base.add(QS), base.add(2 * QS + 32), 2 * p + 1);
+        }
+        if nb % 2 == 1 {
+            let base = g.add(nb / 2 * PAIR);
+            block(base, base.add(QS), nb - 1);
+        }
+    }
+}
 
 pub(super) fn interleave(src: &[u8], rows: usize, k: usize, dst: &mut [u8]) {
     let nb = k / 32;
     let row_bytes = nb * BLOCK;
     for g in 0..rows / X16 {
+        let out = &mut dst[g * X16 * row_bytes..][..X16 * row_bytes];
         for b in 0..nb {
-            let out = &mut dst[(g * nb + b) * GROUP_BLOCK..][..GROUP_BLOCK];
+            let (qs, d) = block_at(b, nb);
             for r in 0..X16 {
                 let blk = &src[(g * X16 + r) * row_bytes + b * BLOCK..][..BLOCK];
-                out[2 * r..2 * r + 2].copy_from_slice(&blk[0..2]);
+                out[d + 2 * r..d + 2 * r + 2].copy_from_slice(&blk[0..2]);
                 for t in 0..4 {
-                    let at = OFF_QS + 64 * t + 4 * r;
+                    let at = qs + 64 * t + 4 * r;
                     out[at..at + 4].copy_from_slice(&blk[2 + 4 * t..6 + 4 * t]);
                 }
             }
@@ -41,14 +86,15 @@ pub(super) fn interleave(src: &[u8], rows: usize, k: usize, dst: &mut [u8]) {
     }
 }
 
+/// Row `r` of the group at `group` (`nb` blocks) as a plain row, into `out`.
 pub(super) fn plain_row(group: &[u8], nb: usize, r: usize, out: &mut [u8]) {
     for b in 0..nb {
-        let g = &group[b * GROUP_BLOCK..][..GROUP_BLOCK];
+        let (qs, d) = block_at(b, nb);
         let blk = &mut out[b * BLOCK..][..BLOCK];
-        blk[0..2].copy_from_slice(&g[2 * r..2 * r + 2]);
+        blk[0..2].copy_from_slice(&group[d + 2 * r..d + 2 * r + 2]);
         for t in 0..4 {
-            let at = OFF_QS + 64 * t + 4 * r;
-            blk[2 + 4 * t..6 + 4 * t].copy_from_slice(&g[at..at + 4]);
+            let at = qs + 64 * t + 4 * r;
+            blk[2 + 4 * t..6 + 4 * t].copy_from_slice(&group[at..at + 4]);
         }
     }
 }
@@ -85,30 +131,35 @@ unsafe fn group_vnni<const M: usize>(
         let low = _mm512_set1_epi8(0x0F);
         let bcast = |p: *const u8| _mm512_set1_epi32(p.cast::<i32>().read_unaligned());
         let mut acc = [_mm512_setzero_ps(); M];
-        for b in 0..nb {
-            let blk = g.add(b * GROUP_BLOCK);
-            let mut sums = [_mm512_setzero_si512(); M];
-            for t in 0..4 {
-                // The block's lines one by one beside the work, as Q4_K's kernel does.
-                _mm_prefetch::<_MM_HINT_T1>(blk.add(ahead + OFF_QS + 64 * t).cast());
-                let v = _mm512_loadu_si512(blk.add(OFF_QS + 64 * t).cast());
-                let lo = _mm512_and_si512(v, low);
-                let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low);
-                for i in 0..M {
-                    let x = a[i].add(32 * b + 4 * t);
-                    sums[i] = _mm512_dpbusd_epi32(sums[i], lo, bcast(x));
-                    sums[i] = _mm512_dpbusd_epi32(sums[i], hi, bcast(x.add(16)));
+        each_block(
+            g,
+            nb,
+            ahead,
+            #[inline(always)]
+            |qs, d, b| {
+                let mut sums = [_mm512_setzero_si512(); M];
+                for t in 0..4 {
+                    // The block's lines one by one beside the work, as Q4_K's kernel does.
+                    _mm_prefetch::<_MM_HINT_T1>(qs.add(ahead + 64 * t).cast());
+                    let v = _mm512_loadu_si512(qs.add(64 * t).cast());
+                    let lo = _mm512_and_si512(v, low);
+                    let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low);
+                    for i in 0..M {
+                        let x = a[i].add(32 * b + 4 * t);
+                        sums[i] = _mm512_dpbusd_epi32(sums[i], lo, bcast(x));
+                        sums[i] = _mm512_dpbusd_epi32(sums[i], hi, bcast(x.add(16)));
+                    }
                 }
-            }
-            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(blk.cast()));
-            for i in 0..M {
-                // The nibbles stand for `q - 8`.
-                let xsum = a[i].add(lay.a).cast::<i32>().add(b).read();
-                let s = _mm512_sub_epi32(sums[i], _mm512_set1_epi32(8 * xsum));
-                let d = _mm512_mul_ps(dw, _mm512_set1_ps(rdf32(a[i].add(lay.d), b)));
-                acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(d, _mm512_cvtepi32_ps(s)));
-            }
-        }
+                let dw = _mm512_cvtph_ps(_mm256_loadu_si256(d.cast()));
+                for i in 0..M {
+                    // The nibbles stand for `q - 8`.
+                    let xsum = a[i].add(lay.a).cast::<i32>().add(b).read();
+                    let s = _mm512_sub_epi32(sums[i], _mm512_set1_epi32(8 * xsum));
+                    let d = _mm512_mul_ps(dw, _mm512_set1_ps(rdf32(a[i].add(lay.d), b)));
+                    acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(d, _mm512_cvtepi32_ps(s)));
+                }
+            },
+        );
         let mut out = [[0f32; X16]; M];
         for i in 0..M {
             _mm512_storeu_ps(out[i].as_mut_ptr(), acc[i]);
@@ -136,33 +187,38 @@ unsafe fn group_avx2(
         let ones = _mm256_set1_epi16(1);
         let bcast = |p: *const u8| _mm256_set1_epi32(p.cast::<i32>().read_unaligned());
         let mut acc = [_mm256_setzero_ps(); 2];
-        for b in 0..nb {
-            let blk = g.add(b * GROUP_BLOCK);
-            let mut sums = [_mm256_setzero_si256(); 2];
-            for t in 0..4 {
-                _mm_prefetch::<_MM_HINT_T1>(blk.add(ahead + OFF_QS + 64 * t).cast());
-                let x = a.add(32 * b + 4 * t);
-                let (xl, xh) = (bcast(x), bcast(x.add(16)));
-                for (h, sum) in sums.iter_mut().enumerate() {
-                    let v = _mm256_loadu_si256(blk.add(OFF_QS + 64 * t + 32 * h).cast());
-                    let lo = _mm256_and_si256(v, low);
-                    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
-                    let pairs = _mm256_add_epi16(
-                        _mm256_maddubs_epi16(lo, xl),
-                        _mm256_maddubs_epi16(hi, xh),
-                    );
-                    *sum = _mm256_add_epi32(*sum, _mm256_madd_epi16(pairs, ones));
+        each_block(
+            g,
+            nb,
+            ahead,
+            #[inline(always)]
+            |qs, d, b| {
+                let mut sums = [_mm256_setzero_si256(); 2];
+                for t in 0..4 {
+                    _mm_prefetch::<_MM_HINT_T1>(qs.add(ahead + 64 * t).cast());
+                    let x = a.add(32 * b + 4 * t);
+                    let (xl, xh) = (bcast(x), bcast(x.add(16)));
+                    for (h, sum) in sums.iter_mut().enumerate() {
+                        let v = _mm256_loadu_si256(qs.add(64 * t + 32 * h).cast());
+                        let lo = _mm256_and_si256(v, low);
+                        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
+                        let pairs = _mm256_add_epi16(
+                            _mm256_maddubs_epi16(lo, xl),
+                            _mm256_maddubs_epi16(hi, xh),
+                        );
+                        *sum = _mm256_add_epi32(*sum, _mm256_madd_epi16(pairs, ones));
+                    }
                 }
-            }
-            // The nibbles stand for `q - 8`.
-            let xsum = _mm256_set1_epi32(8 * a.add(lay.a).cast::<i32>().add(b).read());
-            let dx = _mm256_set1_ps(rdf32(a.add(lay.d), b));
-            for (h, acc) in acc.iter_mut().enumerate() {
-                let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16 * h).cast()));
-                let s = _mm256_cvtepi32_ps(_mm256_sub_epi32(sums[h], xsum));
-                *acc = _mm256_add_ps(*acc, _mm256_mul_ps(_mm256_mul_ps(dw, dx), s));
-            }
-        }
+                // The nibbles stand for `q - 8`.
+                let xsum = _mm256_set1_epi32(8 * a.add(lay.a).cast::<i32>().add(b).read());
+                let dx = _mm256_set1_ps(rdf32(a.add(lay.d), b));
+                for (h, acc) in acc.iter_mut().enumerate() {
+                    let dw = _mm256_cvtph_ps(_mm_loadu_si128(d.add(16 * h).cast()));
+                    let s = _mm256_cvtepi32_ps(_mm256_sub_epi32(sums[h], xsum));
+                    *acc = _mm256_add_ps(*acc, _mm256_mul_ps(_mm256_mul_ps(dw, dx), s));
+                }
+            },
+        );
         let mut out = [0f32; X16];
         _mm256_storeu_ps(out.as_mut_ptr(), acc[0]);
         _mm256_storeu_ps(out[8..].as_mut_ptr(), acc[1]);
@@ -180,19 +236,19 @@ fn group_portable<const M: usize>(
     a: [*const u8; M],
     lay: &ActLayout,
 ) -> [[f32; X16]; M] {
+    // SAFETY: the caller's promise that `g` holds a group of `nb` blocks.
+    let group = unsafe { std::slice::from_raw_parts(g, X16 * nb * BLOCK) };
     let mut acc = [[0f32; X16]; M];
-    for b in 0..nb {
-        // SAFETY: the caller's promise that `g` holds `nb` blocks.
-        let blk = unsafe { std::slice::from_raw_parts(g.add(b * GROUP_BLOCK), GROUP_BLOCK) };
-        let mut row = [0u8; BLOCK];
-        for r in 0..X16 {
-            plain_row(blk, 1, r, &mut row);
-            let dw = half::f16::from_le_bytes([row[0], row[1]]).to_f32();
+    let mut row = vec![0u8; nb * BLOCK];
+    for r in 0..X16 {
+        plain_row(group, nb, r, &mut row);
+        for (b, blk) in row.chunks_exact(BLOCK).enumerate() {
+            let dw = half::f16::from_le_bytes([blk[0], blk[1]]).to_f32();
             for i in 0..M {
                 let x = |v: usize| unsafe { *a[i].add(32 * b + v).cast::<i8>() } as i32;
                 let sum: i32 = (0..16)
                     .map(|v| {
-                        let byte = row[2 + v];
+                        let byte = blk[2 + v];
                         (byte & 0xF) as i32 * x(v) + (byte >> 4) as i32 * x(16 + v)
                     })
                     .sum();

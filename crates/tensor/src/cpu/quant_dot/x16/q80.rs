@@ -47,7 +47,8 @@ fn block_at(b: usize, nb: usize) -> (usize, usize) {
 /// Calls `block(qs, d, b)` for each block `b` of the group at `g` (`nb` blocks) in order, with
 /// where its `qs` and `d`s lie ([`block_at`]), the offsets constant within a pair (a loop
 /// that computed them block by block ran the AVX2 kernel 30% slower). Prefetches each pair's
-/// `d` line `ahead`; the kernels prefetch their `qs` lines.
+/// `d` line `ahead`; the kernels prefetch their `qs` lines. The kernels' `block`s are
+/// `#[inline(always)]`: left to LLVM, the VNNI one for 4 rows stayed a call per block.
 #[inline(always)]
 unsafe fn each_block(
     g: *const u8,
@@ -140,25 +141,31 @@ unsafe fn group_vnni<const M: usize>(
     unsafe {
         let bcast = |p: *const u8| _mm512_set1_epi32(p.cast::<i32>().read_unaligned());
         let mut acc = [_mm512_setzero_ps(); M];
-        each_block(g, nb, ahead, |qs, d, b| {
-            let mut sums = [_mm512_setzero_si512(); M];
-            for t in 0..8 {
-                // The block's lines one by one beside the work, as Q4_K's kernel does.
-                _mm_prefetch::<_MM_HINT_T1>(qs.add(ahead + 64 * t).cast());
-                let v = _mm512_loadu_si512(qs.add(64 * t).cast());
-                for i in 0..M {
-                    sums[i] = _mm512_dpbusd_epi32(sums[i], v, bcast(a[i].add(32 * b + 4 * t)));
+        each_block(
+            g,
+            nb,
+            ahead,
+            #[inline(always)]
+            |qs, d, b| {
+                let mut sums = [_mm512_setzero_si512(); M];
+                for t in 0..8 {
+                    // The block's lines one by one beside the work, as Q4_K's kernel does.
+                    _mm_prefetch::<_MM_HINT_T1>(qs.add(ahead + 64 * t).cast());
+                    let v = _mm512_loadu_si512(qs.add(64 * t).cast());
+                    for i in 0..M {
+                        sums[i] = _mm512_dpbusd_epi32(sums[i], v, bcast(a[i].add(32 * b + 4 * t)));
+                    }
                 }
-            }
-            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(d.cast()));
-            for i in 0..M {
-                // The weights stand for `q + 128`.
-                let xsum = a[i].add(lay.a).cast::<i32>().add(b).read();
-                let s = _mm512_sub_epi32(sums[i], _mm512_set1_epi32(128 * xsum));
-                let d = _mm512_mul_ps(dw, _mm512_set1_ps(rdf32(a[i].add(lay.d), b)));
-                acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(d, _mm512_cvtepi32_ps(s)));
-            }
-        });
+                let dw = _mm512_cvtph_ps(_mm256_loadu_si256(d.cast()));
+                for i in 0..M {
+                    // The weights stand for `q + 128`.
+                    let xsum = a[i].add(lay.a).cast::<i32>().add(b).read();
+                    let s = _mm512_sub_epi32(sums[i], _mm512_set1_epi32(128 * xsum));
+                    let d = _mm512_mul_ps(dw, _mm512_set1_ps(rdf32(a[i].add(lay.d), b)));
+                    acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(d, _mm512_cvtepi32_ps(s)));
+                }
+            },
+        );
         let mut out = [[0f32; X16]; M];
         for i in 0..M {
             _mm512_storeu_ps(out[i].as_mut_ptr(), acc[i]);
@@ -187,25 +194,32 @@ unsafe fn group_avx2(
         let ones = _mm256_set1_epi16(1);
         let bcast = |p: *const u8| _mm256_set1_epi32(p.cast::<i32>().read_unaligned());
         let mut acc = [_mm256_setzero_ps(); 2];
-        each_block(g, nb, ahead, |qs, d, b| {
-            let mut sums = [_mm256_setzero_si256(); 2];
-            for t in 0..8 {
-                _mm_prefetch::<_MM_HINT_T1>(qs.add(ahead + 64 * t).cast());
-                let x = bcast(a.add(32 * b + 4 * t));
-                for (h, sum) in sums.iter_mut().enumerate() {
-                    let v = _mm256_loadu_si256(qs.add(64 * t + 32 * h).cast());
-                    let q = _mm256_xor_si256(v, bias);
-                    let pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q));
-                    *sum = _mm256_add_epi32(*sum, _mm256_madd_epi16(pairs, ones));
+        each_block(
+            g,
+            nb,
+            ahead,
+            #[inline(always)]
+            |qs, d, b| {
+                let mut sums = [_mm256_setzero_si256(); 2];
+                for t in 0..8 {
+                    _mm_prefetch::<_MM_HINT_T1>(qs.add(ahead + 64 * t).cast());
+                    let x = bcast(a.add(32 * b + 4 * t));
+                    for (h, sum) in sums.iter_mut().enumerate() {
+                        let v = _mm256_loadu_si256(qs.add(64 * t + 32 * h).cast());
+                        let q = _mm256_xor_si256(v, bias);
+                        let pairs =
+                            _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q));
+                        *sum = _mm256_add_epi32(*sum, _mm256_madd_epi16(pairs, ones));
+                    }
                 }
-            }
-            let dx = _mm256_set1_ps(rdf32(a.add(lay.d), b));
-            for (h, acc) in acc.iter_mut().enumerate() {
-                let dw = _mm256_cvtph_ps(_mm_loadu_si128(d.add(16 * h).cast()));
-                let s = _mm256_cvtepi32_ps(sums[h]);
-                *acc = _mm256_add_ps(*acc, _mm256_mul_ps(_mm256_mul_ps(dw, dx), s));
-            }
-        });
+                let dx = _mm256_set1_ps(rdf32(a.add(lay.d), b));
+                for (h, acc) in acc.iter_mut().enumerate() {
+                    let dw = _mm256_cvtph_ps(_mm_loadu_si128(d.add(16 * h).cast()));
+                    let s = _mm256_cvtepi32_ps(sums[h]);
+                    *acc = _mm256_add_ps(*acc, _mm256_mul_ps(_mm256_mul_ps(dw, dx), s));
+                }
+            },
+        );
         let mut out = [0f32; X16];
         _mm256_storeu_ps(out.as_mut_ptr(), acc[0]);
         _mm256_storeu_ps(out[8..].as_mut_ptr(), acc[1]);
