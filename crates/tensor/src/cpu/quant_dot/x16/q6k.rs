@@ -198,29 +198,49 @@ unsafe fn group_vnni<const M: usize>(
     ahead: usize,
 ) -> [[f32; X16]; M] {
     use std::arch::x86_64::*;
+    // `vpdpwssd` kept whole: LLVM splits the intrinsic's chains into `vpmaddwd` + `vpaddd`,
+    // one more op a group where the ALU ports bound the kernel.
+    macro_rules! dpwssd {
+        ($acc:expr, $a:expr, $b:expr) => {{
+            let mut acc: __m512i = $acc;
+            std::arch::asm!(
+                "vpdpwssd {acc}, {a}, {b}",
+                acc = inout(zmm_reg) acc,
+                a = in(zmm_reg) $a,
+                b = in(zmm_reg) $b,
+                options(pure, nomem, nostack, preserves_flags)
+            );
+            acc
+        }};
+    }
     unsafe {
         let low = _mm512_set1_epi8(0x0F);
-        let top = _mm512_set1_epi8(0x30);
         // Lane `r`'s i16 pair `(s0, s1)` to `(s0, s0)` and to `(s1, s1)` (byte indices
-        // within each 128-bit lane).
+        // within each 128-bit lane). Opaque, so that LLVM keeps one `vpshufb` (it splits a
+        // constant one into `vpshuflw` + `vpshufhw`).
         let dup = |first: i32| {
             let at = |q: i32| (4 * q + first) | (4 * q + first + 1) << 8;
             let idx = |q: i32| at(q) | at(q) << 16;
-            _mm512_broadcast_i32x4(_mm_setr_epi32(idx(0), idx(1), idx(2), idx(3)))
+            let v = _mm512_broadcast_i32x4(_mm_setr_epi32(idx(0), idx(1), idx(2), idx(3)));
+            std::hint::black_box(v)
         };
         let (dup_first, dup_second) = (dup(0), dup(2));
         let bcast = |p: *const u8| _mm512_set1_epi32(p.cast::<i32>().read_unaligned());
         let mut acc = [[_mm512_setzero_ps(); 8]; M];
         for sb in 0..nsb {
             let blk = g.add(sb * SB_BYTES);
-            // Lane `l`'s scales of sub-blocks `2l`, `2l + 1` as i16 pairs (the bsums' term),
-            // and each sub-block's scale twice (the groups' products).
+            // The steps prefetch their own lines; `d` and the scales (read first) now.
+            for off in (OFF_D..SB_BYTES).step_by(64).chain([SB_BYTES - 1]) {
+                _mm_prefetch::<_MM_HINT_T1>(blk.add(ahead + off).cast());
+            }
+            // Lane `l`'s scales of sub-blocks `2l`, `2l + 1` times -32 as i16 pairs (the
+            // bsums' term), and each sub-block's scale twice (the groups' products).
             let mut pairs = [_mm512_setzero_si512(); 8];
             let mut scales = [_mm512_setzero_si512(); 16];
             for l in 0..8 {
                 let p =
                     _mm512_cvtepi8_epi16(_mm256_loadu_si256(blk.add(OFF_SCALES + 32 * l).cast()));
-                pairs[l] = p;
+                pairs[l] = _mm512_mullo_epi16(p, _mm512_set1_epi16(-32));
                 scales[2 * l] = _mm512_shuffle_epi8(p, dup_first);
                 scales[2 * l + 1] = _mm512_shuffle_epi8(p, dup_second);
             }
@@ -229,7 +249,13 @@ unsafe fn group_vnni<const M: usize>(
                 _mm512_mul_ps(_mm512_set1_ps(rdf32(a[i].add(lay.d), sb)), dw)
             });
             for l in 0..8 {
-                let mut lane = [_mm512_setzero_si512(); M];
+                // Two chains of `vpdpwssd` a row (one is latency-bound), the first from
+                // `-32·(bsum[2l]·sc[2l] + bsum[2l+1]·sc[2l+1])`; exact in i32.
+                let mut lane: [[__m512i; 2]; M] = std::array::from_fn(|i| {
+                    let bsums = a[i].add(lay.a).cast::<i16>().add(16 * sb + 2 * l);
+                    let offset = dpwssd!(_mm512_setzero_si512(), pairs[l], bcast(bsums.cast()));
+                    [offset, _mm512_setzero_si512()]
+                });
                 for n in 0..2 {
                     let at = |v: usize| blk.add(step_offset(n, l, v));
                     for v in 0..3 {
@@ -238,25 +264,20 @@ unsafe fn group_vnni<const M: usize>(
                     let ql0 = _mm512_loadu_si512(at(0).cast());
                     let ql1 = _mm512_loadu_si512(at(1).cast());
                     let qh = _mm512_loadu_si512(at(2).cast());
+                    // The `qh` pairs of `j` = 0, 2 apart from those of 1, 3: with the others
+                    // cleared, each shifts to bits 4-5 with zeros above it, and one
+                    // `vpternlogd` takes bits 0-3 from the nibble, 4-7 from the pair.
+                    let h02 = _mm512_and_si512(qh, _mm512_set1_epi8(0x33));
+                    let h13 = _mm512_and_si512(qh, _mm512_set1_epi8(0xCCu8 as i8));
+                    let sel =
+                        |nib: __m512i, hi: __m512i| _mm512_ternarylogic_epi32::<0xE4>(nib, hi, low);
                     // Groups `32n + l + 8j`: low nibbles of the two `ql` words, then high
                     // ones, each with its pair of `qh` bits as bits 4-5.
                     let w = [
-                        _mm512_or_si512(
-                            _mm512_and_si512(ql0, low),
-                            _mm512_and_si512(_mm512_slli_epi16::<4>(qh), top),
-                        ),
-                        _mm512_or_si512(
-                            _mm512_and_si512(ql1, low),
-                            _mm512_and_si512(_mm512_slli_epi16::<2>(qh), top),
-                        ),
-                        _mm512_or_si512(
-                            _mm512_and_si512(_mm512_srli_epi16::<4>(ql0), low),
-                            _mm512_and_si512(qh, top),
-                        ),
-                        _mm512_or_si512(
-                            _mm512_and_si512(_mm512_srli_epi16::<4>(ql1), low),
-                            _mm512_and_si512(_mm512_srli_epi16::<2>(qh), top),
-                        ),
+                        sel(ql0, _mm512_slli_epi16::<4>(h02)),
+                        sel(ql1, _mm512_slli_epi16::<2>(h13)),
+                        sel(_mm512_srli_epi16::<4>(ql0), h02),
+                        sel(_mm512_srli_epi16::<4>(ql1), _mm512_srli_epi16::<2>(h13)),
                     ];
                     for (j, &wj) in w.iter().enumerate() {
                         let group = 32 * n + l + 8 * j;
@@ -265,15 +286,12 @@ unsafe fn group_vnni<const M: usize>(
                             let x = bcast(a[i].add(256 * sb + 4 * group));
                             // Below 2·63·128 in i16: no saturation.
                             let dot = _mm512_maddubs_epi16(wj, x);
-                            lane[i] = _mm512_dpwssd_epi32(lane[i], scale, dot);
+                            lane[i][j % 2] = dpwssd!(lane[i][j % 2], scale, dot);
                         }
                     }
                 }
                 for i in 0..M {
-                    let bsums = a[i].add(lay.a).cast::<i16>().add(16 * sb + 2 * l);
-                    let offset =
-                        _mm512_dpwssd_epi32(_mm512_setzero_si512(), pairs[l], bcast(bsums.cast()));
-                    let sum = _mm512_sub_epi32(lane[i], _mm512_slli_epi32::<5>(offset));
+                    let sum = _mm512_add_epi32(lane[i][0], lane[i][1]);
                     acc[i][l] = _mm512_fmadd_ps(d[i], _mm512_cvtepi32_ps(sum), acc[i][l]);
                 }
             }
