@@ -234,6 +234,9 @@ fn model_matvecs(pool: &ThreadPool, owner: &BufferOwner, threads: usize) {
         (DType::Q8_0, 200_000, 576),
         (DType::Q4_0, 300_000, 576),
         (DType::Q5_K, 100_000, 1536),
+        // A Hugging Face checkpoint's 16-bit rows.
+        (DType::BF16, 20_000, 1536),
+        (DType::F16, 20_000, 1536),
     ] {
         let x: Vec<f32> = (0..k).map(|i| (i % 13) as f32 * 0.01 - 0.06).collect();
         let mut y = vec![0f32; n];
@@ -332,6 +335,17 @@ fn quantized(owner: &BufferOwner, dtype: DType, n: usize, k: usize) -> Buffer {
         state ^= state >> 7;
         state ^= state << 17;
         chunk.copy_from_slice(&state.to_le_bytes()[..chunk.len()]);
+    }
+    if matches!(dtype, DType::BF16 | DType::F16) {
+        // Finite values, none subnormal (random bits would give NaNs and slow assists).
+        for (i, v) in bytes.chunks_exact_mut(2).enumerate() {
+            let x = ((i * 7919) % 200) as f32 * 0.001 - 0.1 + 0.0005;
+            v.copy_from_slice(&match dtype {
+                DType::BF16 => half::bf16::from_f32(x).to_le_bytes(),
+                _ => half::f16::from_f32(x).to_le_bytes(),
+            });
+        }
+        return w;
     }
     let scale = half::f16::from_f32(0.01).to_le_bytes();
     let offsets: &[usize] = match dtype {
