@@ -34,6 +34,7 @@ macro_rules! group_of_32_value_blocks {
     }};
 }
 
+mod paired;
 mod q40;
 mod q41;
 mod q4k;

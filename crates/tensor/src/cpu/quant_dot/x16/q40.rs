@@ -1,5 +1,5 @@
 //! Q4_0 interleaved. A group of 16 rows holds the bytes of its plain rows (16 × 18 a block),
-//! its `k / 32` blocks in pairs of [`PAIR`] bytes, the `qs` first so that every 64-byte step
+//! its `k / 32` blocks in pairs ([`super::paired`]), the `qs` first so that every 64-byte step
 //! lies on a cache line of its own (a block of 288 bytes left every other block's steps across
 //! two lines, which read L2 at half the rate):
 //!
@@ -11,7 +11,7 @@
 //! | 512..544 | the first block's `d` of rows 0..16 (f16)                                  |
 //! | 544..576 | the second block's `d`                                                     |
 //!
-//! A last, unpaired block is its `qs`, then its `d`s ([`block_at`]).
+//! A last, unpaired block is its `qs`, then its `d`s.
 //!
 //! A step's low nibbles are values `4t..4t+4` of each row, its high nibbles values
 //! `16+4t..`. The tile ([`super::super::tiles`]' `tile_q32`) sums a block's products in one
@@ -22,50 +22,12 @@
 use super::super::act::ActLayout;
 use super::super::rows::QIsa;
 use super::super::tiles::rdf32;
-use super::{GroupKernel, X16};
+use super::{GroupKernel, X16, paired};
 
 /// Bytes of one plain Q4_0 block.
 const BLOCK: usize = 18;
 /// Bytes of a group's block's `qs`.
 const QS: usize = X16 * 16;
-/// Bytes of a group's pair of blocks.
-const PAIR: usize = 2 * X16 * BLOCK;
-
-/// Where block `b` of a group of `nb` blocks keeps its `qs` and its `d`s.
-#[inline(always)]
-fn block_at(b: usize, nb: usize) -> (usize, usize) {
-    let base = b / 2 * PAIR;
-    let in_pair = (nb - b / 2 * 2).min(2);
-    (base + QS * (b % 2), base + QS * in_pair + 32 * (b % 2))
-}
-
-/// Calls `block(qs, d, b)` for each block `b` of the group at `g` (`nb` blocks) in order, with
-/// where its `qs` and `d`s lie ([`block_at`]), the offsets constant within a pair. Prefetches
-/// each pair's `d` line `ahead`; the kernels prefetch their `qs` lines. The kernels' `block`s
-/// are `#[inline(always)]`: left to LLVM, the VNNI one for 4 rows stayed a call per block.
-#[inline(always)]
-unsafe fn each_block(
-    g: *const u8,
-    nb: usize,
-    ahead: usize,
-    mut block: impl FnMut(*const u8, *const u8, usize),
-) {
-    unsafe {
-        for p in 0..nb / 2 {
-            let base = g.add(p * PAIR);
-            #[cfg(target_arch = "x86_64")]
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
-                base.add(ahead + 2 * QS).cast(),
-            );
-            block(base, base.add(2 * QS), 2 * p);
-            block(base.add(QS), base.add(2 * QS + 32), 2 * p + 1);
-        }
-        if nb % 2 == 1 {
-            let base = g.add(nb / 2 * PAIR);
-            block(base, base.add(QS), nb - 1);
-        }
-    }
-}
 
 pub(super) fn interleave(src: &[u8], rows: usize, k: usize, dst: &mut [u8]) {
     let nb = k / 32;
@@ -73,7 +35,7 @@ pub(super) fn interleave(src: &[u8], rows: usize, k: usize, dst: &mut [u8]) {
     for g in 0..rows / X16 {
         let out = &mut dst[g * X16 * row_bytes..][..X16 * row_bytes];
         for b in 0..nb {
-            let (qs, d) = block_at(b, nb);
+            let (qs, d) = paired::block_at::<QS>(b, nb);
             for r in 0..X16 {
                 let blk = &src[(g * X16 + r) * row_bytes + b * BLOCK..][..BLOCK];
                 out[d + 2 * r..d + 2 * r + 2].copy_from_slice(&blk[0..2]);
@@ -89,7 +51,7 @@ pub(super) fn interleave(src: &[u8], rows: usize, k: usize, dst: &mut [u8]) {
 /// Row `r` of the group at `group` (`nb` blocks) as a plain row, into `out`.
 pub(super) fn plain_row(group: &[u8], nb: usize, r: usize, out: &mut [u8]) {
     for b in 0..nb {
-        let (qs, d) = block_at(b, nb);
+        let (qs, d) = paired::block_at::<QS>(b, nb);
         let blk = &mut out[b * BLOCK..][..BLOCK];
         blk[0..2].copy_from_slice(&group[d + 2 * r..d + 2 * r + 2]);
         for t in 0..4 {
@@ -131,7 +93,7 @@ unsafe fn group_vnni<const M: usize>(
         let low = _mm512_set1_epi8(0x0F);
         let bcast = |p: *const u8| _mm512_set1_epi32(p.cast::<i32>().read_unaligned());
         let mut acc = [_mm512_setzero_ps(); M];
-        each_block(
+        paired::each_block::<QS>(
             g,
             nb,
             ahead,
@@ -187,7 +149,7 @@ unsafe fn group_avx2(
         let ones = _mm256_set1_epi16(1);
         let bcast = |p: *const u8| _mm256_set1_epi32(p.cast::<i32>().read_unaligned());
         let mut acc = [_mm256_setzero_ps(); 2];
-        each_block(
+        paired::each_block::<QS>(
             g,
             nb,
             ahead,

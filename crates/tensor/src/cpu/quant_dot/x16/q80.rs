@@ -1,5 +1,5 @@
 //! Q8_0 interleaved. A group of 16 rows holds the bytes of its plain rows (16 × 34 a block),
-//! its `k / 32` blocks in pairs of [`PAIR`] bytes, the `qs` first so that every 64-byte step
+//! its `k / 32` blocks in pairs ([`super::paired`]), the `qs` first so that every 64-byte step
 //! lies on a cache line of its own (a load across two lines reads L2 at half the rate):
 //!
 //! | bytes      | what                                                                      |
@@ -10,7 +10,7 @@
 //! | 1024..1056 | the first block's `d` of rows 0..16 (f16)                                 |
 //! | 1056..1088 | the second block's `d`                                                    |
 //!
-//! A last, unpaired block is its `qs`, then its `d`s ([`block_at`]).
+//! A last, unpaired block is its `qs`, then its `d`s.
 //!
 //! A step holds values `4t..4t+4` of each row. The tile ([`super::super::tiles`]' `tile_q32`)
 //! sums a block's products in one exact integer per row and adds `(d_w·d_x)·sum` to one f32
@@ -25,53 +25,14 @@
 use super::super::act::ActLayout;
 use super::super::rows::QIsa;
 use super::super::tiles::rdf32;
-use super::{GroupKernel, X16};
+use super::{GroupKernel, X16, paired};
 
 /// Bytes of one plain Q8_0 block.
 const BLOCK: usize = 34;
 /// Bytes of a group's block's `qs`.
 const QS: usize = X16 * 32;
-/// Bytes of a group's pair of blocks.
-const PAIR: usize = 2 * X16 * BLOCK;
 /// What the stored weight bytes are XORed with: a value `q` becomes the u8 `q + 128`.
 const BIAS: u8 = 0x80;
-
-/// Where block `b` of a group of `nb` blocks keeps its `qs` and its `d`s.
-#[inline(always)]
-fn block_at(b: usize, nb: usize) -> (usize, usize) {
-    let base = b / 2 * PAIR;
-    let in_pair = (nb - b / 2 * 2).min(2);
-    (base + QS * (b % 2), base + QS * in_pair + 32 * (b % 2))
-}
-
-/// Calls `block(qs, d, b)` for each block `b` of the group at `g` (`nb` blocks) in order, with
-/// where its `qs` and `d`s lie ([`block_at`]), the offsets constant within a pair (a loop
-/// that computed them block by block ran the AVX2 kernel 30% slower). Prefetches each pair's
-/// `d` line `ahead`; the kernels prefetch their `qs` lines. The kernels' `block`s are
-/// `#[inline(always)]`: left to LLVM, the VNNI one for 4 rows stayed a call per block.
-#[inline(always)]
-unsafe fn each_block(
-    g: *const u8,
-    nb: usize,
-    ahead: usize,
-    mut block: impl FnMut(*const u8, *const u8, usize),
-) {
-    unsafe {
-        for p in 0..nb / 2 {
-            let base = g.add(p * PAIR);
-            #[cfg(target_arch = "x86_64")]
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
-                base.add(ahead + 2 * QS).cast(),
-            );
-            block(base, base.add(2 * QS), 2 * p);
-            block(base.add(QS), base.add(2 * QS + 32), 2 * p + 1);
-        }
-        if nb % 2 == 1 {
-            let base = g.add(nb / 2 * PAIR);
-            block(base, base.add(QS), nb - 1);
-        }
-    }
-}
 
 pub(super) fn interleave(src: &[u8], rows: usize, k: usize, dst: &mut [u8]) {
     let nb = k / 32;
@@ -79,7 +40,7 @@ pub(super) fn interleave(src: &[u8], rows: usize, k: usize, dst: &mut [u8]) {
     for g in 0..rows / X16 {
         let out = &mut dst[g * X16 * row_bytes..][..X16 * row_bytes];
         for b in 0..nb {
-            let (qs, d) = block_at(b, nb);
+            let (qs, d) = paired::block_at::<QS>(b, nb);
             for r in 0..X16 {
                 let blk = &src[(g * X16 + r) * row_bytes + b * BLOCK..][..BLOCK];
                 out[d + 2 * r..d + 2 * r + 2].copy_from_slice(&blk[0..2]);
@@ -98,7 +59,7 @@ pub(super) fn interleave(src: &[u8], rows: usize, k: usize, dst: &mut [u8]) {
 /// off the weights.
 pub(super) fn plain_row(group: &[u8], nb: usize, r: usize, out: &mut [u8]) {
     for b in 0..nb {
-        let (qs, d) = block_at(b, nb);
+        let (qs, d) = paired::block_at::<QS>(b, nb);
         let blk = &mut out[b * BLOCK..][..BLOCK];
         blk[0..2].copy_from_slice(&group[d + 2 * r..d + 2 * r + 2]);
         for t in 0..8 {
@@ -141,7 +102,7 @@ unsafe fn group_vnni<const M: usize>(
     unsafe {
         let bcast = |p: *const u8| _mm512_set1_epi32(p.cast::<i32>().read_unaligned());
         let mut acc = [_mm512_setzero_ps(); M];
-        each_block(
+        paired::each_block::<QS>(
             g,
             nb,
             ahead,
@@ -194,7 +155,7 @@ unsafe fn group_avx2(
         let ones = _mm256_set1_epi16(1);
         let bcast = |p: *const u8| _mm256_set1_epi32(p.cast::<i32>().read_unaligned());
         let mut acc = [_mm256_setzero_ps(); 2];
-        each_block(
+        paired::each_block::<QS>(
             g,
             nb,
             ahead,
