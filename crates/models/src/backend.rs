@@ -208,6 +208,21 @@ pub trait Backend {
         rows: usize,
         cols: usize,
     ) -> Result<Self::Matrix>;
+    /// Matrices of `cols` columns that always take the same input (q, k and v), each
+    /// `(name, rows)`, each returned as its own. A backend may lay their rows end to end in
+    /// one allocation, so that one product runs them all ([`Backend::norm_linears`]); by
+    /// default each is loaded apart.
+    fn load_adjacent(
+        &self,
+        source: &dyn TensorSource,
+        parts: &[(&str, usize)],
+        cols: usize,
+    ) -> Result<Vec<Self::Matrix>> {
+        parts
+            .iter()
+            .map(|&(name, rows)| self.load_matrix(source, name, rows, cols))
+            .collect()
+    }
     /// A 3-d tensor `[count, rows, cols]` as one `count·rows × cols` matrix.
     fn load_stacked(
         &self,

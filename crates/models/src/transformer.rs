@@ -42,6 +42,22 @@ impl<B: Backend> Linear<B> {
         })
     }
 
+    /// A projection whose weight is loaded already (one of [`Backend::load_adjacent`]'s).
+    fn with_weight(
+        b: &B,
+        source: &dyn TensorSource,
+        prefix: &str,
+        weight: B::Matrix,
+        bias: bool,
+    ) -> Result<Self> {
+        let bias = if bias {
+            Some(b.load_vector(source, &format!("{prefix}.bias"), weight.rows())?)
+        } else {
+            None
+        };
+        Ok(Linear { weight, bias })
+    }
+
     /// This projection writing `dst`, as one of a group ([`Backend::norm_linears`]).
     fn writing(&self, dst: Slot) -> Projection<'_, B> {
         Projection {
@@ -243,10 +259,26 @@ impl<B: Backend> Transformer<B> {
                     Ok(None)
                 }
             };
+            // q, k and v share their input: adjacent, so that a backend may run them as one
+            // product.
+            let attn = |name: &str| format!("{p}.self_attn.{name}");
+            let names = [attn("q_proj"), attn("k_proj"), attn("v_proj")];
+            let weights = b.load_adjacent(
+                source,
+                &[
+                    (&format!("{}.weight", names[0]), q_dim),
+                    (&format!("{}.weight", names[1]), kv_dim),
+                    (&format!("{}.weight", names[2]), kv_dim),
+                ],
+                h,
+            )?;
+            let [q, k, v] = <[B::Matrix; 3]>::try_from(weights)
+                .unwrap_or_else(|w| panic!("load_adjacent gave {} matrices for 3", w.len()));
+            let qkv = |name: &str, weight| Linear::with_weight(b, source, name, weight, c.qkv_bias);
             let attention = Attention {
-                q: linear("q_proj", q_dim, h, c.qkv_bias)?,
-                k: linear("k_proj", kv_dim, h, c.qkv_bias)?,
-                v: linear("v_proj", kv_dim, h, c.qkv_bias)?,
+                q: qkv(&names[0], q)?,
+                k: qkv(&names[1], k)?,
+                v: qkv(&names[2], v)?,
                 o: linear("o_proj", h, q_dim, c.o_bias)?,
                 q_norm: head_norm("q_norm")?,
                 k_norm: head_norm("k_norm")?,

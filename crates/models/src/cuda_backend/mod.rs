@@ -266,6 +266,31 @@ impl Backend for CudaBackend {
         self.matrix_from(name, t.dtype, t.bytes, rows, cols)
     }
 
+    fn load_adjacent(
+        &self,
+        source: &dyn TensorSource,
+        parts: &[(&str, usize)],
+        cols: usize,
+    ) -> Result<Vec<CudaMatrix>> {
+        let tensors = parts
+            .iter()
+            .map(|&(name, rows)| source.get_shaped(name, &[rows, cols]))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let dtype = tensors[0].dtype;
+        // One allocation only where one product can take them: 16-bit weights of one type.
+        if !matches!(dtype, DType::BF16 | DType::F16) || tensors.iter().any(|t| t.dtype != dtype) {
+            return parts
+                .iter()
+                .zip(&tensors)
+                .map(|(&(name, rows), t)| self.matrix_from(name, t.dtype, t.bytes, rows, cols))
+                .collect();
+        }
+        let names: Vec<&str> = parts.iter().map(|&(name, _)| name).collect();
+        let rows: Vec<usize> = parts.iter().map(|&(_, rows)| rows).collect();
+        let bytes: Vec<&[u8]> = tensors.iter().map(|t| t.bytes).collect();
+        self.adjacent_matrices(&names.join(" + "), dtype, &bytes, &rows, cols)
+    }
+
     fn load_stacked(
         &self,
         source: &dyn TensorSource,
@@ -386,11 +411,15 @@ impl Backend for CudaBackend {
         if !weights.iter().all(|w| w.dtype == DType::BF16) {
             return norm_linears_step_by_step(self, src, rows, norm, eps, projections);
         }
-        // Prefill: normalised once, straight to bf16, then a GEMM per projection.
+        // Normalised once, straight to bf16, then one GEMM for all where it can, else one a
+        // projection.
         let n = rows.len();
         self.norm_into_gemm_input(src, rows, norm, eps)?;
+        let together = self.adjacent_gemm_from_input(n, projections)?;
         for p in projections {
-            self.gemm_from_input::<f32>(p.weight, n, p.dst, 0, false)?;
+            if !together {
+                self.gemm_from_input::<f32>(p.weight, n, p.dst, 0, false)?;
+            }
             if let Some(bias) = p.bias {
                 self.add_bias(bias, p.dst, n, p.weight.rows)?;
             }

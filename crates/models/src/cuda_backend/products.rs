@@ -175,6 +175,52 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// [`Self::gemm_from_input`] for each of `projections` into its slot (f32) as one launch,
+    /// where their weights lie end to end in one buffer (q, k and v:
+    /// [`CudaBackend::adjacent_matrices`]) and the batch-invariant kernel runs them, whose
+    /// sums for a row are the same whatever launch it shares. Returns whether it did.
+    pub(super) fn adjacent_gemm_from_input(
+        &mut self,
+        rows: usize,
+        projections: &[Projection<'_, Self>],
+    ) -> Result<bool> {
+        let Gemms::Invariant(sliced) = &mut self.gemm else {
+            return Ok(false);
+        };
+        let weights: Vec<&CudaMatrix> = projections.iter().map(|p| p.weight).collect();
+        let Some(stacked) = CudaMatrix::adjacent(&weights) else {
+            return Ok(false);
+        };
+        let dsts: Vec<usize> = projections.iter().map(|p| p.dst.index()).collect();
+        let distinct = dsts.iter().enumerate().all(|(i, d)| !dsts[..i].contains(d));
+        if !distinct || projections.len() > cuda::SLICED_MAX_OUTPUTS {
+            return Ok(false);
+        }
+        let mut slots: Vec<(usize, DevSliceMut<'_, f32>)> = self
+            .slots
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| dsts.contains(i))
+            .map(|(i, slot)| (i, slot.as_mut_slice::<f32>()))
+            .collect();
+        let mut outs = Vec::with_capacity(projections.len());
+        for (&dst, w) in dsts.iter().zip(&weights) {
+            let at = slots
+                .iter()
+                .position(|(i, _)| *i == dst)
+                .expect("a slot each");
+            let (_, slot) = slots.swap_remove(at);
+            outs.push(slot.split_at_mut(rows * w.rows).0);
+        }
+        let parts: Vec<usize> = weights.iter().map(|w| w.rows).collect();
+        let a = self
+            .gemm_input
+            .as_slice::<bf16>()
+            .slice(0..rows * stacked.cols);
+        sliced.matmul_parts(a, &stacked.as_mat()?, &mut outs, &parts, false)?;
+        Ok(true)
+    }
+
     /// `dst[r] += bias` for each of `rows` rows of `width`.
     pub(super) fn add_bias(
         &mut self,

@@ -31,6 +31,32 @@ impl CudaMatrix {
     }
 }
 
+impl CudaMatrix {
+    /// `matrices` as one: views of one buffer, their rows end to end in this order, of one
+    /// dtype and width ([`CudaBackend::adjacent_matrices`]); `None` where they are not.
+    pub(super) fn adjacent(matrices: &[&CudaMatrix]) -> Option<CudaMatrix> {
+        let first = matrices.first()?;
+        let mut end = first.offset;
+        for m in matrices {
+            let together = Arc::ptr_eq(&m.buffer, &first.buffer)
+                && m.offset == end
+                && m.dtype == first.dtype
+                && m.cols == first.cols;
+            if !together {
+                return None;
+            }
+            end += m.size_in_bytes();
+        }
+        Some(CudaMatrix {
+            buffer: Arc::clone(&first.buffer),
+            offset: first.offset,
+            dtype: first.dtype,
+            rows: matrices.iter().map(|m| m.rows).sum(),
+            cols: first.cols,
+        })
+    }
+}
+
 impl WeightMatrix for CudaMatrix {
     fn rows(&self) -> usize {
         self.rows
@@ -106,5 +132,42 @@ impl CudaBackend {
             rows,
             cols,
         })
+    }
+
+    /// Matrices of one 16-bit `dtype` and `cols` columns, `parts[i]` holding `rows[i]` rows,
+    /// their rows end to end in one buffer: each a view of it ([`CudaMatrix::adjacent`] finds
+    /// them together again).
+    pub(super) fn adjacent_matrices(
+        &self,
+        name: &str,
+        dtype: DType,
+        parts: &[&[u8]],
+        rows: &[usize],
+        cols: usize,
+    ) -> Result<Vec<CudaMatrix>> {
+        let total = parts.iter().map(|p| p.len()).sum();
+        let mut buffer = self
+            .owner
+            .alloc_device(BufferKind::Weights, name, &self.device, total)?;
+        let mut offset = 0;
+        let mut matrices = Vec::with_capacity(parts.len());
+        for (bytes, &rows) in parts.iter().zip(rows) {
+            let mut all = buffer.as_mut_slice::<u8>();
+            let mut dst = all.slice_mut(offset..offset + bytes.len());
+            self.device.upload(&mut dst, bytes)?;
+            matrices.push((offset, rows));
+            offset += bytes.len();
+        }
+        let buffer = Arc::new(buffer);
+        Ok(matrices
+            .into_iter()
+            .map(|(offset, rows)| CudaMatrix {
+                buffer: Arc::clone(&buffer),
+                offset,
+                dtype,
+                rows,
+                cols,
+            })
+            .collect())
     }
 }

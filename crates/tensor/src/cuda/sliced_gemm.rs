@@ -109,15 +109,28 @@ impl SlicedTile {
     }
 }
 
+/// Outputs one launch may write (`SG_MAX_OUTS`): q, k and v.
+pub const MAX_OUTPUTS: usize = 3;
+
+/// Where a run of the weights' rows goes, field for field `SlicedOut` in sliced_gemm.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct OutArgs {
+    y: u64,
+    first: i32,
+    width: i32,
+}
+
 /// The kernel's one argument, field for field `SlicedGemmArgs` in sliced_gemm.cu.
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
 struct KernelArgs {
     w: u64,
     x: u64,
-    y: u64,
     partials: u64,
     tickets: u64,
+    out: [OutArgs; MAX_OUTPUTS],
+    outs: i32,
     m: i32,
     n: i32,
     k: i32,
@@ -125,9 +138,8 @@ struct KernelArgs {
     slices: i32,
     accumulate: i32,
     out_bf16: i32,
-    pad: i32,
 }
-const _: () = assert!(size_of::<KernelArgs>() == 72);
+const _: () = assert!(size_of::<KernelArgs>() == 112);
 
 /// Runs `out = a · Wᵀ` (or `out += a · Wᵀ`) for 16-bit activations `a [m, k]` and weights
 /// `W [n, k]` of the same type into f32 or bf16 `out [m, n]`, each row's sums in one fixed
@@ -192,9 +204,84 @@ impl SlicedGemm {
         out: &mut DevSliceMut<'_, O>,
         accumulate: bool,
     ) -> Result<(), CudaError> {
+        let m = product_rows("sliced_gemm", &a, w, out)?;
+        let mut outs = [OutArgs::default(); MAX_OUTPUTS];
+        outs[0] = OutArgs {
+            y: out.device_ptr(),
+            first: 0,
+            width: int("sliced_gemm", "n", w.rows)?,
+        };
+        self.run::<A, O>(a, w, m, &outs[..1], accumulate)
+    }
+
+    /// [`Self::matmul`] for matrices sharing the input `a` with their rows end to end in `w`
+    /// (q, k and v as one launch): `outs[i]` takes `rows[i]` of them, `[m, rows[i]]`, in
+    /// order. Each row's sums are those `w` alone gives it.
+    pub fn matmul_parts<A: FloatElem, O: FloatElem>(
+        &mut self,
+        a: DevSlice<'_, A>,
+        w: &DevMat<'_>,
+        outs: &mut [DevSliceMut<'_, O>],
+        rows: &[usize],
+        accumulate: bool,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "sliced_gemm";
+        ensure!(
+            (1..=MAX_OUTPUTS).contains(&outs.len()) && rows.len() == outs.len(),
+            OP,
+            "{} outputs of {} row counts (1 to {MAX_OUTPUTS})",
+            outs.len(),
+            rows.len()
+        );
+        ensure!(
+            rows.iter().sum::<usize>() == w.rows,
+            OP,
+            "outputs of {rows:?} rows from a matrix of {}",
+            w.rows
+        );
+        ensure!(
+            w.cols > 0 && a.len().is_multiple_of(w.cols),
+            OP,
+            "{} activations in rows of {}",
+            a.len(),
+            w.cols
+        );
+        let m = a.len() / w.cols;
+        let mut args = [OutArgs::default(); MAX_OUTPUTS];
+        let mut first = 0;
+        for (i, (out, &r)) in outs.iter_mut().zip(rows).enumerate() {
+            ensure!(
+                out.len() == m * r,
+                OP,
+                "output {i} of {} values for {m}×{r}",
+                out.len()
+            );
+            args[i] = OutArgs {
+                y: out.device_ptr(),
+                first: int(OP, "first row", first)?,
+                width: int(OP, "rows", r)?,
+            };
+            first += r;
+        }
+        self.run::<A, O>(a, w, m, &args[..outs.len()], accumulate)
+    }
+
+    fn run<A: FloatElem, O: FloatElem>(
+        &mut self,
+        a: DevSlice<'_, A>,
+        w: &DevMat<'_>,
+        m: usize,
+        outs: &[OutArgs],
+        accumulate: bool,
+    ) -> Result<(), CudaError> {
         const OP: &str = "sliced_gemm";
         let input = A::FLOAT;
-        let m = product_rows(OP, &a, w, out)?;
+        ensure!(
+            input != Float::F32 && w.dtype == input,
+            OP,
+            "activations {input} and weights {} (both bf16 or both f16)",
+            w.dtype
+        );
         ensure!(O::FLOAT != Float::F16, OP, "f16 output (f32 or bf16 only)");
         let (n, k) = (w.rows, w.cols);
         ensure!(
@@ -217,12 +304,15 @@ impl SlicedGemm {
         if let Some((tile, split)) = self.forced {
             plan = plan.with_tile(tile, split, m, n, partials);
         }
+        let mut out = [OutArgs::default(); MAX_OUTPUTS];
+        out[..outs.len()].copy_from_slice(outs);
         let mut args = KernelArgs {
             w: w.data.device_ptr(),
             x: a.device_ptr(),
-            y: out.device_ptr(),
             partials: self.partials.device_ptr(),
             tickets: self.tickets.device_ptr(),
+            out,
+            outs: outs.len() as i32,
             m: int(OP, "m", m)?,
             n: int(OP, "n", n)?,
             k: int(OP, "k", k)?,
@@ -230,7 +320,6 @@ impl SlicedGemm {
             slices: int(OP, "slices", plan.slices)?,
             accumulate: i32::from(accumulate),
             out_bf16: i32::from(O::FLOAT == Float::Bf16),
-            pad: 0,
         };
         if !plan.split {
             args.partials = 0;
@@ -315,6 +404,7 @@ mod tests {
     #[test]
     fn constants_match_the_kernel() {
         assert_eq!(Module::SlicedGemm.define("SG_STEP"), STEP);
+        assert_eq!(Module::SlicedGemm.define("SG_MAX_OUTS"), MAX_OUTPUTS);
         assert!(SLICE_LENS.iter().all(|s| s.is_multiple_of(STEP)));
         // Every tile fits the shared memory a block of sm_86 can have (99 KiB), and its
         // steps a stage divide every slice.

@@ -414,3 +414,76 @@ fn sliced_gemm_gives_a_row_the_same_bits_in_every_batch() {
         }
     }
 }
+
+/// Matrices stacked end to end (q, k and v) in one launch, each into its own output: every
+/// output element the same bits as the stacked matrix's product into one output, for a
+/// batch whose slices run in blocks of their own and one whose slices do not, accumulating
+/// or not.
+#[test]
+fn sliced_gemm_parts_are_the_columns_of_the_stacked_product() {
+    let Some(ctx) = Ctx::new() else { return };
+    let mut sliced = SlicedGemm::new(&ctx.device, &ctx.owner).unwrap();
+    let mut rng = Rng(23);
+    let (parts, k) = ([136, 40, 40], 520);
+    let n: usize = parts.iter().sum();
+    let w: Vec<bf16> = round(&rng.vec(n * k));
+    let wbuf = ctx.upload(&w);
+    let mat = DevMat::from_slice(wbuf.as_slice::<bf16>(), n, k).unwrap();
+    for m in [1, 3, 300] {
+        let a: Vec<bf16> = round(&rng.vec(m * k));
+        let abuf = ctx.upload(&a);
+        for accumulate in [false, true] {
+            let start: Vec<f32> = rng.vec(m * n);
+            let mut whole = ctx.upload(&start);
+            sliced
+                .matmul(
+                    abuf.as_slice::<bf16>(),
+                    &mat,
+                    &mut whole.as_mut_slice::<f32>(),
+                    accumulate,
+                )
+                .unwrap();
+            let whole = bits(&ctx.download::<f32>(&whole));
+            // The same starting values, cut into the parts' columns.
+            let mut bufs: Vec<_> = (0..parts.len())
+                .map(|i| {
+                    let first: usize = parts[..i].iter().sum();
+                    let cols: Vec<f32> = (0..m)
+                        .flat_map(|t| start[t * n + first..t * n + first + parts[i]].to_vec())
+                        .collect();
+                    ctx.upload(&cols)
+                })
+                .collect();
+            let mut outs: Vec<_> = bufs.iter_mut().map(|b| b.as_mut_slice::<f32>()).collect();
+            sliced
+                .matmul_parts(abuf.as_slice::<bf16>(), &mat, &mut outs, &parts, accumulate)
+                .unwrap();
+            drop(outs);
+            for (i, buf) in bufs.iter().enumerate() {
+                let first: usize = parts[..i].iter().sum();
+                let got = bits(&ctx.download::<f32>(buf));
+                for t in 0..m {
+                    assert!(
+                        got[t * parts[i]..(t + 1) * parts[i]]
+                            == whole[t * n + first..t * n + first + parts[i]],
+                        "batch {m} (accumulate {accumulate}): row {t} of output {i} differs"
+                    );
+                }
+            }
+        }
+    }
+    // Outputs that do not add up to the matrix are refused.
+    let a: Vec<bf16> = round(&rng.vec(k));
+    let abuf = ctx.upload(&a);
+    let mut y = ctx.poisoned::<f32>(n);
+    let e = sliced
+        .matmul_parts(
+            abuf.as_slice::<bf16>(),
+            &mat,
+            &mut [y.as_mut_slice::<f32>()],
+            &[n - 1],
+            false,
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("rows"), "{e}");
+}

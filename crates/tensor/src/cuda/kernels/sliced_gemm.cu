@@ -3,6 +3,8 @@
 //   y[t, r] = Σ_k x[t, k] · W[r, k]        (y[t, r] += … with `accumulate`)
 //
 // for 16-bit W [n, k] (a HF Linear) and x [m, k] of the same type, f32 sums, y f32 or bf16.
+// W may be several matrices sharing x with their rows end to end (q, k and v): then y is as
+// many outputs, rows first .. of W going to output i as its columns 0 .. (`SlicedOut`).
 //
 // Every output element is computed by one sequence of operations whatever m is and whatever
 // tile or grid the host picks: the row length is cut into slices of `slice` values (a multiple
@@ -41,13 +43,23 @@
 // Bytes of one step of a row: 32 16-bit values.
 #define SG_ROW_BYTES 64
 
+#define SG_MAX_OUTS 3
+
+// Where W's rows from `first` go: y [m, width], f32 or bf16. Mirrors `OutArgs`.
+struct SlicedOut {
+    void* y;
+    int first;
+    int width;
+};
+
 // Mirrors `KernelArgs` in sliced_gemm.rs field for field.
 struct SlicedGemmArgs {
     const void* w;    // [n, k]
     const void* x;    // [m, k]
-    void* y;          // [m, n], f32 or bf16
     float* partials;  // [slices][m][n]: the split form's slice sums
     unsigned* tickets;  // one per tile (n tile, m tile) of the split form; zero between launches
+    SlicedOut out[SG_MAX_OUTS];  // `outs` of them, by rising `first` (out[0].first = 0)
+    int outs;
     int m;
     int n;
     int k;
@@ -55,9 +67,8 @@ struct SlicedGemmArgs {
     int slices;  // ceil(k / slice)
     int accumulate;
     int out_bf16;
-    int pad;
 };
-static_assert(sizeof(SlicedGemmArgs) == 72, "KernelArgs in sliced_gemm.rs has 72 bytes");
+static_assert(sizeof(SlicedGemmArgs) == 112, "KernelArgs in sliced_gemm.rs has 112 bytes");
 
 template <typename T> struct SlicedMma;
 template <> struct SlicedMma<bf16_t> {
@@ -227,13 +238,16 @@ __device__ __forceinline__ void sliced_gemm(const SlicedGemmArgs& a) {
     auto row_of = [&](int i, int e) { return r0 + (warp_m * WM + i) * 16 + g + (e >> 1) * 8; };
     auto token_of = [&](int j, int e) { return t0 + (warp_n * WN + j) * 8 + 2 * tq + (e & 1); };
     auto store = [&](int tok, int row, float v) {
-        const size_t at = (size_t)tok * a.n + row;
+        const int i = a.outs > 2 && row >= a.out[2].first ? 2
+                      : a.outs > 1 && row >= a.out[1].first ? 1
+                                                             : 0;
+        const size_t at = (size_t)tok * a.out[i].width + (row - a.out[i].first);
         if (a.out_bf16) {
-            bf16_t* y = (bf16_t*)a.y;
+            bf16_t* y = (bf16_t*)a.out[i].y;
             if (a.accumulate) v = to_f32(y[at]) + v;
             y[at] = from_f32<bf16_t>(v);
         } else {
-            float* y = (float*)a.y;
+            float* y = (float*)a.out[i].y;
             y[at] = a.accumulate ? y[at] + v : v;
         }
     };
