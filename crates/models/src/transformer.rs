@@ -671,13 +671,23 @@ fn load_mlp<B: Backend>(
     hidden: usize,
     bias: bool,
 ) -> Result<Mlp<B>> {
-    let linear = |name: &str, rows: usize, cols: usize| {
-        Linear::load(b, source, &format!("{prefix}.{name}"), rows, cols, bias)
-    };
+    let name = |name: &str| format!("{prefix}.{name}");
+    // Gate and up share their input: adjacent, so that a backend may run them as one product.
+    let (gate, up) = (name("gate_proj"), name("up_proj"));
+    let weights = b.load_adjacent(
+        source,
+        &[
+            (&format!("{gate}.weight"), width),
+            (&format!("{up}.weight"), width),
+        ],
+        hidden,
+    )?;
+    let [gate_weight, up_weight] = <[B::Matrix; 2]>::try_from(weights)
+        .unwrap_or_else(|w| panic!("load_adjacent gave {} matrices for 2", w.len()));
     Ok(Mlp {
-        gate: linear("gate_proj", width, hidden)?,
-        up: linear("up_proj", width, hidden)?,
-        down: linear("down_proj", hidden, width)?,
+        gate: Linear::with_weight(b, source, &gate, gate_weight, bias)?,
+        up: Linear::with_weight(b, source, &up, up_weight, bias)?,
+        down: Linear::load(b, source, &name("down_proj"), hidden, width, bias)?,
     })
 }
 

@@ -467,6 +467,7 @@ fn products(probe: &mut Probe, copy: f64, batches: &[usize]) -> Result<(), CudaE
     println!("\nproducts, bf16 weights streamed from HBM, µs (share of copy rate for the weights)");
     let shapes = [
         ("q/o", 4096, 4096),
+        ("q/k/v", 6144, 4096),
         ("k/v", 1024, 4096),
         ("gate/up", 12288, 4096),
         ("down", 4096, 12288),

@@ -192,7 +192,12 @@ impl CudaBackend {
         let logits = f32s("logits", logit_rows * config.vocab_size)?;
         let mut argmax_scratch = f32s("argmax chunks", cuda::argmax_scratch_len(logit_rows))?;
         device.fill_bytes(&mut argmax_scratch.as_mut_slice::<u32>(), 0)?;
-        let gemm = Gemms::new(&device, owner, options.batch_invariant)?;
+        let gemm = Gemms::new(
+            &device,
+            owner,
+            options.batch_invariant,
+            config.q_dim() + 2 * config.kv_dim(),
+        )?;
         let moe = MoeWorkspace::new(&device, owner, config, b)?;
         Ok(CudaBackend {
             owner: owner.clone(),
@@ -415,7 +420,8 @@ impl Backend for CudaBackend {
         // projection.
         let n = rows.len();
         self.norm_into_gemm_input(src, rows, norm, eps)?;
-        let together = self.adjacent_gemm_from_input(n, projections)?;
+        let parts: Vec<_> = projections.iter().map(|p| (p.weight, p.dst)).collect();
+        let together = self.adjacent_gemm_from_input::<f32>(n, &parts)?;
         for p in projections {
             if !together {
                 self.gemm_from_input::<f32>(p.weight, n, p.dst, 0, false)?;
@@ -462,8 +468,11 @@ impl Backend for CudaBackend {
         // read back), and SwiGLU multiplies them in f32.
         self.norm_into_gemm_input(Slot::Residual, rows, norm, eps)?;
         let len = n * width;
-        self.gemm_from_input::<bf16>(gate.weight, n, Slot::Gate, 0, false)?;
-        self.gemm_from_input::<bf16>(up.weight, n, Slot::Up, 0, false)?;
+        let parts = [(gate.weight, Slot::Gate), (up.weight, Slot::Up)];
+        if !self.adjacent_gemm_from_input::<bf16>(n, &parts)? {
+            self.gemm_from_input::<bf16>(gate.weight, n, Slot::Gate, 0, false)?;
+            self.gemm_from_input::<bf16>(up.weight, n, Slot::Up, 0, false)?;
+        }
         {
             let [g, u] = self
                 .slots

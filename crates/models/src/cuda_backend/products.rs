@@ -57,23 +57,44 @@ impl CudaBackend {
     }
 }
 
+/// The longest batch whose adjacent f32 products (q, k and v) cuBLASLt runs as one, into
+/// [`Gemms::Fast`]'s `together` and then cut into their slots: decode batches, where the
+/// small products and their split-K reductions cost most; a prompt chunk runs them apart.
+const TOGETHER_MOST_ROWS: usize = 256;
+
 /// The GEMM 16-bit weights take: the batch-invariant kernel (`--batch-invariant`), or
 /// cuBLASLt with matrix-vector kernels for decode batches.
 pub(super) enum Gemms {
     Invariant(cuda::SlicedGemm),
-    Fast(cuda::Gemm),
+    Fast {
+        gemm: cuda::Gemm,
+        /// f32 rows of adjacent products run as one (q, k and v), before they are cut into
+        /// their slots: [`TOGETHER_MOST_ROWS`] of the widest such group.
+        together: DeviceBuffer,
+    },
 }
 
 impl Gemms {
+    /// `together_width`: the widest group of matrices loaded adjacent with f32 outputs
+    /// (q, k and v).
     pub(super) fn new(
         device: &cuda::CudaDevice,
         owner: &ember_tensor::BufferOwner,
         invariant: bool,
+        together_width: usize,
     ) -> Result<Gemms> {
         Ok(if invariant {
             Gemms::Invariant(cuda::SlicedGemm::new(device, owner)?)
         } else {
-            Gemms::Fast(cuda::Gemm::new(device, owner)?)
+            Gemms::Fast {
+                gemm: cuda::Gemm::new(device, owner)?,
+                together: owner.alloc_device(
+                    ember_tensor::BufferKind::Activations,
+                    "adjacent products (f32)",
+                    device,
+                    TOGETHER_MOST_ROWS * together_width * 4,
+                )?,
+            }
         })
     }
 
@@ -86,7 +107,7 @@ impl Gemms {
     ) -> Result<()> {
         match self {
             Gemms::Invariant(g) => g.matmul(a, w, out, accumulate)?,
-            Gemms::Fast(g) => g.matmul(a, w, out, accumulate)?,
+            Gemms::Fast { gemm, .. } => gemm.matmul(a, w, out, accumulate)?,
         }
         Ok(())
     }
@@ -101,6 +122,31 @@ impl Gemms {
     pub(super) fn matvec_road(&self, dtype: Float, rows: usize) -> bool {
         dtype == Float::F32 || (!self.is_invariant() && rows <= cuda::MAX_BATCH)
     }
+}
+
+/// The first `rows` rows of slots `dsts` (distinct), `widths[i]` values a row, in that order.
+fn slot_rows<'a, O: cuda::FloatElem>(
+    slots: &'a mut [DeviceBuffer],
+    dsts: &[usize],
+    widths: &[usize],
+    rows: usize,
+) -> Vec<DevSliceMut<'a, O>> {
+    let mut by_slot: Vec<(usize, DevSliceMut<'a, O>)> = slots
+        .iter_mut()
+        .enumerate()
+        .filter(|(i, _)| dsts.contains(i))
+        .map(|(i, slot)| (i, slot.as_mut_slice::<O>()))
+        .collect();
+    dsts.iter()
+        .zip(widths)
+        .map(|(dst, &width)| {
+            let at = by_slot
+                .iter()
+                .position(|(i, _)| i == dst)
+                .expect("a slot each");
+            by_slot.swap_remove(at).1.split_at_mut(rows * width).0
+        })
+        .collect()
 }
 
 /// `y (+)= x · Wᵀ` for `rows` rows of f32 `x`: matrix-vector kernels where [`Gemms`] says,
@@ -175,49 +221,49 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// [`Self::gemm_from_input`] for each of `projections` into its slot (f32) as one launch,
-    /// where their weights lie end to end in one buffer (q, k and v:
-    /// [`CudaBackend::adjacent_matrices`]) and the batch-invariant kernel runs them, whose
-    /// sums for a row are the same whatever launch it shares. Returns whether it did.
-    pub(super) fn adjacent_gemm_from_input(
+    /// [`Self::gemm_from_input`] for each `(weight, dst)` of `parts` as one product, where
+    /// their weights lie end to end in one buffer (q, k and v; gate and up:
+    /// [`CudaBackend::adjacent_matrices`]): on the batch-invariant kernel, which writes each
+    /// slot itself and sums a row as it would alone, or for f32 outputs of a decode batch
+    /// on cuBLASLt into `together`, then cut into the slots. Returns whether it did.
+    pub(super) fn adjacent_gemm_from_input<O: cuda::FloatElem>(
         &mut self,
         rows: usize,
-        projections: &[Projection<'_, Self>],
+        parts: &[(&CudaMatrix, Slot)],
     ) -> Result<bool> {
-        let Gemms::Invariant(sliced) = &mut self.gemm else {
-            return Ok(false);
-        };
-        let weights: Vec<&CudaMatrix> = projections.iter().map(|p| p.weight).collect();
+        let weights: Vec<&CudaMatrix> = parts.iter().map(|&(w, _)| w).collect();
         let Some(stacked) = CudaMatrix::adjacent(&weights) else {
             return Ok(false);
         };
-        let dsts: Vec<usize> = projections.iter().map(|p| p.dst.index()).collect();
+        let dsts: Vec<usize> = parts.iter().map(|(_, dst)| dst.index()).collect();
         let distinct = dsts.iter().enumerate().all(|(i, d)| !dsts[..i].contains(d));
-        if !distinct || projections.len() > cuda::SLICED_MAX_OUTPUTS {
+        let most = cuda::SLICED_MAX_OUTPUTS.min(cuda::SPLIT_MAX_OUTPUTS);
+        if !distinct || parts.len() > most {
             return Ok(false);
         }
-        let mut slots: Vec<(usize, DevSliceMut<'_, f32>)> = self
-            .slots
-            .iter_mut()
-            .enumerate()
-            .filter(|(i, _)| dsts.contains(i))
-            .map(|(i, slot)| (i, slot.as_mut_slice::<f32>()))
-            .collect();
-        let mut outs = Vec::with_capacity(projections.len());
-        for (&dst, w) in dsts.iter().zip(&weights) {
-            let at = slots
-                .iter()
-                .position(|(i, _)| *i == dst)
-                .expect("a slot each");
-            let (_, slot) = slots.swap_remove(at);
-            outs.push(slot.split_at_mut(rows * w.rows).0);
-        }
-        let parts: Vec<usize> = weights.iter().map(|w| w.rows).collect();
+        let widths: Vec<usize> = weights.iter().map(|w| w.rows).collect();
         let a = self
             .gemm_input
             .as_slice::<bf16>()
             .slice(0..rows * stacked.cols);
-        sliced.matmul_parts(a, &stacked.as_mat()?, &mut outs, &parts, false)?;
+        let mat = stacked.as_mat()?;
+        match &mut self.gemm {
+            Gemms::Invariant(sliced) => {
+                let mut outs = slot_rows::<O>(&mut self.slots, &dsts, &widths, rows);
+                sliced.matmul_parts(a, &mat, &mut outs, &widths, false)?;
+            }
+            Gemms::Fast { gemm, together } => {
+                let len = rows * stacked.rows;
+                if O::FLOAT != Float::F32 || rows > TOGETHER_MOST_ROWS || len * 4 > together.len() {
+                    return Ok(false);
+                }
+                let mut all = together.as_mut_slice::<f32>();
+                let mut all = all.slice_mut(0..len);
+                gemm.matmul(a, &mat, &mut all, false)?;
+                let mut outs = slot_rows::<f32>(&mut self.slots, &dsts, &widths, rows);
+                cuda::split_columns(&self.device, all.as_slice(), &mut outs, &widths)?;
+            }
+        }
         Ok(true)
     }
 

@@ -61,6 +61,90 @@ fn launch_silu_mul<I: FloatElem, O: FloatElem>(
     launch!(device, kernel, cfg; gate, u, o, n, vec)
 }
 
+/// Outputs [`split_columns`] writes at most: q, k and v.
+pub const SPLIT_MAX_OUTPUTS: usize = 3;
+
+/// One output of `split_columns_f32`, field for field `SplitOut` in elementwise.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct SplitOut {
+    y: u64,
+    first: i32,
+    width: i32,
+}
+
+/// The kernel's argument, field for field `SplitColumnsArgs` in elementwise.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct SplitColumnsArgs {
+    src: u64,
+    out: [SplitOut; SPLIT_MAX_OUTPUTS],
+    rows: i64,
+    width: i32,
+    outs: i32,
+}
+const _: () = assert!(size_of::<SplitColumnsArgs>() == 72);
+
+/// `outs[i] = src[.., first_i .. first_i + widths[i]]` for `src` of rows `Σ widths` wide: the
+/// product of matrices laid end to end (q, k and v) cut into each one's output. Every width a
+/// multiple of 4 and every slice on 16 bytes.
+pub fn split_columns(
+    device: &CudaDevice,
+    src: DevSlice<'_, f32>,
+    outs: &mut [DevSliceMut<'_, f32>],
+    widths: &[usize],
+) -> Result<(), CudaError> {
+    const OP: &str = "split_columns";
+    ensure!(
+        (1..=SPLIT_MAX_OUTPUTS).contains(&outs.len()) && widths.len() == outs.len(),
+        OP,
+        "{} outputs of {} widths (1 to {SPLIT_MAX_OUTPUTS})",
+        outs.len(),
+        widths.len()
+    );
+    let width: usize = widths.iter().sum();
+    ensure!(
+        width > 0 && src.len().is_multiple_of(width),
+        OP,
+        "{} values in rows of {width}",
+        src.len()
+    );
+    let rows = src.len() / width;
+    let mut args = SplitColumnsArgs {
+        src: src.device_ptr(),
+        rows: rows as i64,
+        width: super::int(OP, "width", width)?,
+        outs: outs.len() as i32,
+        ..Default::default()
+    };
+    let mut first = 0;
+    for (i, (out, &w)) in outs.iter_mut().zip(widths).enumerate() {
+        ensure!(
+            out.len() == rows * w && w.is_multiple_of(4),
+            OP,
+            "output {i} of {} values for {rows} rows of {w} (a multiple of 4)",
+            out.len()
+        );
+        args.out[i] = SplitOut {
+            y: out.device_ptr(),
+            first: super::int(OP, "first", first)?,
+            width: super::int(OP, "width", w)?,
+        };
+        first += w;
+    }
+    let pointers = std::iter::once(args.src).chain(args.out[..outs.len()].iter().map(|o| o.y));
+    ensure!(
+        pointers.into_iter().all(|p| p.is_multiple_of(16)),
+        OP,
+        "every slice starting on 16 bytes"
+    );
+    if rows == 0 {
+        return Ok(());
+    }
+    let cfg = config((stride_blocks(device, rows * width / 4), 1), THREADS, 0);
+    launch!(device, Kernel::SplitColumns, cfg; args)
+}
+
 /// `x += y`.
 pub fn add(
     device: &CudaDevice,

@@ -265,6 +265,8 @@ pub enum Kernel {
         out: Float,
     },
     Add,
+    /// Rows of a product of matrices laid end to end cut into their outputs by columns.
+    SplitColumns,
     Convert {
         from: Float,
         to: Float,
@@ -325,7 +327,10 @@ impl Kernel {
             Kernel::Matvec { .. } | Kernel::MatvecExperts { .. } => Module::Matvec,
             Kernel::RmsNorm { .. } => Module::RmsNorm,
             Kernel::Rope => Module::Rope,
-            Kernel::SiluMul { .. } | Kernel::Add | Kernel::Convert { .. } => Module::Elementwise,
+            Kernel::SiluMul { .. }
+            | Kernel::Add
+            | Kernel::Convert { .. }
+            | Kernel::SplitColumns => Module::Elementwise,
             Kernel::Embedding { .. } => Module::Embedding,
             Kernel::Argmax => Module::Argmax,
             Kernel::AttentionPrefill { .. }
@@ -365,6 +370,7 @@ impl Kernel {
         let mut kernels = vec![
             Kernel::Rope,
             Kernel::Add,
+            Kernel::SplitColumns,
             Kernel::Argmax,
             Kernel::AttentionPrefillCombine,
             Kernel::MoeRoute,
@@ -474,6 +480,7 @@ impl Kernel {
             Kernel::Rope => "rope".into(),
             Kernel::SiluMul { input, out } => format!("silu_mul_{input}_{out}"),
             Kernel::Add => "add_f32".into(),
+            Kernel::SplitColumns => "split_columns_f32".into(),
             Kernel::Convert { from, to } => format!("convert_{from}_{to}"),
             Kernel::Embedding { table } => format!("embedding_{table}"),
             Kernel::Argmax => "argmax".into(),

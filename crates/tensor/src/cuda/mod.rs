@@ -53,7 +53,9 @@ pub use attention::{
     attention_prefill_scratch_len, kv_store,
 };
 pub use device::{CudaDevice, DeviceInfo, StreamEvent};
-pub use elementwise::{add, convert, silu_mul, silu_mul_in_place};
+pub use elementwise::{
+    SPLIT_MAX_OUTPUTS, add, convert, silu_mul, silu_mul_in_place, split_columns,
+};
 pub use embedding::embedding;
 pub use error::CudaError;
 pub use gemm::Gemm;

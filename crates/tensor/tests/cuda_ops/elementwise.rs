@@ -523,3 +523,40 @@ fn argmax_takes_the_lowest_index_on_ties_and_never_nan() {
     .unwrap_err();
     assert!(err.to_string().contains("scratch"), "{err}");
 }
+
+/// A product's rows cut into its matrices' outputs by columns, exactly.
+#[test]
+fn split_columns_gives_each_output_its_columns() {
+    let Some(ctx) = Ctx::new() else { return };
+    let mut rng = Rng(31);
+    let widths = [24, 8, 8];
+    let width: usize = widths.iter().sum();
+    for rows in [1, 7, 300] {
+        let src = rng.vec(rows * width);
+        let sbuf = ctx.upload(&src);
+        let mut bufs: Vec<_> = widths
+            .iter()
+            .map(|w| ctx.poisoned::<f32>(rows * w))
+            .collect();
+        let mut outs: Vec<_> = bufs.iter_mut().map(|b| b.as_mut_slice::<f32>()).collect();
+        cuda::split_columns(&ctx.device, sbuf.as_slice(), &mut outs, &widths).unwrap();
+        drop(outs);
+        for (i, buf) in bufs.iter().enumerate() {
+            let first: usize = widths[..i].iter().sum();
+            let want: Vec<f32> = (0..rows)
+                .flat_map(|r| src[r * width + first..r * width + first + widths[i]].to_vec())
+                .collect();
+            assert_eq!(
+                bits(&ctx.download::<f32>(buf)),
+                bits(&want),
+                "{rows} rows, output {i}"
+            );
+        }
+    }
+    // A width that is not a multiple of 4 is refused.
+    let sbuf = ctx.upload(&rng.vec(6));
+    let mut y = ctx.poisoned::<f32>(6);
+    let e = cuda::split_columns(&ctx.device, sbuf.as_slice(), &mut [y.as_mut_slice()], &[6])
+        .unwrap_err();
+    assert!(e.to_string().contains("multiple of 4"), "{e}");
+}

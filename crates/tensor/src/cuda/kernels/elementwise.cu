@@ -88,3 +88,34 @@ CONVERT(convert_f32_bf16, float, bf16_t)
 CONVERT(convert_f32_f16, float, f16_t)
 CONVERT(convert_bf16_f32, bf16_t, float)
 CONVERT(convert_f16_f32, f16_t, float)
+
+// Rows of `width` values (a product of matrices laid end to end: q, k and v) cut into up to
+// three outputs by columns: column c of a row goes to the output whose `first` .. first +
+// width holds it. Four values a thread a step (every width a multiple of 4, every pointer on
+// 16 bytes). Mirrors `SplitColumnsArgs` in elementwise.rs.
+struct SplitOut {
+    float* y;
+    int first;
+    int width;
+};
+struct SplitColumnsArgs {
+    const float* src;
+    SplitOut out[3];
+    long long rows;
+    int width;
+    int outs;
+};
+
+extern "C" __global__ void split_columns_f32(const SplitColumnsArgs a) {
+    grid_dependency_wait();
+    const int quads = a.width / 4;
+    const long long n = a.rows * quads;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long row = i / quads;
+        const int col = (int)(i - row * quads) * 4;
+        const int o = a.outs > 2 && col >= a.out[2].first ? 2 : a.outs > 1 && col >= a.out[1].first ? 1 : 0;
+        const float4 v = *(const float4*)(a.src + row * a.width + col);
+        *(float4*)(a.out[o].y + row * a.out[o].width + (col - a.out[o].first)) = v;
+    }
+}
