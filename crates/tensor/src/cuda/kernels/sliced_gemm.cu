@@ -107,25 +107,58 @@ struct SgBlock {
         stages = (steps + KS - 1) / KS;
     }
 
-    // Stage `s`'s `rows` rows from `first` of `src` ([.., k]) into `dst`, 16 bytes a piece;
-    // pieces past `limit` rows or past the block's values read nothing and stage zeros.
-    __device__ __forceinline__ void stage(unsigned char* dst, const void* src, int first, int rows,
-                                          int limit, int k, int s) const {
-        const int col = k_begin + s * SG_STEP * KS;
-        for (int p = threadIdx.x; p < rows * PIECES; p += THREADS) {
-            const int r = p / PIECES, piece = p % PIECES;
-            const int row = first + r, c = col + piece * 8;
-            const bool valid = row < limit && c < k_end;
-            const unsigned char* from =
-                (const unsigned char*)src + (valid ? ((size_t)row * k + c) * 2 : 0);
-            cp_async_16(shared_address(dst + sg_piece_offset<KS>(r, piece)), from, valid);
+    // Shared address of stage buffer `buf`'s weight rows, and of its token rows.
+    __device__ __forceinline__ static unsigned w_buffer(unsigned smem, int buf) {
+        return smem + buf * STAGE_BYTES;
+    }
+    __device__ __forceinline__ static unsigned x_buffer(unsigned smem, int buf) {
+        return smem + buf * STAGE_BYTES + W_BYTES;
+    }
+};
+
+// One thread's share of staging a tile's ROWS rows of an operand ([.., k], 16-bit) into shared
+// memory, 16 bytes a piece: piece p = thread + i·THREADS of the ROWS·PIECES is row p / PIECES,
+// piece p % PIECES, so a thread keeps one piece of every R-th row (THREADS is a multiple of
+// PIECES) and what it needs is worked out once a block; a stage only adds its columns. Pieces
+// past `limit` rows or past the block's values read nothing and stage zeros.
+template <int ROWS, int THREADS, int KS>
+struct SgStager {
+    static constexpr int PIECES = 4 * KS, R = THREADS / PIECES, N = (ROWS + R - 1) / R;
+    static constexpr int ROW_BYTES = SG_ROW_BYTES * KS;
+    static_assert(THREADS % PIECES == 0 && R % 2 == 0, "a thread's rows share their parity");
+    static_assert(ROWS % R == 0 || ROWS < R, "a thread stages every R-th row of the tile");
+    const unsigned char* first_piece;  // the thread's piece of its first row at the block's first value
+    unsigned to;                       // its shared offset in a stage buffer
+    unsigned valid_rows;               // bit i: row r + i·R lies inside the matrix
+    int c0;                            // the first value of its piece, at stage 0
+    bool in_tile;                      // whether the thread stages anything (ROWS < R)
+
+    __device__ __forceinline__ SgStager(const void* src, int first, int limit, int k,
+                                        int k_begin) {
+        const unsigned t = threadIdx.x, r = t / PIECES, piece = t % PIECES;
+        c0 = k_begin + (int)piece * 8;
+        first_piece = (const unsigned char*)src + ((size_t)(first + (int)r) * k + c0) * 2;
+        to = sg_piece_offset<KS>((int)r, (int)piece);
+        in_tile = ROWS % R == 0 || (int)r < ROWS;
+        valid_rows = 0;
+#pragma unroll
+        for (int i = 0; i < N; ++i)
+            if (first + (int)r + i * R < limit) valid_rows |= 1u << i;
+    }
+
+    // Stage `s` of `src` into the buffer at shared address `buffer`.
+    __device__ __forceinline__ void stage(unsigned buffer, const void* src, int k, int k_end,
+                                          int s) const {
+        if (!in_tile) return;
+        const bool in_k = c0 + s * SG_STEP * KS < k_end;
+        const unsigned char* from = first_piece + (size_t)s * (SG_STEP * KS * 2);
+        const size_t row_step = (size_t)R * k * 2;
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            const bool valid = in_k && (valid_rows >> i & 1u);
+            cp_async_16(buffer + to + i * R * ROW_BYTES,
+                        valid ? from + i * row_step : (const unsigned char*)src, valid);
         }
-    }
-    __device__ __forceinline__ void stage_w(const SlicedGemmArgs& a, unsigned char* smem, int s) const {
-        stage(smem + (s % STAGES) * STAGE_BYTES, a.w, r0, BM, a.n, a.k, s);
-    }
-    __device__ __forceinline__ void stage_x(const SlicedGemmArgs& a, unsigned char* smem, int s) const {
-        stage(smem + (s % STAGES) * STAGE_BYTES + W_BYTES, a.x, t0, BN, a.m, a.k, s);
     }
 };
 
@@ -134,10 +167,13 @@ extern __shared__ __align__(16) unsigned char sg_smem[];
 // The weights of the first stages, requested before the kernel waits for the one before it.
 template <int WM, int WN, int WARPS_M, int WARPS_N, int STAGES, int KS, bool SPLIT>
 __device__ __forceinline__ void sliced_gemm_weights_ahead(const SlicedGemmArgs& a) {
-    const SgBlock<WM, WN, WARPS_M, WARPS_N, STAGES, KS, SPLIT> blk(a);
+    using Block = SgBlock<WM, WN, WARPS_M, WARPS_N, STAGES, KS, SPLIT>;
+    const Block blk(a);
+    const SgStager<Block::BM, Block::THREADS, KS> w(a.w, blk.r0, a.n, a.k, blk.k_begin);
+    const unsigned smem = shared_address(sg_smem);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s)
-        if (s < blk.stages) blk.stage_w(a, sg_smem, s);
+        if (s < blk.stages) w.stage(Block::w_buffer(smem, s), a.w, a.k, blk.k_end, s);
 }
 
 // f(i, j, e, token, row) for each element of a lane's tiles inside the output. A function
@@ -165,12 +201,15 @@ __device__ __forceinline__ void sliced_gemm(const SlicedGemmArgs& a) {
     const int warp_m = warp % WARPS_M, warp_n = warp / WARPS_M;
     const int steps = blk.steps, stages = blk.stages, steps_per_slice = a.slice / SG_STEP;
     const int r0 = blk.r0, t0 = blk.t0;
+    const SgStager<Block::BM, Block::THREADS, KS> w_stager(a.w, r0, a.n, a.k, blk.k_begin);
+    const SgStager<Block::BN, Block::THREADS, KS> x_stager(a.x, t0, a.m, a.k, blk.k_begin);
+    const unsigned smem = shared_address(sg_smem);
 
     // x (written by the kernel before) for the first stages, whose weights are on their way:
     // group i holds stage i's x, and group 0 also the early stages' weights.
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < stages) blk.stage_x(a, sg_smem, s);
+        if (s < stages) x_stager.stage(Block::x_buffer(smem, s), a.x, a.k, blk.k_end, s);
         cp_async_commit();
     }
 
@@ -183,16 +222,19 @@ __device__ __forceinline__ void sliced_gemm(const SlicedGemmArgs& a) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[i][j][e] = total[i][j][e] = 0.0f;
 
-    for (int s = 0; s < stages; ++s) {
+    // Stage s sits in buffer s % STAGES (`buf`); the one refilled is the one before it.
+    int left_in_slice = steps_per_slice;
+    for (int s = 0, buf = 0; s < stages; ++s, buf = buf + 1 == STAGES ? 0 : buf + 1) {
         cp_async_wait<STAGES - 2>();
         __syncthreads();  // stage s is in, and every warp is done with the buffer refilled next
         if (s + STAGES - 1 < stages) {
-            blk.stage_w(a, sg_smem, s + STAGES - 1);
-            blk.stage_x(a, sg_smem, s + STAGES - 1);
+            const int refill = buf == 0 ? STAGES - 1 : buf - 1;
+            w_stager.stage(Block::w_buffer(smem, refill), a.w, a.k, blk.k_end, s + STAGES - 1);
+            x_stager.stage(Block::x_buffer(smem, refill), a.x, a.k, blk.k_end, s + STAGES - 1);
         }
         cp_async_commit();
 
-        const unsigned char* ws = sg_smem + (s % STAGES) * STAGE_BYTES;
+        const unsigned char* ws = sg_smem + buf * STAGE_BYTES;
         const unsigned char* xs = ws + W_BYTES;
 #pragma unroll
         for (int q = 0; q < KS; ++q) {
@@ -218,7 +260,8 @@ __device__ __forceinline__ void sliced_gemm(const SlicedGemmArgs& a) {
                 }
             }
             const int step = s * KS + q;
-            if (!SPLIT && ((step + 1) % steps_per_slice == 0 || step + 1 == steps)) {
+            if (!SPLIT && (--left_in_slice == 0 || step + 1 == steps)) {
+                left_in_slice = steps_per_slice;
                 // A slice ends: its sum joins the total, the next starts from zero.
 #pragma unroll
                 for (int i = 0; i < WM; ++i)
