@@ -21,11 +21,9 @@
 // `partials`, and the last of a tile's blocks to finish (an atomic ticket) adds them up in
 // slice order, writes y, and resets the ticket.
 //
-// Within a 32-value step, lane (g, t) of a warp (g = lane / 4, t = lane % 4) loads 16 bytes of
-// a row, its values 8t .. 8t + 7; the first product takes values 8t .. 8t + 3 of every lane,
-// the second 8t + 4 .. 8t + 7. A permutation of the fragment's k index, the same for A and B,
-// so each product still pairs x[t, k] with W[r, k]; it lets a row's 64 bytes of a step be read
-// as one contiguous 512-byte warp load per 8 rows (no bank conflicts, no padding).
+// A 32-value step is two m16n8k16 products in k order, values 0 .. 15 then 16 .. 31, their
+// fragments loaded by ldmatrix from shared memory (each lane's registers as the mma takes
+// them: no moves between the load and the product).
 //
 // Stages of KS steps (32·KS values) of the block's W rows and x rows go to shared memory by
 // cp.async, STAGES deep; the weights of the first stages are requested before the kernel waits
@@ -35,9 +33,8 @@
 // values reach the registers, never which products are summed in which order: step s of a
 // slice is the same two mma instructions over the same values for every KS, tile and grid.
 //
-// A shared row holds 4·KS pieces of 16 bytes. With KS > 1 a row's piece c sits at c ^ 4 in odd
-// rows, so the 8 lanes of a quarter warp (two rows, pieces 4j .. 4j + 3 of each) read 8
-// distinct 16-byte bank groups.
+// A shared row holds 4·KS pieces of 16 bytes, piece c of row r at c ^ (r % 8): the 8 rows an
+// ldmatrix phase reads at one piece fall in 8 distinct 16-byte bank groups.
 
 #define SG_STEP 32
 // Bytes of one step of a row: 32 16-bit values.
@@ -85,7 +82,8 @@ template <> struct SlicedMma<f16_t> {
 // Byte offset of piece `piece` (16 bytes) of shared row `row`, rows of 4·KS pieces.
 template <int KS>
 __device__ __forceinline__ int sg_piece_offset(int row, int piece) {
-    return row * (SG_ROW_BYTES * KS) + ((KS > 1 ? piece ^ ((row & 1) << 2) : piece) << 4);
+    static_assert(KS >= 2, "rows of at least 8 pieces: the swizzle takes 3 bits");
+    return row * (SG_ROW_BYTES * KS) + ((piece ^ (row & 7)) << 4);
 }
 
 // A block's place: BM = 16·WM·WARPS_M weight rows by BN = 8·WN·WARPS_N tokens (a warp takes
@@ -125,7 +123,7 @@ template <int ROWS, int THREADS, int KS>
 struct SgStager {
     static constexpr int PIECES = 4 * KS, R = THREADS / PIECES, N = (ROWS + R - 1) / R;
     static constexpr int ROW_BYTES = SG_ROW_BYTES * KS;
-    static_assert(THREADS % PIECES == 0 && R % 2 == 0, "a thread's rows share their parity");
+    static_assert(THREADS % PIECES == 0 && R % 8 == 0, "a thread's rows share their swizzle");
     static_assert(ROWS % R == 0 || ROWS < R, "a thread stages every R-th row of the tile");
     const unsigned char* first_piece;  // the thread's piece of its first row at the block's first value
     unsigned to;                       // its shared offset in a stage buffer
@@ -196,7 +194,6 @@ template <typename T, int WM, int WN, int WARPS_M, int WARPS_N, int STAGES, int 
 __device__ __forceinline__ void sliced_gemm(const SlicedGemmArgs& a) {
     using Block = SgBlock<WM, WN, WARPS_M, WARPS_N, STAGES, KS, SPLIT>;
     const Block blk(a);
-    constexpr int W_BYTES = Block::W_BYTES, STAGE_BYTES = Block::STAGE_BYTES;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
     const int warp_m = warp % WARPS_M, warp_n = warp / WARPS_M;
     const int steps = blk.steps, stages = blk.stages, steps_per_slice = a.slice / SG_STEP;
@@ -234,29 +231,32 @@ __device__ __forceinline__ void sliced_gemm(const SlicedGemmArgs& a) {
         }
         cp_async_commit();
 
-        const unsigned char* ws = sg_smem + buf * STAGE_BYTES;
-        const unsigned char* xs = ws + W_BYTES;
+        const unsigned ws_addr = Block::w_buffer(smem, buf), xs_addr = Block::x_buffer(smem, buf);
 #pragma unroll
         for (int q = 0; q < KS; ++q) {
             // A stage's steps past the block's values (zeros) are never summed, so an
             // element's sums are the same instructions as with one step a stage.
             if (s * KS + q >= steps) break;
-            const int piece = q * 4 + tq;
-            uint4 b[WN];
+            // B: token tile j's values 0-7, 8-15, 16-23, 24-31 of the step (matrices 0-3;
+            // lane l gives row l % 8 of matrix l / 8): registers 0-1 the first product's,
+            // 2-3 the second's.
+            unsigned b[WN][4];
 #pragma unroll
             for (int j = 0; j < WN; ++j)
-                b[j] = *(const uint4*)(xs + sg_piece_offset<KS>((warp_n * WN + j) * 8 + g, piece));
+                ldmatrix_x4(b[j], xs_addr + sg_piece_offset<KS>((warp_n * WN + j) * 8 + (lane & 7),
+                                                                q * 4 + (lane >> 3)));
 #pragma unroll
             for (int i = 0; i < WM; ++i) {
-                const int row = (warp_m * WM + i) * 16 + g;
-                const uint4 lo = *(const uint4*)(ws + sg_piece_offset<KS>(row, piece));
-                const uint4 hi = *(const uint4*)(ws + sg_piece_offset<KS>(row + 8, piece));
-                const unsigned a0[4] = {lo.x, hi.x, lo.y, hi.y};
-                const unsigned a1[4] = {lo.z, hi.z, lo.w, hi.w};
+                // A: rows 0-7 and 8-15 of the tile by values 0-7 and 8-15 of the half (the
+                // fragment's four registers in order), for each half of the step.
+                const int row = (warp_m * WM + i) * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
 #pragma unroll
-                for (int j = 0; j < WN; ++j) {
-                    SlicedMma<T>::mma(acc[i][j], a0, b[j].x, b[j].y);
-                    SlicedMma<T>::mma(acc[i][j], a1, b[j].z, b[j].w);
+                for (int h = 0; h < 2; ++h) {
+                    unsigned a_frag[4];
+                    ldmatrix_x4(a_frag, ws_addr + sg_piece_offset<KS>(row, q * 4 + h * 2 + (lane >> 4)));
+#pragma unroll
+                    for (int j = 0; j < WN; ++j)
+                        SlicedMma<T>::mma(acc[i][j], a_frag, b[j][2 * h], b[j][2 * h + 1]);
                 }
             }
             const int step = s * KS + q;
