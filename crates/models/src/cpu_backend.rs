@@ -9,7 +9,10 @@ use ember_checkpoint::TensorSource;
 use ember_tensor::cpu::{self, AttentionShape, RopeLayout, RopeTables};
 use ember_tensor::{BufferOwner, DType, ThreadPool};
 
-use crate::backend::{AttentionParams, Backend, PICKS_AHEAD, PassSegment, RopeStyle, Slot};
+use crate::backend::{
+    AttentionParams, Backend, PICKS_AHEAD, PassSegment, Projection, RopeStyle, Slot,
+    norm_linears_step_by_step,
+};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::kv_cache::{BlockTable, KvPool};
@@ -237,6 +240,65 @@ impl Backend for CpuBackend {
         let (pool, s, d, _) = self.src_dst(src, dst);
         let x = &s[rows.start * width..rows.end * width];
         cpu::rms_norm(pool, x, weight.as_slice(), eps, d);
+        Ok(())
+    }
+
+    /// The norm, then every projection as one share of the threads where their weights
+    /// allow it ([`cpu::matmul_shared_input`]): a decode step's q, k and v (gate and up) wait
+    /// for the threads once, not once each.
+    fn norm_linears(
+        &mut self,
+        src: Slot,
+        rows: Range<usize>,
+        norm: &Vector,
+        eps: f32,
+        projections: &[Projection<'_, Self>],
+    ) -> Result<()> {
+        let dsts: Vec<usize> = projections.iter().map(|p| p.dst.index()).collect();
+        let distinct = dsts.iter().enumerate().all(|(i, d)| !dsts[..i].contains(d));
+        if !distinct || dsts.contains(&Slot::Normed.index()) {
+            return norm_linears_step_by_step(self, src, rows, norm, eps, projections);
+        }
+        let m = rows.len();
+        self.rms_norm(src, rows, norm, eps, Slot::Normed)?;
+        let CpuBackend { pool, ws, .. } = self;
+        let Workspace {
+            slots,
+            matmul_scratch,
+            ..
+        } = ws;
+        let mut x = None;
+        let mut outs: Vec<(usize, &mut [f32])> = Vec::with_capacity(dsts.len());
+        for (i, slot) in slots.iter_mut().enumerate() {
+            if i == Slot::Normed.index() {
+                x = Some(slot.as_slice());
+            } else if dsts.contains(&i) {
+                outs.push((i, slot.as_mut_slice()));
+            }
+        }
+        let x = x.expect("the normed slot");
+        // In the projections' order.
+        outs.sort_by_key(|(i, _)| dsts.iter().position(|d| d == i));
+        let weights: Vec<_> = projections.iter().map(|p| p.weight.as_mat()).collect();
+        let mut ys: Vec<&mut [f32]> = outs
+            .into_iter()
+            .zip(&weights)
+            .map(|((_, y), w)| &mut y[..m * w.rows])
+            .collect();
+        let k = weights[0].cols;
+        cpu::matmul_shared_input(
+            pool,
+            &x[..m * k],
+            m,
+            &weights,
+            &mut ys,
+            matmul_scratch.as_mut_slice(),
+        );
+        for (p, y) in projections.iter().zip(ys) {
+            if let Some(bias) = p.bias {
+                cpu::add_bias(y, bias.as_slice());
+            }
+        }
         Ok(())
     }
 

@@ -112,7 +112,7 @@ pub fn matmul(
         return;
     }
     if w.dtype.is_quantized() {
-        matmul_quantized(pool, x, m, w, y, scratch);
+        matmul_quantized(pool, x, m, &[*w], &mut [y], scratch);
         return;
     }
     if m > MR {
@@ -151,17 +151,67 @@ pub fn matmul(
     });
 }
 
+/// [`matmul`] for matrices that take the same input (q, k and v; gate and up): `ys[i] = x ·
+/// ws[i]ᵀ`. Quantized matrices of one type, layout and width run as one share of the threads,
+/// the input quantized once (a decode step's small products cost their synchronisation more
+/// than their reads); others one product at a time. Every output's bits are [`matmul`]'s.
+pub fn matmul_shared_input(
+    pool: &ThreadPool,
+    x: &[f32],
+    m: usize,
+    ws: &[MatRef<'_>],
+    ys: &mut [&mut [f32]],
+    scratch: &mut [f32],
+) {
+    assert_eq!(
+        ws.len(),
+        ys.len(),
+        "matmul_shared_input: a matrix an output"
+    );
+    let Some(first) = ws.first() else { return };
+    let together = first.dtype.is_quantized()
+        && ws
+            .iter()
+            .all(|w| (w.dtype, w.layout, w.cols) == (first.dtype, first.layout, first.cols));
+    if !together || ws.len() == 1 {
+        for (w, y) in ws.iter().zip(ys.iter_mut()) {
+            matmul(pool, x, m, w, y, scratch);
+        }
+        return;
+    }
+    let k = first.cols;
+    assert!(
+        x.len() >= m * k,
+        "matmul: x has {} values, needs {m}×{k}",
+        x.len()
+    );
+    for (w, y) in ws.iter().zip(ys.iter()) {
+        assert!(
+            y.len() >= m * w.rows,
+            "matmul: y has {} values, needs {m}×{}",
+            y.len(),
+            w.rows
+        );
+    }
+    if m == 0 {
+        return;
+    }
+    matmul_quantized(pool, x, m, ws, ys, scratch);
+}
+
 /// The quantized road: quantize the activation rows once, then run the integer kernels, the
-/// weight rows split over the threads in groups of [`quant_dot::QR`].
+/// weight rows of every matrix of `ws` (one type, layout and width: they share the quantized
+/// rows) split over the threads in groups of [`quant_dot::QR`], `ys[i]` taking `ws[i]`'s.
 fn matmul_quantized(
     pool: &ThreadPool,
     x: &[f32],
     m: usize,
-    w: &MatRef<'_>,
-    y: &mut [f32],
+    ws: &[MatRef<'_>],
+    ys: &mut [&mut [f32]],
     scratch: &mut [f32],
 ) {
-    let (n, k) = (w.rows, w.cols);
+    let w = &ws[0];
+    let k = w.cols;
     let interleaved = w.layout == WeightLayout::Interleaved16;
     let kind = match interleaved {
         true => ActKind::for_interleaved(w.dtype),
@@ -217,44 +267,60 @@ fn matmul_quantized(
         });
     }
 
-    let y_ptr = SharedPtr(y.as_mut_ptr());
-    // Threads take whole tiles of weight rows, or whole interleaved groups.
+    // Threads take whole tiles of weight rows, or whole interleaved groups, of the matrices
+    // one after another: matrix i's groups are `starts[i]..starts[i + 1]`.
     let unit = if interleaved {
         quant_dot::X16
     } else {
         quant_dot::QR
     };
-    let groups = n.div_ceil(unit);
+    let mut starts = Vec::with_capacity(ws.len() + 1);
+    starts.push(0);
+    for w in ws {
+        starts.push(starts[starts.len() - 1] + w.rows.div_ceil(unit));
+    }
+    let groups = starts[ws.len()];
+    let outputs: Vec<(usize, usize, SharedPtr<f32>)> = ws
+        .iter()
+        .zip(ys.iter_mut())
+        .map(|(w, y)| (w.data.as_ptr() as usize, w.rows, SharedPtr(y.as_mut_ptr())))
+        .collect();
     let block_rows = (QUANT_ACTIVATION_BLOCK_BYTES / layout.stride).max(quant_dot::QM)
         / quant_dot::QM
         * quant_dot::QM;
     let block_tiles =
         (QUANT_ACTIVATION_BLOCK_BYTES / quant_dot::tiles_bytes(quant_dot::TM, k)).max(1);
     let dtype = w.dtype;
-    let w_ptr = w.data.as_ptr() as usize;
     let row_bytes = dtype.row_bytes(k);
     pool.share(groups, piece(pool, groups), &|thread, groups| {
-        let rows = (groups.start * unit, (groups.end * unit).min(n));
-        quant_dot::quant_rows(
-            qisa,
-            dtype,
-            QJob {
-                w: w_ptr as *const u8,
-                row_bytes,
-                n,
-                rows,
-                acts: acts.get(),
-                layout,
-                m,
-                block_rows,
-                y: y_ptr.get(),
-                wide,
-                tiles: tiles.get(),
-                panel: unsafe { panels.get().add(thread * places.panel_bytes) },
-                block_tiles,
-                interleaved,
-            },
-        );
+        for (i, &(w_ptr, n, y)) in outputs.iter().enumerate() {
+            let (first, end) = (starts[i], starts[i + 1]);
+            let (start, stop) = (groups.start.max(first), groups.end.min(end));
+            if start >= stop {
+                continue;
+            }
+            let rows = ((start - first) * unit, ((stop - first) * unit).min(n));
+            quant_dot::quant_rows(
+                qisa,
+                dtype,
+                QJob {
+                    w: w_ptr as *const u8,
+                    row_bytes,
+                    n,
+                    rows,
+                    acts: acts.get(),
+                    layout,
+                    m,
+                    block_rows,
+                    y: y.get(),
+                    wide,
+                    tiles: tiles.get(),
+                    panel: unsafe { panels.get().add(thread * places.panel_bytes) },
+                    block_tiles,
+                    interleaved,
+                },
+            );
+        }
     });
 }
 
@@ -680,5 +746,84 @@ mod tests {
                 assert_eq!(y1, results[0][i * n..(i + 1) * n], "{dtype}: row {i} alone");
             }
         }
+    }
+
+    /// Matrices sharing their input in one share of the threads give each output the bits
+    /// of its own product: plain and interleaved rows, decode and prompt batches, 1 to 3
+    /// threads, and a group whose types differ (one product at a time).
+    #[test]
+    fn products_sharing_their_input_give_the_bits_of_each_alone() {
+        use super::super::mat_ref::WeightLayout;
+        let k = 256 * 2;
+        let mut seed = 7u64;
+        for dtype in [DType::Q4_K, DType::Q6_K, DType::Q8_0, DType::Q4_0] {
+            for layout in [WeightLayout::Rows, WeightLayout::Interleaved16] {
+                let shapes = [48, 16, 32];
+                let stored: Vec<Vec<u8>> = shapes
+                    .iter()
+                    .map(|&n| {
+                        let plain: Vec<u8> = (0..n)
+                            .flat_map(|_| {
+                                super::super::quant_dot::tests::random_row(
+                                    dtype, k, &mut seed, false,
+                                )
+                            })
+                            .collect();
+                        let mut out = vec![0u8; plain.len()];
+                        layout.write(dtype, &plain, n, k, &mut out);
+                        out
+                    })
+                    .collect();
+                let mats: Vec<MatRef<'_>> = stored
+                    .iter()
+                    .zip(shapes)
+                    .map(|(w, n)| MatRef::new(dtype, w, n, k).with_layout(layout))
+                    .collect();
+                for (m, threads) in [(1, 1), (1, 2), (3, 3), (20, 2)] {
+                    let x: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
+                    let pool = ThreadPool::new(threads);
+                    let mut scratch = vec![0f32; matmul_scratch_len(threads, m, k)];
+                    let alone: Vec<Vec<u32>> = mats
+                        .iter()
+                        .map(|w| {
+                            let mut y = vec![0f32; m * w.rows];
+                            matmul(&pool, &x, m, w, &mut y, &mut scratch);
+                            y.iter().map(|v| v.to_bits()).collect()
+                        })
+                        .collect();
+                    let mut outs: Vec<Vec<f32>> =
+                        mats.iter().map(|w| vec![f32::NAN; m * w.rows]).collect();
+                    let mut ys: Vec<&mut [f32]> = outs.iter_mut().map(|y| &mut y[..]).collect();
+                    matmul_shared_input(&pool, &x, m, &mats, &mut ys, &mut scratch);
+                    for (i, y) in outs.iter().enumerate() {
+                        let bits: Vec<u32> = y.iter().map(|v| v.to_bits()).collect();
+                        assert_eq!(
+                            bits, alone[i],
+                            "{dtype} {layout:?}: output {i} of {m} rows on {threads} threads"
+                        );
+                    }
+                }
+            }
+        }
+        // Types that differ: each matrix on its own road, the same bits.
+        let (a, b) = (
+            super::super::quant_dot::tests::random_row(DType::Q4_K, k, &mut seed, false),
+            super::super::quant_dot::tests::random_row(DType::Q6_K, k, &mut seed, false),
+        );
+        let mats = [
+            MatRef::new(DType::Q4_K, &a, 1, k),
+            MatRef::new(DType::Q6_K, &b, 1, k),
+        ];
+        let x: Vec<f32> = (0..k).map(|_| lcg(&mut seed)).collect();
+        let pool = ThreadPool::new(2);
+        let mut scratch = vec![0f32; matmul_scratch_len(2, 1, k)];
+        let mut alone = [0f32; 2];
+        for (w, y) in mats.iter().zip(alone.iter_mut()) {
+            matmul(&pool, &x, 1, w, std::slice::from_mut(y), &mut scratch);
+        }
+        let mut together = [f32::NAN; 2];
+        let (y0, y1) = together.split_at_mut(1);
+        matmul_shared_input(&pool, &x, 1, &mats, &mut [y0, y1], &mut scratch);
+        assert_eq!(together.map(f32::to_bits), alone.map(f32::to_bits));
     }
 }

@@ -25,7 +25,9 @@ pub use elementwise::{
 };
 pub use isa::Isa;
 pub use mat_ref::{MatRef, WeightLayout};
-pub use matmul::{matmul, matmul_scratch_len, quant_kernel_report, quant_kernels};
+pub use matmul::{
+    matmul, matmul_scratch_len, matmul_shared_input, quant_kernel_report, quant_kernels,
+};
 pub use probe::read_sum;
 
 /// A raw pointer that threads of one parallel region share; each thread touches a part of the
