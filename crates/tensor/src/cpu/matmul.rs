@@ -152,9 +152,10 @@ pub fn matmul(
 }
 
 /// [`matmul`] for matrices that take the same input (q, k and v; gate and up): `ys[i] = x ·
-/// ws[i]ᵀ`. Quantized matrices of one type, layout and width run as one share of the threads,
-/// the input quantized once (a decode step's small products cost their synchronisation more
-/// than their reads); others one product at a time. Every output's bits are [`matmul`]'s.
+/// ws[i]ᵀ`. Each run of neighbours that are quantized in one type, layout and width runs as
+/// one share of the threads, the input quantized once (a decode step's small products cost
+/// their synchronisation more than their reads; a Q4_K_M file's q and k go together, its Q6_K
+/// v apart); the rest one product at a time. Every output's bits are [`matmul`]'s.
 pub fn matmul_shared_input(
     pool: &ThreadPool,
     x: &[f32],
@@ -168,35 +169,38 @@ pub fn matmul_shared_input(
         ys.len(),
         "matmul_shared_input: a matrix an output"
     );
-    let Some(first) = ws.first() else { return };
-    let together = first.dtype.is_quantized()
-        && ws
-            .iter()
-            .all(|w| (w.dtype, w.layout, w.cols) == (first.dtype, first.layout, first.cols));
-    if !together || ws.len() == 1 {
-        for (w, y) in ws.iter().zip(ys.iter_mut()) {
-            matmul(pool, x, m, w, y, scratch);
+    let key = |w: &MatRef<'_>| (w.dtype, w.layout, w.cols);
+    let mut start = 0;
+    while start < ws.len() {
+        let mut end = start + 1;
+        if ws[start].dtype.is_quantized() {
+            while end < ws.len() && key(&ws[end]) == key(&ws[start]) {
+                end += 1;
+            }
         }
-        return;
+        if end - start == 1 {
+            matmul(pool, x, m, &ws[start], ys[start], scratch);
+        } else {
+            let k = ws[start].cols;
+            assert!(
+                x.len() >= m * k,
+                "matmul: x has {} values, needs {m}×{k}",
+                x.len()
+            );
+            for (w, y) in ws[start..end].iter().zip(ys[start..end].iter()) {
+                assert!(
+                    y.len() >= m * w.rows,
+                    "matmul: y has {} values, needs {m}×{}",
+                    y.len(),
+                    w.rows
+                );
+            }
+            if m > 0 {
+                matmul_quantized(pool, x, m, &ws[start..end], &mut ys[start..end], scratch);
+            }
+        }
+        start = end;
     }
-    let k = first.cols;
-    assert!(
-        x.len() >= m * k,
-        "matmul: x has {} values, needs {m}×{k}",
-        x.len()
-    );
-    for (w, y) in ws.iter().zip(ys.iter()) {
-        assert!(
-            y.len() >= m * w.rows,
-            "matmul: y has {} values, needs {m}×{}",
-            y.len(),
-            w.rows
-        );
-    }
-    if m == 0 {
-        return;
-    }
-    matmul_quantized(pool, x, m, ws, ys, scratch);
 }
 
 /// The quantized road: quantize the activation rows once, then run the integer kernels, the
@@ -805,25 +809,31 @@ mod tests {
                 }
             }
         }
-        // Types that differ: each matrix on its own road, the same bits.
-        let (a, b) = (
-            super::super::quant_dot::tests::random_row(DType::Q4_K, k, &mut seed, false),
-            super::super::quant_dot::tests::random_row(DType::Q6_K, k, &mut seed, false),
-        );
-        let mats = [
-            MatRef::new(DType::Q4_K, &a, 1, k),
-            MatRef::new(DType::Q6_K, &b, 1, k),
-        ];
+        // Types that differ (Q4_K_M's q and k, then a Q6_K v, then a float matrix): the
+        // neighbours that match go together, the rest alone, the same bits.
+        let types = [DType::Q4_K, DType::Q4_K, DType::Q6_K, DType::Q4_K];
+        let rows: Vec<Vec<u8>> = types
+            .iter()
+            .map(|&t| super::super::quant_dot::tests::random_row(t, k, &mut seed, false))
+            .collect();
+        let floats: Vec<f32> = (0..k).map(|_| lcg(&mut seed)).collect();
+        let mut mats: Vec<MatRef<'_>> = types
+            .iter()
+            .zip(&rows)
+            .map(|(&t, r)| MatRef::new(t, r, 1, k))
+            .collect();
+        mats.push(MatRef::new(DType::F32, bytemuck::cast_slice(&floats), 1, k));
         let x: Vec<f32> = (0..k).map(|_| lcg(&mut seed)).collect();
         let pool = ThreadPool::new(2);
         let mut scratch = vec![0f32; matmul_scratch_len(2, 1, k)];
-        let mut alone = [0f32; 2];
+        let mut alone = vec![0f32; mats.len()];
         for (w, y) in mats.iter().zip(alone.iter_mut()) {
             matmul(&pool, &x, 1, w, std::slice::from_mut(y), &mut scratch);
         }
-        let mut together = [f32::NAN; 2];
-        let (y0, y1) = together.split_at_mut(1);
-        matmul_shared_input(&pool, &x, 1, &mats, &mut [y0, y1], &mut scratch);
-        assert_eq!(together.map(f32::to_bits), alone.map(f32::to_bits));
+        let mut together = vec![f32::NAN; mats.len()];
+        let mut ys: Vec<&mut [f32]> = together.chunks_mut(1).collect();
+        matmul_shared_input(&pool, &x, 1, &mats, &mut ys, &mut scratch);
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&together), bits(&alone));
     }
 }
