@@ -85,7 +85,8 @@ impl SlicedTile {
 
     /// The tile for a batch of `m` tokens of `n`-row weights on `sms` multiprocessors: the
     /// fastest of a sweep of 16 shapes at qwen3-8b's products on an H100 (`cuda_probe
-    /// products`, December 2026). Up to 8 tokens: 128 weight rows of 8 warps, stages of 64
+    /// products`, December 2026, before the kernel's staging and ldmatrix changes, which
+    /// sped up every tile: re-sweep before moving a boundary). Up to 8 tokens: 128 weight rows of 8 warps, stages of 64
     /// values (q/o 14.8 µs at one token against cuBLASLt's 16.5); up to 256: 64 rows of 8
     /// warps by 64 tokens, stages of 128 values (q/o 30.8 µs at 64 tokens, cuBLASLt 15.6);
     /// beyond, 128 by 128 for the reuse where that still makes half as many blocks as
