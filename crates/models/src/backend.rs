@@ -486,6 +486,19 @@ pub trait Backend {
 pub const PICKS_AHEAD: usize = 2;
 
 /// [`Backend::norm_linears`] one step at a time: the norm into `Normed`, then each product.
+/// The slot indices of `slots`, when no two are the same (a group of projections that may
+/// write their slots in one launch).
+pub(crate) fn distinct_slots(slots: impl IntoIterator<Item = Slot>) -> Option<Vec<usize>> {
+    let mut seen: Vec<usize> = Vec::with_capacity(Slot::COUNT);
+    for slot in slots {
+        if seen.contains(&slot.index()) {
+            return None;
+        }
+        seen.push(slot.index());
+    }
+    Some(seen)
+}
+
 pub fn norm_linears_step_by_step<B: Backend>(
     b: &mut B,
     src: Slot,

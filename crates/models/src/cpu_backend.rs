@@ -11,7 +11,7 @@ use ember_tensor::{BufferOwner, DType, ThreadPool};
 
 use crate::backend::{
     AttentionParams, Backend, PICKS_AHEAD, PassSegment, Projection, RopeStyle, Slot,
-    norm_linears_step_by_step,
+    distinct_slots, norm_linears_step_by_step,
 };
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
@@ -254,11 +254,11 @@ impl Backend for CpuBackend {
         eps: f32,
         projections: &[Projection<'_, Self>],
     ) -> Result<()> {
-        let dsts: Vec<usize> = projections.iter().map(|p| p.dst.index()).collect();
-        let distinct = dsts.iter().enumerate().all(|(i, d)| !dsts[..i].contains(d));
-        if !distinct || dsts.contains(&Slot::Normed.index()) {
+        let dsts = distinct_slots(projections.iter().map(|p| p.dst))
+            .filter(|dsts| !dsts.contains(&Slot::Normed.index()));
+        let Some(dsts) = dsts else {
             return norm_linears_step_by_step(self, src, rows, norm, eps, projections);
-        }
+        };
         let m = rows.len();
         self.rms_norm(src, rows, norm, eps, Slot::Normed)?;
         let CpuBackend { pool, ws, .. } = self;

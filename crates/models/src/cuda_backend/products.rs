@@ -15,7 +15,7 @@ use half::{bf16, f16};
 
 use super::CudaBackend;
 use super::weights::{CudaMatrix, CudaVector};
-use crate::backend::{Projection, Slot};
+use crate::backend::{Projection, Slot, distinct_slots};
 use crate::error::Result;
 
 impl CudaBackend {
@@ -235,10 +235,11 @@ impl CudaBackend {
         let Some(stacked) = CudaMatrix::adjacent(&weights) else {
             return Ok(false);
         };
-        let dsts: Vec<usize> = parts.iter().map(|(_, dst)| dst.index()).collect();
-        let distinct = dsts.iter().enumerate().all(|(i, d)| !dsts[..i].contains(d));
         let most = cuda::SLICED_MAX_OUTPUTS.min(cuda::SPLIT_MAX_OUTPUTS);
-        if !distinct || parts.len() > most {
+        let Some(dsts) = distinct_slots(parts.iter().map(|&(_, dst)| dst)) else {
+            return Ok(false);
+        };
+        if parts.len() > most {
             return Ok(false);
         }
         let widths: Vec<usize> = weights.iter().map(|w| w.rows).collect();

@@ -98,16 +98,7 @@ pub fn matmul(
     scratch: &mut [f32],
 ) {
     let (n, k) = (w.rows, w.cols);
-    assert!(
-        x.len() >= m * k,
-        "matmul: x has {} values, needs {m}×{k}",
-        x.len()
-    );
-    assert!(
-        y.len() >= m * n,
-        "matmul: y has {} values, needs {m}×{n}",
-        y.len()
-    );
+    check_shapes(x, m, k, std::iter::once((&*y, n)));
     if m == 0 || n == 0 {
         return;
     }
@@ -151,6 +142,27 @@ pub fn matmul(
     });
 }
 
+/// Panics unless `x` holds `m` rows of `k` and each output `(y, n)` `m` rows of `n`.
+fn check_shapes<'y>(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    outputs: impl Iterator<Item = (&'y [f32], usize)>,
+) {
+    assert!(
+        x.len() >= m * k,
+        "matmul: x has {} values, needs {m}×{k}",
+        x.len()
+    );
+    for (y, n) in outputs {
+        assert!(
+            y.len() >= m * n,
+            "matmul: y has {} values, needs {m}×{n}",
+            y.len()
+        );
+    }
+}
+
 /// [`matmul`] for matrices that take the same input (q, k and v; gate and up): `ys[i] = x ·
 /// ws[i]ᵀ`. Each run of neighbours that are quantized in one type, layout and width runs as
 /// one share of the threads, the input quantized once (a decode step's small products cost
@@ -181,20 +193,13 @@ pub fn matmul_shared_input(
         if end - start == 1 {
             matmul(pool, x, m, &ws[start], ys[start], scratch);
         } else {
-            let k = ws[start].cols;
-            assert!(
-                x.len() >= m * k,
-                "matmul: x has {} values, needs {m}×{k}",
-                x.len()
+            let outputs = ys[start..end].iter().map(|y| &**y);
+            check_shapes(
+                x,
+                m,
+                ws[start].cols,
+                outputs.zip(ws[start..end].iter().map(|w| w.rows)),
             );
-            for (w, y) in ws[start..end].iter().zip(ys[start..end].iter()) {
-                assert!(
-                    y.len() >= m * w.rows,
-                    "matmul: y has {} values, needs {m}×{}",
-                    y.len(),
-                    w.rows
-                );
-            }
             if m > 0 {
                 matmul_quantized(pool, x, m, &ws[start..end], &mut ys[start..end], scratch);
             }
