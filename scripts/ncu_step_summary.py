@@ -10,6 +10,8 @@ launches between kernels cost. Then the same per kernel name for the prompt (eve
 to the first step's end: the prefill and its output head).
 
     python3 scripts/ncu_step_summary.py ncu.csv
+
+With --whole, every kernel in the file summarised by name (for a capture of a prefill).
 """
 
 import collections
@@ -69,7 +71,16 @@ def main(path):
     summarise(prompt, lambda k: (k["name"], ""))
 
 
+def whole(path):
+    ks = kernels(path)
+    print(f"{len(ks)} kernels, {totals(ks)}")
+    summarise(ks, lambda k: (k["name"], ""))
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
+    if len(sys.argv) == 3 and sys.argv[1] == "--whole":
+        whole(sys.argv[2])
+    elif len(sys.argv) == 2:
+        main(sys.argv[1])
+    else:
         sys.exit(__doc__)
-    main(sys.argv[1])

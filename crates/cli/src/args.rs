@@ -325,6 +325,10 @@ pub struct BenchBatchArgs {
     /// capture waits for the device at its ends, so time a run without it.
     #[arg(long, default_value_t = 0)]
     pub profile_steps: usize,
+    /// On CUDA, the profiler records each setting's prefill (until every sequence has its
+    /// first token) instead of decode steps.
+    #[arg(long)]
+    pub profile_prefill: bool,
 }
 
 #[derive(Args, Debug)]

@@ -240,6 +240,18 @@ pub trait Backend {
     ) -> Result<Self::Vector>;
     fn rope_tables(&self, config: &ModelConfig, positions: usize) -> Result<Self::Rope>;
 
+    /// Where the backend chooses among kernels of the same results by their speed (CUDA's
+    /// batch-invariant products), times them once on the model's own matrices: each of
+    /// `products` is one product's matrices in every layer. Changes no result, only which
+    /// kernel computes it; by default nothing to time.
+    fn tune_products(&mut self, products: &[TunedProduct<'_, Self>]) -> Result<()>
+    where
+        Self: Sized,
+    {
+        let _ = products;
+        Ok(())
+    }
+
     /// Takes the inputs of the next pass: its token ids, at the positions after the
     /// `table.len()` that `table`'s sequence holds, whose blocks cover them all.
     fn begin_pass(&mut self, tokens: &[u32], table: &BlockTable) -> Result<()>;
@@ -488,6 +500,14 @@ pub const PICKS_AHEAD: usize = 2;
 /// [`Backend::norm_linears`] one step at a time: the norm into `Normed`, then each product.
 /// The slot indices of `slots`, when no two are the same (a group of projections that may
 /// write their slots in one launch).
+/// One product of a model, for [`Backend::tune_products`]: its matrices in each layer (one
+/// product's parts each: q, k and v; gate and up; or one matrix) and the most rows a pass
+/// gives it.
+pub struct TunedProduct<'a, B: Backend> {
+    pub layers: Vec<Vec<&'a B::Matrix>>,
+    pub most_rows: usize,
+}
+
 pub(crate) fn distinct_slots(slots: impl IntoIterator<Item = Slot>) -> Option<Vec<usize>> {
     let mut seen: Vec<usize> = Vec::with_capacity(Slot::COUNT);
     for slot in slots {

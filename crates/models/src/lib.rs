@@ -20,7 +20,7 @@ mod transformer;
 mod weights;
 mod workspace;
 
-pub use backend::{Backend, KvStore, PICKS_AHEAD, PassSegment, PassShape, Slot};
+pub use backend::{Backend, KvStore, PICKS_AHEAD, PassSegment, PassShape, Slot, TunedProduct};
 pub use config::{Architecture, ModelConfig, MoeConfig};
 pub use cpu_backend::{Arithmetic, CpuBackend};
 pub use cuda_backend::{CudaBackend, CudaKvPool, CudaOptions};

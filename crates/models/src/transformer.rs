@@ -11,7 +11,7 @@ use ember_checkpoint::TensorSource;
 
 use crate::backend::{
     AttentionParams, Backend, KvStore, PassSegment, PassShape, Projection, RopeStyle, Slot,
-    WeightMatrix, add_to_residual,
+    TunedProduct, WeightMatrix, add_to_residual,
 };
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
@@ -326,6 +326,36 @@ impl<B: Backend> Transformer<B> {
 
     pub fn lm_head(&self) -> &B::Matrix {
         self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
+    }
+
+    /// Lets `backend` time its products' kernels on this model's matrices
+    /// ([`Backend::tune_products`]): q/k/v, o, and the dense layers' gate/up and down, each
+    /// over every layer, and the output head over the logit rows.
+    pub fn tune_products(&self, backend: &mut B) -> Result<()> {
+        let (mut qkv, mut o, mut gate_up, mut down) = (vec![], vec![], vec![], vec![]);
+        for layer in &self.layers {
+            let a = &layer.attention;
+            qkv.push(vec![&a.q.weight, &a.k.weight, &a.v.weight]);
+            o.push(vec![&a.o.weight]);
+            // Experts run on kernels of their own.
+            if let Some(mlp) = layer.feed_forward.dense() {
+                gate_up.push(vec![&mlp.gate.weight, &mlp.up.weight]);
+                down.push(vec![&mlp.down.weight]);
+            }
+        }
+        let rows = backend.max_batch();
+        let mut products: Vec<TunedProduct<'_, B>> = [qkv, o, gate_up, down]
+            .into_iter()
+            .map(|layers| TunedProduct {
+                layers,
+                most_rows: rows,
+            })
+            .collect();
+        products.push(TunedProduct {
+            layers: vec![vec![self.lm_head()]],
+            most_rows: backend.logit_rows(),
+        });
+        backend.tune_products(&products)
     }
 
     /// Weight bytes one decoded token reads: every layer's matrices (only the routed experts of

@@ -36,6 +36,7 @@ fn batch(args: BenchBatchArgs) -> anyhow::Result<ExitCode> {
             sequences: args.sequences,
             probe_bytes: args.probe_mib << 20,
             profile_steps: args.profile_steps,
+            profile_prefill: args.profile_prefill,
         },
     )?;
     for line in lines {

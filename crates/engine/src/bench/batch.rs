@@ -23,6 +23,18 @@ pub struct BatchBenchOptions {
     /// Decode steps a GPU profiler captures (started with `--profile-from-start off`), from
     /// the middle of each setting's decode; 0 for none.
     pub profile_steps: usize,
+    /// The profiler captures each setting's prefill (until every sequence has its first
+    /// token) instead.
+    pub profile_prefill: bool,
+}
+
+/// What a GPU profiler captures of a setting.
+#[derive(Clone, Copy, Debug)]
+enum Capture {
+    Nothing,
+    /// This many decode steps from the middle of the decode.
+    DecodeSteps(usize),
+    Prefill,
 }
 
 /// One setting's figures.
@@ -94,12 +106,17 @@ pub fn bench_batch(
     let mut seed = 1;
     for &n in &options.sequences {
         let warm_up = (options.prompt_tokens.min(64), 4);
-        run(engine, n, warm_up, 0, &mut seed)?;
+        run(engine, n, warm_up, Capture::Nothing, &mut seed)?;
+        let capture = match (options.profile_prefill, options.profile_steps) {
+            (true, _) => Capture::Prefill,
+            (false, 0) => Capture::Nothing,
+            (false, steps) => Capture::DecodeSteps(steps),
+        };
         let run = run(
             engine,
             n,
             (options.prompt_tokens, options.decode_tokens),
-            options.profile_steps,
+            capture,
             &mut seed,
         )?;
         let mean_position = options.prompt_tokens as f64 + options.decode_tokens as f64 / 2.0;
@@ -133,12 +150,12 @@ struct Run {
 }
 
 /// `n` requests of distinct prompts of `prompt` tokens, `decode` tokens each, greedy; a
-/// profiler captures `profile_steps` decode steps from the middle of the decode.
+/// profiler captures what `capture` asks.
 fn run(
     engine: &mut Engine,
     n: usize,
     (prompt, decode): (usize, usize),
-    profile_steps: usize,
+    capture: Capture,
     seed: &mut u64,
 ) -> Result<Run> {
     let vocab = engine.config().vocab_size as u64;
@@ -167,6 +184,10 @@ fn run(
     let (mut total, mut failed) = (0usize, None);
     let mut decoding: Option<(Instant, usize, StepTiming)> = None;
     let (mut capturing, mut captured) = (false, 0);
+    if let Capture::Prefill = capture {
+        engine.profiler_capture(true)?;
+        capturing = true;
+    }
     loop {
         let more = engine.step_batch(&mut |id, event| match event {
             BatchEvent::Token { .. } => {
@@ -181,9 +202,13 @@ fn run(
         }
         if decoding.is_none() && made.len() == n {
             decoding = Some((Instant::now(), total, engine.step_timing()));
+            if let Capture::Prefill = capture {
+                engine.profiler_capture(false)?;
+                capturing = false;
+            }
         }
         if let Some((_, at, _)) = decoding
-            && profile_steps > 0
+            && let Capture::DecodeSteps(profile_steps) = capture
         {
             // Steps since every sequence had its first token, each a token of each.
             let steps = (total - at) / n;

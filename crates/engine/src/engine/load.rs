@@ -208,7 +208,7 @@ impl Engine {
                         "cuda kernels ready in {:.2} s",
                         started.elapsed().as_secs_f64()
                     );
-                    let backend = CudaBackend::new(
+                    let mut backend = CudaBackend::new(
                         device.clone(),
                         &config,
                         &owner,
@@ -222,6 +222,8 @@ impl Engine {
                         },
                     )?;
                     let model = Transformer::load(&backend, config, source, context)?;
+                    // Its outputs' scratch comes and goes before the pool's plan below.
+                    model.tune_products(&mut backend)?;
                     // Before the pool's plan, which sizes the cache from the device memory
                     // left.
                     if let (DraftKind::Model, Some(path)) = (draft.kind, &options.draft_model) {

@@ -15,6 +15,7 @@ mod kv;
 mod moe;
 mod pass;
 mod products;
+mod tuning;
 mod weights;
 
 use std::collections::HashMap;
@@ -37,7 +38,7 @@ use self::pass::{GraphKey, PassInputs, PicksAhead, Recording};
 use self::products::Gemms;
 use crate::backend::{
     AttentionParams, Backend, PICKS_AHEAD, PassSegment, PassShape, Projection, RopeStyle, Slot,
-    add_to_residual, norm_linears_step_by_step, norm_mlp_step_by_step,
+    TunedProduct, add_to_residual, norm_linears_step_by_step, norm_mlp_step_by_step,
 };
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
@@ -314,6 +315,10 @@ impl Backend for CudaBackend {
         dequantize_row(t.dtype, t.bytes, &mut values);
         let buffer = self.upload(name, BufferKind::Repacked, bytemuck::cast_slice(&values))?;
         Ok(CudaVector(buffer))
+    }
+
+    fn tune_products(&mut self, products: &[TunedProduct<'_, Self>]) -> Result<()> {
+        self.tune_invariant_products(products)
     }
 
     fn rope_tables(&self, config: &ModelConfig, positions: usize) -> Result<CudaRope> {

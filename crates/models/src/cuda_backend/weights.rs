@@ -10,7 +10,9 @@ use super::CudaBackend;
 use crate::backend::WeightMatrix;
 use crate::error::{Error, Result};
 
-/// Weights on the device, in their stored dtype.
+/// Weights on the device, in their stored dtype (a view of a shared buffer: clones are views
+/// of the same bytes).
+#[derive(Clone)]
 pub struct CudaMatrix {
     pub(super) buffer: Arc<DeviceBuffer>,
     /// Byte offset of row 0 in `buffer`.

@@ -73,7 +73,9 @@ pub use moe::{
 pub use residency::CudaResidency;
 pub use rms_norm::{add_rms_norm, rms_norm, rms_norm_in_place};
 pub use rope::{RopeHeads, RopeNorm, rope, rope_qk};
-pub use sliced_gemm::{MAX_OUTPUTS as SLICED_MAX_OUTPUTS, SlicedGemm, SlicedTile, slice_len};
+pub use sliced_gemm::{
+    MAX_OUTPUTS as SLICED_MAX_OUTPUTS, SlicedGemm, SlicedTile, TunedPlan, slice_len,
+};
 
 use error::ensure;
 

@@ -50,16 +50,20 @@ pub enum SlicedTile {
     M64N16K4,
     M64N32K4,
     M64N64W8K4,
+    M128N64K2,
     M128N128K2,
+    M128N128W16K2,
 }
 
 impl SlicedTile {
-    pub const ALL: [SlicedTile; 5] = [
+    pub const ALL: [SlicedTile; 7] = [
         SlicedTile::M128N8K2,
         SlicedTile::M64N16K4,
         SlicedTile::M64N32K4,
         SlicedTile::M64N64W8K4,
+        SlicedTile::M128N64K2,
         SlicedTile::M128N128K2,
+        SlicedTile::M128N128W16K2,
     ];
 
     /// `(weight rows, tokens, warps, stages, steps a stage)`.
@@ -69,7 +73,9 @@ impl SlicedTile {
             SlicedTile::M64N16K4 => (64, 16, 4, 4, 4),
             SlicedTile::M64N32K4 => (64, 32, 4, 3, 4),
             SlicedTile::M64N64W8K4 => (64, 64, 8, 3, 4),
+            SlicedTile::M128N64K2 => (128, 64, 8, 4, 2),
             SlicedTile::M128N128K2 => (128, 128, 8, 3, 2),
+            SlicedTile::M128N128W16K2 => (128, 128, 16, 3, 2),
         }
     }
 
@@ -79,12 +85,14 @@ impl SlicedTile {
             SlicedTile::M64N16K4 => "m64n16k4",
             SlicedTile::M64N32K4 => "m64n32k4",
             SlicedTile::M64N64W8K4 => "m64n64w8k4",
+            SlicedTile::M128N64K2 => "m128n64k2",
             SlicedTile::M128N128K2 => "m128n128k2",
+            SlicedTile::M128N128W16K2 => "m128n128w16k2",
         }
     }
 
-    /// The tile for a batch of `m` tokens of `n`-row weights on `sms` multiprocessors: the
-    /// fastest of a sweep of 16 shapes at qwen3-8b's products on an H100 (`cuda_probe
+    /// The tile for a batch of `m` tokens of `n`-row weights on `sms` multiprocessors where
+    /// the shape was not timed on the device ([`SlicedGemm::tune`]): the fastest of a sweep of 16 shapes at qwen3-8b's products on an H100 (`cuda_probe
     /// products`, December 2026, before the kernel's staging and ldmatrix changes, which
     /// sped up every tile: re-sweep before moving a boundary). Up to 8 tokens: 128 weight rows of 8 warps, stages of 64
     /// values (q/o 14.8 µs at one token against cuBLASLt's 16.5); up to 256: 64 rows of 8
@@ -103,11 +111,32 @@ impl SlicedTile {
         }
     }
 
+    /// Whether timing this tile for a batch of `m` is worth it: a tile of fewer than 1/16 of
+    /// the batch's tokens reads every weight 16 times or more (from L2), and measured several
+    /// times slower than the wide tiles there (qwen3-8b's q/o at 2048 tokens on an H100: 8
+    /// tokens 1,107 µs, 128 tokens 276).
+    fn worth_timing(self, m: usize) -> bool {
+        self.shape().1 * 16 >= m
+    }
+
     /// Shared memory a block takes: its stages of weight and token rows, 64 bytes a step each.
     pub fn smem_bytes(self) -> usize {
         let (rows, tokens, _, stages, steps) = self.shape();
         stages * (rows + tokens) * steps * STEP * 2
     }
+}
+
+/// A product's tile as timed on the device ([`SlicedGemm::tune`]): for `[n, k]` weights and
+/// batches of up to `most_rows` rows (above the tuned batch before), `tile`, its slices split
+/// across blocks or not; `us` a product took.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TunedPlan {
+    pub n: usize,
+    pub k: usize,
+    pub most_rows: usize,
+    pub tile: SlicedTile,
+    pub split: bool,
+    pub us: f64,
 }
 
 /// Outputs one launch may write (`SG_MAX_OUTS`): q, k and v.
@@ -152,6 +181,8 @@ pub struct SlicedGemm {
     partials: DeviceBuffer,
     tickets: DeviceBuffer,
     forced: Option<(SlicedTile, bool)>,
+    /// Choices timed on this device ([`Self::tune`]), ahead of the built-in plan.
+    tuned: Vec<TunedPlan>,
 }
 
 impl std::fmt::Debug for SlicedGemm {
@@ -183,6 +214,7 @@ impl SlicedGemm {
             partials,
             tickets,
             forced: None,
+            tuned: Vec::new(),
         })
     }
 
@@ -191,6 +223,94 @@ impl SlicedGemm {
     /// benchmarks and tests: every tile and form gives the same bits.
     pub fn force_tile(&mut self, forced: Option<(SlicedTile, bool)>) {
         self.forced = forced;
+    }
+
+    /// Times every tile, split and not, on `matrices` (all of one shape `[n, k]`: a model's
+    /// layers' matrices of one role, so that the weights stream from memory as in a pass)
+    /// for each batch of `batches` (rising), and keeps the fastest for products of that
+    /// shape up to that batch (over the last, the last's). Tiles never change a result's
+    /// bits, only its time, so the plan may follow the device it runs on. `input` holds
+    /// `k` values for the largest batch, `out` `n`.
+    pub fn tune<A: FloatElem>(
+        &mut self,
+        matrices: &[DevMat<'_>],
+        input: DevSlice<'_, A>,
+        out: &mut DevSliceMut<'_, f32>,
+        batches: &[usize],
+    ) -> Result<Vec<TunedPlan>, CudaError> {
+        const OP: &str = "sliced_gemm tune";
+        let Some(first) = matrices.first() else {
+            return Ok(Vec::new());
+        };
+        let (n, k) = (first.rows, first.cols);
+        ensure!(
+            matrices.iter().all(|w| (w.rows, w.cols) == (n, k)),
+            OP,
+            "matrices of one shape ({n}×{k} first)"
+        );
+        ensure!(
+            batches.is_sorted() && batches.first().is_some_and(|&m| m > 0),
+            OP,
+            "rising batches of at least one row, not {batches:?}"
+        );
+        let most = batches.last().copied().unwrap_or(0);
+        ensure!(
+            input.len() >= most * k && out.len() >= most * n,
+            OP,
+            "{} inputs and {} outputs for {most} rows of {n}×{k}",
+            input.len(),
+            out.len()
+        );
+        let forced = self.forced.take();
+        self.tuned.retain(|t| (t.n, t.k) != (n, k));
+        let partials = self.partials.len() / 4;
+        let sms = self.device.info().multiprocessors;
+        let device = self.device.clone();
+        let mut found = Vec::with_capacity(batches.len());
+        let timed = (|| {
+            for &m in batches {
+                let a = input.slice(0..m * k);
+                let mut y = out.slice_mut(0..m * n);
+                let mut best: Option<TunedPlan> = None;
+                for tile in SlicedTile::ALL.into_iter().filter(|t| t.worth_timing(m)) {
+                    for split in [false, true] {
+                        // A split the sums do not fit runs unsplit: timed already.
+                        let plan =
+                            plan(m, n, k, sms, partials).with_tile(tile, split, m, n, partials);
+                        if plan.split != split {
+                            continue;
+                        }
+                        self.forced = Some((tile, split));
+                        // Once untimed (the first launch of a kernel loads it), then once over
+                        // each matrix.
+                        self.matmul(a, &matrices[0], &mut y, false)?;
+                        let ms = device.time_ms(|| {
+                            for w in matrices {
+                                self.matmul(a, w, &mut y, false)?;
+                            }
+                            Ok(())
+                        })?;
+                        let us = f64::from(ms) * 1e3 / matrices.len() as f64;
+                        if best.is_none_or(|b| us < b.us) {
+                            best = Some(TunedPlan {
+                                n,
+                                k,
+                                most_rows: m,
+                                tile,
+                                split,
+                                us,
+                            });
+                        }
+                    }
+                }
+                found.extend(best);
+            }
+            Ok(())
+        })();
+        self.forced = forced;
+        timed?;
+        self.tuned.extend_from_slice(&found);
+        Ok(found)
     }
 
     /// `out = a · Wᵀ`, or `out += a · Wᵀ` with `accumulate`. `a` has `w.cols` values per row
@@ -302,7 +422,7 @@ impl SlicedGemm {
         }
         let partials = self.partials.len() / 4;
         let mut plan = plan(m, n, k, self.device.info().multiprocessors, partials);
-        if let Some((tile, split)) = self.forced {
+        if let Some((tile, split)) = self.forced.or_else(|| tuned_choice(&self.tuned, m, n, k)) {
             plan = plan.with_tile(tile, split, m, n, partials);
         }
         let mut out = [OutArgs::default(); MAX_OUTPUTS];
@@ -339,6 +459,17 @@ impl SlicedGemm {
         );
         launch!(self.device, kernel, config3(grid, (warps * 32) as u32, plan.tile.smem_bytes()); args)
     }
+}
+
+/// The tuned choice for `m` rows of `[n, k]`: that of the least tuned batch of at least `m`
+/// rows, else of the largest; none where the shape was not tuned.
+fn tuned_choice(tuned: &[TunedPlan], m: usize, n: usize, k: usize) -> Option<(SlicedTile, bool)> {
+    let shape = || tuned.iter().filter(|t| (t.n, t.k) == (n, k));
+    shape()
+        .filter(|t| t.most_rows >= m)
+        .min_by_key(|t| t.most_rows)
+        .or_else(|| shape().max_by_key(|t| t.most_rows))
+        .map(|t| (t.tile, t.split))
 }
 
 /// How one product runs: its tile, its slices, whether they run in blocks of their own.
@@ -463,6 +594,42 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_batch_takes_the_choice_tuned_at_the_least_batch_not_below_it() {
+        let at = |most_rows, tile| TunedPlan {
+            n: 4096,
+            k: 4096,
+            most_rows,
+            tile,
+            split: most_rows == 1,
+            us: 1.0,
+        };
+        let tuned = [
+            at(1, SlicedTile::M128N8K2),
+            at(16, SlicedTile::M64N16K4),
+            at(256, SlicedTile::M64N64W8K4),
+            at(2048, SlicedTile::M128N128W16K2),
+        ];
+        let choice = |m| tuned_choice(&tuned, m, 4096, 4096);
+        assert_eq!(choice(1), Some((SlicedTile::M128N8K2, true)));
+        assert_eq!(choice(2), Some((SlicedTile::M64N16K4, false)));
+        assert_eq!(choice(16), Some((SlicedTile::M64N16K4, false)));
+        assert_eq!(choice(17), Some((SlicedTile::M64N64W8K4, false)));
+        assert_eq!(choice(2048), Some((SlicedTile::M128N128W16K2, false)));
+        // Past the largest tuned batch, the largest's choice; another shape, none.
+        assert_eq!(choice(4096), Some((SlicedTile::M128N128W16K2, false)));
+        assert_eq!(tuned_choice(&tuned, 1, 1024, 4096), None);
+    }
+
+    #[test]
+    fn wide_batches_time_only_wide_tiles() {
+        assert!(SlicedTile::ALL.iter().all(|t| t.worth_timing(1)));
+        assert!(SlicedTile::M128N8K2.worth_timing(128));
+        assert!(!SlicedTile::M128N8K2.worth_timing(129));
+        assert!(SlicedTile::M128N128K2.worth_timing(2048));
+        assert!(!SlicedTile::M64N32K4.worth_timing(2048));
     }
 
     #[test]

@@ -415,6 +415,51 @@ fn sliced_gemm_gives_a_row_the_same_bits_in_every_batch() {
     }
 }
 
+/// Tiles timed on the device change which kernel runs, never a result: after tuning, every
+/// batch gives the bits of the built-in plan, and each tuned batch has a choice.
+#[test]
+fn sliced_gemm_tuned_plans_keep_the_bits() {
+    let Some(ctx) = Ctx::new() else { return };
+    let mut sliced = SlicedGemm::new(&ctx.device, &ctx.owner).unwrap();
+    let mut rng = Rng(22);
+    let (n, k, most) = (2048, 1024, 300);
+    let a: Vec<bf16> = round(&rng.vec(most * k));
+    let (w1, w2): (Vec<bf16>, Vec<bf16>) = (round(&rng.vec(n * k)), round(&rng.vec(n * k)));
+    let (abuf, b1, b2) = (ctx.upload(&a), ctx.upload(&w1), ctx.upload(&w2));
+    let mat1 = DevMat::from_slice(b1.as_slice::<bf16>(), n, k).unwrap();
+    let mat2 = DevMat::from_slice(b2.as_slice::<bf16>(), n, k).unwrap();
+    let run = |sliced: &mut SlicedGemm, m: usize| -> Vec<u32> {
+        let mut out = ctx.poisoned::<f32>(m * n);
+        let x = abuf.as_slice::<bf16>().slice(0..m * k);
+        sliced
+            .matmul(x, &mat1, &mut out.as_mut_slice::<f32>(), false)
+            .unwrap();
+        bits(&ctx.download::<f32>(&out))
+    };
+    let batches = [1, 3, 40, 300];
+    let planned: Vec<Vec<u32>> = batches.iter().map(|&m| run(&mut sliced, m)).collect();
+    let mut out = ctx.poisoned::<f32>(most * n);
+    let tuned = sliced
+        .tune(
+            &[mat1, mat2],
+            abuf.as_slice::<bf16>(),
+            &mut out.as_mut_slice::<f32>(),
+            &[1, 4, 64, most],
+        )
+        .unwrap();
+    assert_eq!(
+        tuned.iter().map(|t| t.most_rows).collect::<Vec<_>>(),
+        [1, 4, 64, most]
+    );
+    assert!(tuned.iter().all(|t| (t.n, t.k) == (n, k) && t.us > 0.0));
+    for (m, want) in batches.iter().zip(&planned) {
+        assert!(
+            run(&mut sliced, *m) == *want,
+            "{m} rows after tuning ({tuned:?}) differ from the built-in plan's"
+        );
+    }
+}
+
 /// Matrices stacked end to end (q, k and v) in one launch, each into its own output: every
 /// output element the same bits as the stacked matrix's product into one output, for a
 /// batch whose slices run in blocks of their own and one whose slices do not, accumulating

@@ -219,6 +219,32 @@ __device__ __forceinline__ void sliced_gemm(const SlicedGemmArgs& a) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[i][j][e] = total[i][j][e] = 0.0f;
 
+    // One 32-value step of the stage in buffer `buf`: the tile's two m16n8k16 products a
+    // 16-row by 8-token piece, in k order.
+    auto step = [&](unsigned ws_addr, unsigned xs_addr, int q) {
+        // B: token tile j's values 0-7, 8-15, 16-23, 24-31 of the step (matrices 0-3; lane l
+        // gives row l % 8 of matrix l / 8): registers 0-1 the first product's, 2-3 the second's.
+        unsigned b[WN][4];
+#pragma unroll
+        for (int j = 0; j < WN; ++j)
+            ldmatrix_x4(b[j], xs_addr + sg_piece_offset<KS>((warp_n * WN + j) * 8 + (lane & 7),
+                                                            q * 4 + (lane >> 3)));
+#pragma unroll
+        for (int i = 0; i < WM; ++i) {
+            // A: rows 0-7 and 8-15 of the tile by values 0-7 and 8-15 of the half (the
+            // fragment's four registers in order), for each half of the step.
+            const int row = (warp_m * WM + i) * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                unsigned a_frag[4];
+                ldmatrix_x4(a_frag, ws_addr + sg_piece_offset<KS>(row, q * 4 + h * 2 + (lane >> 4)));
+#pragma unroll
+                for (int j = 0; j < WN; ++j)
+                    SlicedMma<T>::mma(acc[i][j], a_frag, b[j][2 * h], b[j][2 * h + 1]);
+            }
+        }
+    };
+
     // Stage s sits in buffer s % STAGES (`buf`); the one refilled is the one before it.
     int left_in_slice = steps_per_slice;
     for (int s = 0, buf = 0; s < stages; ++s, buf = buf + 1 == STAGES ? 0 : buf + 1) {
@@ -232,47 +258,34 @@ __device__ __forceinline__ void sliced_gemm(const SlicedGemmArgs& a) {
         cp_async_commit();
 
         const unsigned ws_addr = Block::w_buffer(smem, buf), xs_addr = Block::x_buffer(smem, buf);
+        // A whole stage's steps without a branch between them (so their loads and products
+        // interleave); only the block's last stage may hold fewer. Its steps past the block's
+        // values (zeros) are never summed, so an element's sums are the same instructions as
+        // with one step a stage.
+        const int in_stage = min(KS, steps - s * KS);
+        if (in_stage == KS) {
 #pragma unroll
-        for (int q = 0; q < KS; ++q) {
-            // A stage's steps past the block's values (zeros) are never summed, so an
-            // element's sums are the same instructions as with one step a stage.
-            if (s * KS + q >= steps) break;
-            // B: token tile j's values 0-7, 8-15, 16-23, 24-31 of the step (matrices 0-3;
-            // lane l gives row l % 8 of matrix l / 8): registers 0-1 the first product's,
-            // 2-3 the second's.
-            unsigned b[WN][4];
+            for (int q = 0; q < KS; ++q) step(ws_addr, xs_addr, q);
+        } else {
 #pragma unroll
-            for (int j = 0; j < WN; ++j)
-                ldmatrix_x4(b[j], xs_addr + sg_piece_offset<KS>((warp_n * WN + j) * 8 + (lane & 7),
-                                                                q * 4 + (lane >> 3)));
+            for (int q = 0; q < KS; ++q)
+                if (q < in_stage) step(ws_addr, xs_addr, q);
+        }
+        // Slices are whole stages (the host's slice lengths are multiples of 32·KS values),
+        // so a slice ends only at a stage's end, or where the values end.
+        left_in_slice -= in_stage;
+        if (!SPLIT && (left_in_slice == 0 || s + 1 == stages)) {
+            left_in_slice = steps_per_slice;
+            // A slice ends: its sum joins the total, the next starts from zero.
 #pragma unroll
-            for (int i = 0; i < WM; ++i) {
-                // A: rows 0-7 and 8-15 of the tile by values 0-7 and 8-15 of the half (the
-                // fragment's four registers in order), for each half of the step.
-                const int row = (warp_m * WM + i) * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+            for (int i = 0; i < WM; ++i)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    unsigned a_frag[4];
-                    ldmatrix_x4(a_frag, ws_addr + sg_piece_offset<KS>(row, q * 4 + h * 2 + (lane >> 4)));
+                for (int j = 0; j < WN; ++j)
 #pragma unroll
-                    for (int j = 0; j < WN; ++j)
-                        SlicedMma<T>::mma(acc[i][j], a_frag, b[j][2 * h], b[j][2 * h + 1]);
-                }
-            }
-            const int step = s * KS + q;
-            if (!SPLIT && (--left_in_slice == 0 || step + 1 == steps)) {
-                left_in_slice = steps_per_slice;
-                // A slice ends: its sum joins the total, the next starts from zero.
-#pragma unroll
-                for (int i = 0; i < WM; ++i)
-#pragma unroll
-                    for (int j = 0; j < WN; ++j)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            total[i][j][e] += acc[i][j][e];
-                            acc[i][j][e] = 0.0f;
-                        }
-            }
+                    for (int e = 0; e < 4; ++e) {
+                        total[i][j][e] += acc[i][j][e];
+                        acc[i][j][e] = 0.0f;
+                    }
         }
     }
     cp_async_wait<0>();
@@ -281,17 +294,27 @@ __device__ __forceinline__ void sliced_gemm(const SlicedGemmArgs& a) {
     auto row_of = [&](int i, int e) { return r0 + (warp_m * WM + i) * 16 + g + (e >> 1) * 8; };
     auto token_of = [&](int j, int e) { return t0 + (warp_n * WN + j) * 8 + 2 * tq + (e & 1); };
     auto store = [&](int tok, int row, float v) {
-        const int i = a.outs > 2 && row >= a.out[2].first ? 2
-                      : a.outs > 1 && row >= a.out[1].first ? 1
-                                                             : 0;
-        const size_t at = (size_t)tok * a.out[i].width + (row - a.out[i].first);
+        // The output by constant indices: an argument indexed at run time is copied to local
+        // memory first, a round trip every thread of every block pays.
+        void* y = a.out[0].y;
+        int first = 0, width = a.out[0].width;
+        if (a.outs > 2 && row >= a.out[2].first) {
+            y = a.out[2].y;
+            first = a.out[2].first;
+            width = a.out[2].width;
+        } else if (a.outs > 1 && row >= a.out[1].first) {
+            y = a.out[1].y;
+            first = a.out[1].first;
+            width = a.out[1].width;
+        }
+        const size_t at = (size_t)tok * width + (row - first);
         if (a.out_bf16) {
-            bf16_t* y = (bf16_t*)a.out[i].y;
-            if (a.accumulate) v = to_f32(y[at]) + v;
-            y[at] = from_f32<bf16_t>(v);
+            bf16_t* yb = (bf16_t*)y;
+            if (a.accumulate) v = to_f32(yb[at]) + v;
+            yb[at] = from_f32<bf16_t>(v);
         } else {
-            float* y = (float*)a.out[i].y;
-            y[at] = a.accumulate ? y[at] + v : v;
+            float* yf = (float*)y;
+            yf[at] = a.accumulate ? yf[at] + v : v;
         }
     };
 
@@ -328,26 +351,28 @@ __device__ __forceinline__ void sliced_gemm(const SlicedGemmArgs& a) {
 
 // The tiles the host picks from (`SlicedTile` in sliced_gemm.rs): a name, then WM, WN,
 // WARPS_M, WARPS_N, STAGES, KS. Shared memory: STAGES · (BM + BN) · 64 · KS bytes.
-#define SLICED_GEMM_KERNEL(tname, T, tile, WM, WN, WARPS_M, WARPS_N, STAGES, KS)                  \
-    extern "C" __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N)                          \
-        sliced_gemm_##tname##_##tile(const SlicedGemmArgs a) {                                    \
-        sliced_gemm_weights_ahead<WM, WN, WARPS_M, WARPS_N, STAGES, KS, false>(a);                \
-        grid_dependency_wait();                                                                   \
-        sliced_gemm<T, WM, WN, WARPS_M, WARPS_N, STAGES, KS, false>(a);                           \
-    }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N)                          \
-        sliced_gemm_##tname##_##tile##_split(const SlicedGemmArgs a) {                            \
-        sliced_gemm_weights_ahead<WM, WN, WARPS_M, WARPS_N, STAGES, KS, true>(a);                 \
-        grid_dependency_wait();                                                                   \
-        sliced_gemm<T, WM, WN, WARPS_M, WARPS_N, STAGES, KS, true>(a);                            \
+#define SLICED_GEMM_KERNEL(tname, T, tile, WM, WN, WARPS_M, WARPS_N, STAGES, KS)                   \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N)                           \
+        sliced_gemm_##tname##_##tile(const __grid_constant__ SlicedGemmArgs a) {                   \
+        sliced_gemm_weights_ahead<WM, WN, WARPS_M, WARPS_N, STAGES, KS, false>(a);                 \
+        grid_dependency_wait();                                                                    \
+        sliced_gemm<T, WM, WN, WARPS_M, WARPS_N, STAGES, KS, false>(a);                            \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N)                           \
+        sliced_gemm_##tname##_##tile##_split(const __grid_constant__ SlicedGemmArgs a) {           \
+        sliced_gemm_weights_ahead<WM, WN, WARPS_M, WARPS_N, STAGES, KS, true>(a);                  \
+        grid_dependency_wait();                                                                    \
+        sliced_gemm<T, WM, WN, WARPS_M, WARPS_N, STAGES, KS, true>(a);                             \
     }
 
-#define SLICED_GEMM_ALL(tname, T)                              \
-    SLICED_GEMM_KERNEL(tname, T, m128n8k2, 1, 1, 8, 1, 4, 2)   \
-    SLICED_GEMM_KERNEL(tname, T, m64n16k4, 1, 2, 4, 1, 4, 4)   \
-    SLICED_GEMM_KERNEL(tname, T, m64n32k4, 1, 4, 4, 1, 3, 4)   \
-    SLICED_GEMM_KERNEL(tname, T, m64n64w8k4, 1, 4, 4, 2, 3, 4) \
-    SLICED_GEMM_KERNEL(tname, T, m128n128k2, 2, 8, 4, 2, 3, 2)
+#define SLICED_GEMM_ALL(tname, T)                                                                  \
+    SLICED_GEMM_KERNEL(tname, T, m128n8k2, 1, 1, 8, 1, 4, 2)                                       \
+    SLICED_GEMM_KERNEL(tname, T, m64n16k4, 1, 2, 4, 1, 4, 4)                                       \
+    SLICED_GEMM_KERNEL(tname, T, m64n32k4, 1, 4, 4, 1, 3, 4)                                       \
+    SLICED_GEMM_KERNEL(tname, T, m64n64w8k4, 1, 4, 4, 2, 3, 4)                                     \
+    SLICED_GEMM_KERNEL(tname, T, m128n64k2, 2, 4, 4, 2, 4, 2)                                      \
+    SLICED_GEMM_KERNEL(tname, T, m128n128k2, 2, 8, 4, 2, 3, 2)                                     \
+    SLICED_GEMM_KERNEL(tname, T, m128n128w16k2, 2, 4, 4, 4, 3, 2)
 
 SLICED_GEMM_ALL(bf16, bf16_t)
 SLICED_GEMM_ALL(f16, f16_t)
