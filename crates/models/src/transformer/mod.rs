@@ -3,11 +3,9 @@
 //! The architectures differ only in options read from the config: q/k/v biases (Qwen2),
 //! per-head q/k norms (Qwen3), Llama 3 rope scaling, and mixture-of-experts MLPs on some
 //! layers (Qwen3-MoE). There is one forward pass, written once against [`Backend`]; a backend
-//! brings only storage and kernels.
+//! brings only storage and kernels. Building one from a checkpoint's tensors: `load.rs`.
 
 use std::ops::Range;
-
-use ember_checkpoint::TensorSource;
 
 use crate::backend::{
     AttentionParams, Backend, KvStore, PassSegment, PassShape, Projection, RopeStyle, Slot,
@@ -17,6 +15,8 @@ use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::kv_cache::BlockTable;
 
+mod load;
+
 /// A projection with an optional bias.
 pub struct Linear<B: Backend> {
     pub weight: B::Matrix,
@@ -24,40 +24,6 @@ pub struct Linear<B: Backend> {
 }
 
 impl<B: Backend> Linear<B> {
-    fn load(
-        b: &B,
-        source: &dyn TensorSource,
-        prefix: &str,
-        rows: usize,
-        cols: usize,
-        bias: bool,
-    ) -> Result<Self> {
-        Ok(Linear {
-            weight: b.load_matrix(source, &format!("{prefix}.weight"), rows, cols)?,
-            bias: if bias {
-                Some(b.load_vector(source, &format!("{prefix}.bias"), rows)?)
-            } else {
-                None
-            },
-        })
-    }
-
-    /// A projection whose weight is loaded already (one of [`Backend::load_adjacent`]'s).
-    fn with_weight(
-        b: &B,
-        source: &dyn TensorSource,
-        prefix: &str,
-        weight: B::Matrix,
-        bias: bool,
-    ) -> Result<Self> {
-        let bias = if bias {
-            Some(b.load_vector(source, &format!("{prefix}.bias"), weight.rows())?)
-        } else {
-            None
-        };
-        Ok(Linear { weight, bias })
-    }
-
     /// This projection writing `dst`, as one of a group ([`Backend::norm_linears`]).
     fn writing(&self, dst: Slot) -> Projection<'_, B> {
         Projection {
@@ -227,103 +193,6 @@ pub struct Transformer<B: Backend> {
 }
 
 impl<B: Backend> Transformer<B> {
-    /// Builds the model's weights in `backend`'s memory; `context` sizes the rotary tables.
-    pub fn load(
-        backend: &B,
-        config: ModelConfig,
-        source: &dyn TensorSource,
-        context: usize,
-    ) -> Result<Self> {
-        let b = backend;
-        let c = &config;
-        let (h, q_dim, kv_dim) = (c.hidden_size, c.q_dim(), c.kv_dim());
-        let embed_tokens = b.load_matrix(source, "model.embed_tokens.weight", c.vocab_size, h)?;
-        let mut layers = Vec::with_capacity(c.num_hidden_layers);
-        for i in 0..c.num_hidden_layers {
-            let p = format!("model.layers.{i}");
-            let linear = |name: &str, rows: usize, cols: usize, bias: bool| {
-                Linear::load(
-                    b,
-                    source,
-                    &format!("{p}.self_attn.{name}"),
-                    rows,
-                    cols,
-                    bias,
-                )
-            };
-            let head_norm = |name: &str| -> Result<Option<B::Vector>> {
-                if c.qk_norm {
-                    let name = format!("{p}.self_attn.{name}.weight");
-                    Ok(Some(b.load_vector(source, &name, c.head_dim)?))
-                } else {
-                    Ok(None)
-                }
-            };
-            // q, k and v share their input: adjacent, so that a backend may run them as one
-            // product.
-            let attn = |name: &str| format!("{p}.self_attn.{name}");
-            let names = [attn("q_proj"), attn("k_proj"), attn("v_proj")];
-            let weights = b.load_adjacent(
-                source,
-                &[
-                    (&format!("{}.weight", names[0]), q_dim),
-                    (&format!("{}.weight", names[1]), kv_dim),
-                    (&format!("{}.weight", names[2]), kv_dim),
-                ],
-                h,
-            )?;
-            let [q, k, v] = <[B::Matrix; 3]>::try_from(weights)
-                .unwrap_or_else(|w| panic!("load_adjacent gave {} matrices for 3", w.len()));
-            let qkv = |name: &str, weight| Linear::with_weight(b, source, name, weight, c.qkv_bias);
-            let attention = Attention {
-                q: qkv(&names[0], q)?,
-                k: qkv(&names[1], k)?,
-                v: qkv(&names[2], v)?,
-                o: linear("o_proj", h, q_dim, c.o_bias)?,
-                q_norm: head_norm("q_norm")?,
-                k_norm: head_norm("k_norm")?,
-            };
-            let feed_forward = if c.is_sparse_layer(i) {
-                FeedForward::Sparse(load_moe(b, source, c, &p)?)
-            } else {
-                FeedForward::Dense(load_mlp(
-                    b,
-                    source,
-                    &format!("{p}.mlp"),
-                    c.intermediate_size,
-                    h,
-                    c.mlp_bias,
-                )?)
-            };
-            layers.push(Layer {
-                input_norm: b.load_vector(source, &format!("{p}.input_layernorm.weight"), h)?,
-                attention,
-                post_attention_norm: b.load_vector(
-                    source,
-                    &format!("{p}.post_attention_layernorm.weight"),
-                    h,
-                )?,
-                feed_forward,
-            });
-        }
-        let norm = b.load_vector(source, "model.norm.weight", h)?;
-        let lm_head = if c.tie_word_embeddings {
-            None
-        } else {
-            Some(b.load_matrix(source, "lm_head.weight", c.vocab_size, h)?)
-        };
-        let rope = b.rope_tables(c, context)?;
-        Ok(Transformer {
-            config,
-            embed_tokens,
-            layers,
-            norm,
-            lm_head,
-            rope,
-            positions: context,
-        })
-    }
-
     pub fn lm_head(&self) -> &B::Matrix {
         self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
     }
@@ -691,123 +560,4 @@ impl<B: Backend> Transformer<B> {
         b.rope_attention_segments(kv, &self.rope, style, segments, q_norm, k_norm)?;
         a.o.apply_to_residual(b, Slot::AttentionOut, n, 0)
     }
-}
-
-fn load_mlp<B: Backend>(
-    b: &B,
-    source: &dyn TensorSource,
-    prefix: &str,
-    width: usize,
-    hidden: usize,
-    bias: bool,
-) -> Result<Mlp<B>> {
-    let name = |name: &str| format!("{prefix}.{name}");
-    // Gate and up share their input: adjacent, so that a backend may run them as one product.
-    let (gate, up) = (name("gate_proj"), name("up_proj"));
-    let weights = b.load_adjacent(
-        source,
-        &[
-            (&format!("{gate}.weight"), width),
-            (&format!("{up}.weight"), width),
-        ],
-        hidden,
-    )?;
-    let [gate_weight, up_weight] = <[B::Matrix; 2]>::try_from(weights)
-        .unwrap_or_else(|w| panic!("load_adjacent gave {} matrices for 2", w.len()));
-    Ok(Mlp {
-        gate: Linear::with_weight(b, source, &gate, gate_weight, bias)?,
-        up: Linear::with_weight(b, source, &up, up_weight, bias)?,
-        down: Linear::load(b, source, &name("down_proj"), hidden, width, bias)?,
-    })
-}
-
-/// Experts are stored one tensor per expert (`experts.{e}.gate_proj.weight`, the layout on the
-/// Hub), stacked with gate and up fused (`experts.gate_up_proj` `[E, 2·I, H]` and
-/// `experts.down_proj` `[E, H, I]`, as transformers 5 keeps them in memory), or stacked apart
-/// (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps` in GGUF). All become per-expert views
-/// without copying.
-fn load_moe<B: Backend>(
-    b: &B,
-    source: &dyn TensorSource,
-    c: &ModelConfig,
-    layer_prefix: &str,
-) -> Result<Moe<B>> {
-    let moe = c
-        .moe
-        .as_ref()
-        .expect("sparse layers exist only with a MoE config");
-    let (e_count, width, hidden) = (moe.num_experts, moe.moe_intermediate_size, c.hidden_size);
-    let prefix = format!("{layer_prefix}.mlp");
-    let router = b.load_matrix(source, &format!("{prefix}.gate.weight"), e_count, hidden)?;
-    let stacked = format!("{prefix}.experts.gate_up_proj");
-    let experts = if source.contains(&stacked) {
-        let gate_up = b.load_stacked(source, &stacked, e_count, 2 * width, hidden)?;
-        let down = b.load_stacked(
-            source,
-            &format!("{prefix}.experts.down_proj"),
-            e_count,
-            hidden,
-            width,
-        )?;
-        (0..e_count)
-            .map(|e| {
-                let base = e * 2 * width;
-                Mlp {
-                    gate: Linear {
-                        weight: gate_up.slice_rows(base, base + width),
-                        bias: None,
-                    },
-                    up: Linear {
-                        weight: gate_up.slice_rows(base + width, base + 2 * width),
-                        bias: None,
-                    },
-                    down: Linear {
-                        weight: down.slice_rows(e * hidden, (e + 1) * hidden),
-                        bias: None,
-                    },
-                }
-            })
-            .collect()
-    } else if source.contains(&format!("{prefix}.experts.gate_proj.weight")) {
-        let stack = |name: &str, rows: usize, cols: usize| {
-            b.load_stacked(
-                source,
-                &format!("{prefix}.experts.{name}.weight"),
-                e_count,
-                rows,
-                cols,
-            )
-        };
-        let (gate, up, down) = (
-            stack("gate_proj", width, hidden)?,
-            stack("up_proj", width, hidden)?,
-            stack("down_proj", hidden, width)?,
-        );
-        let view = |m: &B::Matrix, e: usize, rows: usize| Linear {
-            weight: m.slice_rows(e * rows, (e + 1) * rows),
-            bias: None,
-        };
-        (0..e_count)
-            .map(|e| Mlp {
-                gate: view(&gate, e, width),
-                up: view(&up, e, width),
-                down: view(&down, e, hidden),
-            })
-            .collect()
-    } else {
-        (0..e_count)
-            .map(|e| {
-                let prefix = format!("{prefix}.experts.{e}");
-                load_mlp(b, source, &prefix, width, hidden, false)
-            })
-            .collect::<Result<Vec<_>>>()?
-    };
-    let prepared = b.prepare_experts(&experts)?;
-    Ok(Moe {
-        router,
-        experts,
-        prepared,
-        top_k: moe.num_experts_per_tok,
-        norm_topk_prob: moe.norm_topk_prob,
-    })
 }
