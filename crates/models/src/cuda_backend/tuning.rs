@@ -35,9 +35,9 @@ impl CudaBackend {
         &mut self,
         products: &[TunedProduct<'_, Self>],
     ) -> Result<()> {
-        if !self.gemm.is_invariant() {
+        let Gemms::Invariant(sliced) = &mut self.gemm else {
             return Ok(());
-        }
+        };
         let started = Instant::now();
         let mut timed = 0;
         for product in products {
@@ -76,9 +76,6 @@ impl CudaBackend {
                 .iter()
                 .map(CudaMatrix::as_mat)
                 .collect::<Result<Vec<DevMat<'_>>>>()?;
-            let Gemms::Invariant(sliced) = &mut self.gemm else {
-                unreachable!("checked above")
-            };
             let mut y = out.as_mut_slice::<f32>();
             let tuned = if dtype == DType::BF16 {
                 let a = self.gemm_input.as_slice::<bf16>().slice(0..most * k);

@@ -91,15 +91,15 @@ impl SlicedTile {
         }
     }
 
-    /// The tile for a batch of `m` tokens of `n`-row weights on `sms` multiprocessors where
-    /// the shape was not timed on the device ([`SlicedGemm::tune`]): the fastest of a sweep of 16 shapes at qwen3-8b's products on an H100 (`cuda_probe
-    /// products`, December 2026, before the kernel's staging and ldmatrix changes, which
-    /// sped up every tile: re-sweep before moving a boundary). Up to 8 tokens: 128 weight rows of 8 warps, stages of 64
-    /// values (q/o 14.8 µs at one token against cuBLASLt's 16.5); up to 256: 64 rows of 8
-    /// warps by 64 tokens, stages of 128 values (q/o 30.8 µs at 64 tokens, cuBLASLt 15.6);
-    /// beyond, 128 by 128 for the reuse where that still makes half as many blocks as
-    /// multiprocessors (q/o at 512 tokens 96 µs against 132), else 64 by 64 (k/v's 1024 rows
-    /// at 512 tokens: 47 µs against 103).
+    /// The tile for a batch of `m` tokens of `n`-row weights on `sms` multiprocessors where the
+    /// shape was not timed on the device ([`SlicedGemm::tune`]): the fastest of a sweep of 16
+    /// shapes at qwen3-8b's products on an H100 (`cuda_probe products`, December 2026, before the
+    /// kernel's staging and ldmatrix changes, which sped up every tile: re-sweep before moving a
+    /// boundary). Up to 8 tokens: 128 weight rows of 8 warps, stages of 64 values (q/o 14.8 µs at
+    /// one token against cuBLASLt's 16.5); up to 256: 64 rows of 8 warps by 64 tokens, stages of
+    /// 128 values (q/o 30.8 µs at 64 tokens, cuBLASLt 15.6); beyond, 128 by 128 for the reuse where
+    /// that still makes half as many blocks as multiprocessors (q/o at 512 tokens 96 µs against
+    /// 132), else 64 by 64 (k/v's 1024 rows at 512 tokens: 47 µs against 103).
     fn for_batch(m: usize, n: usize, sms: usize) -> SlicedTile {
         match m {
             0..=8 => SlicedTile::M128N8K2,
