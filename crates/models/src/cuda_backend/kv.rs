@@ -198,8 +198,12 @@ impl CudaBackend {
     ) -> Result<()> {
         if p.rows > 1 && self.prompt_attention == PromptAttention::AsDecodeRows {
             self.store_segment(kv, &p)?;
-            // As many rows a launch as the decode scratch has room for.
+            // The rows the tiled kernel with decode's arithmetic takes go there; the rest (past
+            // the contexts it takes, or where decode is not on the tensor cores) each as a
+            // decode row, as many a launch as the decode scratch has room for.
+            let tiled = self.attend_prompt_rows(kv, &p)?;
             let rows = p.row_range();
+            let rows = rows.start + tiled..rows.end;
             for start in rows.clone().step_by(self.decode_scratch_rows) {
                 let span = start..rows.end.min(start + self.decode_scratch_rows);
                 self.attend_decode_rows(kv, &p, DecodeRowsOf::Span(span), None)?;
@@ -263,6 +267,47 @@ impl CudaBackend {
             KvDtype::Bf16 => run!(bf16),
         }
         Ok(())
+    }
+
+    /// Attends the first rows of prompt segment `p` (its keys and values stored) with the bits
+    /// each gets as a decode row, tiled ([`cuda::attention_prompt_rows`]): those whose
+    /// contexts that kernel takes. Returns how many.
+    fn attend_prompt_rows(&mut self, kv: &mut CudaKvPool, p: &AttentionParams) -> Result<usize> {
+        let kv_dim = kv.layout.kv_dim;
+        let shape = attention_shape(p);
+        let (_, table) = self.inputs.segment(p.first_row, p.segment);
+        let (dev, precision) = (&self.device, self.attention_precision);
+        macro_rules! run {
+            ($t:ty) => {{
+                let cache = kv.layer::<$t>(p.layer, table);
+                let cache = cache.as_ref();
+                let most = cuda::attention_prompt_rows_max_context(dev, &cache, shape, precision);
+                let n = most.saturating_sub(p.pos0).min(p.rows);
+                if n > 0 {
+                    let first = p.row_range().start;
+                    let AttentionIo { q, mut out, .. } =
+                        attention_io(&mut self.slots, p, first..first + n, kv_dim);
+                    let mut scratch = self.prompt_attention_scratch.as_mut_slice::<f32>();
+                    cuda::attention_prompt_rows(
+                        dev,
+                        q,
+                        cache,
+                        p.pos0,
+                        n,
+                        shape,
+                        p.scale,
+                        &mut scratch,
+                        &mut out,
+                    )?;
+                }
+                n
+            }};
+        }
+        Ok(match kv.dtype() {
+            KvDtype::F32 => run!(f32),
+            KvDtype::F16 => run!(f16),
+            KvDtype::Bf16 => run!(bf16),
+        })
     }
 
     /// Stores segment `p`'s keys and values into its blocks.
@@ -465,10 +510,12 @@ pub(super) enum PromptAttention {
     /// bits follow the chunk it is in (the tile's precision, a one-row chunk on the decode
     /// kernel).
     Tiled,
-    /// Each row through the decode kernel over its own positions, so a prompt row gets the
-    /// bits of the same position decoded alone, however the prompt was split and whatever
-    /// shares the pass (`--batch-invariant`). Every row reads its whole prefix, so long
-    /// prompts cost more.
+    /// Each row with the decode kernel's arithmetic over its own positions, so a prompt row
+    /// gets the bits of the same position decoded alone, however the prompt was split and
+    /// whatever shares the pass (`--batch-invariant`): tiled on the tensor cores where the
+    /// decode kernel runs there and its chunks are 128 keys
+    /// ([`cuda::attention_prompt_rows`]), else each row through the decode kernel itself
+    /// (every row reading its whole prefix).
     AsDecodeRows,
 }
 

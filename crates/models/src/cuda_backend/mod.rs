@@ -48,6 +48,9 @@ use crate::transformer::{Mlp, Moe};
 
 /// Prompt rows a launch of the decode kernel takes when they attend as decode rows.
 const PROMPT_ROWS_A_LAUNCH: usize = 64;
+/// (row, chunk) pairs of prompt rows the batch-invariant prompt attention's scratch holds:
+/// 128 rows of a 2,048-token prompt's end a launch (each of its 16 chunks kept for the merge).
+const PROMPT_ROW_CHUNKS: usize = 2048;
 
 /// Choices of how a CUDA backend runs; every one gives a request's greedy tokens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -92,7 +95,8 @@ pub struct CudaBackend {
     /// Rows `attention_scratch` has room for: the sequences a pass may have, or with
     /// [`PromptAttention::AsDecodeRows`] a prompt chunk's rows a launch.
     decode_scratch_rows: usize,
-    /// Prompt attention's splits (a short chunk over a long cache).
+    /// Prompt attention's splits (a short chunk over a long cache), or with
+    /// [`PromptAttention::AsDecodeRows`] the prompt rows' chunks.
     prompt_attention_scratch: DeviceBuffer,
     prompt_attention: PromptAttention,
     logits: DeviceBuffer,
@@ -186,10 +190,14 @@ impl CudaBackend {
             shape,
             &mut attention_scratch.as_mut_slice::<f32>(),
         )?;
-        let prompt_attention_scratch = f32s(
-            "prompt attention splits",
-            cuda::attention_prefill_scratch_len(shape),
-        )?;
+        // Tiled prompt attention splits a short chunk's keys; the prompt rows' kernel keeps
+        // every chunk of a row (the most rows a launch: PROMPT_ROW_CHUNKS over their chunks).
+        let prompt_scratch_len = match prompt_attention {
+            PromptAttention::Tiled => cuda::attention_prefill_scratch_len(shape),
+            PromptAttention::AsDecodeRows => cuda::attention_prefill_scratch_len(shape)
+                .max(PROMPT_ROW_CHUNKS * shape.n_heads * (shape.head_dim + 2)),
+        };
+        let prompt_attention_scratch = f32s("prompt attention splits", prompt_scratch_len)?;
         let logits = f32s("logits", logit_rows * config.vocab_size)?;
         let mut argmax_scratch = f32s("argmax chunks", cuda::argmax_scratch_len(logit_rows))?;
         device.fill_bytes(&mut argmax_scratch.as_mut_slice::<u32>(), 0)?;

@@ -17,6 +17,8 @@ const COMMON: &str = include_str!("kernels/common.cuh");
 const MMA: &str = include_str!("kernels/mma.cuh");
 /// The CUDA-core decode attention, also the first half of the tensor-core one's module.
 const DECODE: &str = include_str!("kernels/attention_decode.cu");
+/// The batch-invariant prompt attention, the last part of the tensor-core decode module.
+const PROMPT_ROWS: &str = include_str!("kernels/attention_prompt_rows.cu");
 
 /// A folder whose kernel files replace the built-in ones of the same name (a development aid:
 /// kernel variants compared on a GPU machine with one binary, no rebuild). Files it lacks
@@ -49,6 +51,8 @@ fn file_from(dir: Option<&Path>, file: &str, text: &'static str) -> Cow<'static,
 /// attention_mma.cu), which size its shared memory.
 const PREFILL_MMA_STAGES: usize = 2;
 const PREFILL_MMA_KEYS: usize = 64;
+/// Keys of a chunk the batch-invariant prompt attention stages (`DEC_MIN_KEYS_PER_SPLIT`).
+const PROMPT_ROWS_CHUNK: usize = 128;
 
 /// One source file of kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -64,7 +68,8 @@ pub enum Module {
     /// load compiles the three at once (together they took half a minute).
     AttentionDecode(Float),
     /// Decode attention on the tensor cores over a 16-bit cache: compute capability 8.0 and
-    /// later. Its source follows attention_decode.cu, whose chunking and merge it shares.
+    /// later. Its source follows attention_decode.cu, whose chunking and merge it shares, and
+    /// attention_prompt_rows.cu (prompt rows with its arithmetic) follows it.
     AttentionDecodeMma(Float),
     /// Tensor-core attention (mma.sync with bf16 operands): compute capability 8.0 and later.
     AttentionMma,
@@ -144,6 +149,16 @@ impl Module {
         }
     }
 
+    /// The module's own files in order: its file, then for the tensor-core decode module the
+    /// prompt rows' kernels, which take its steps and merges.
+    fn own_files(self) -> Vec<(&'static str, &'static str)> {
+        let mut files = vec![self.file()];
+        if let Module::AttentionDecodeMma(_) = self {
+            files.push(("attention_prompt_rows.cu", PROMPT_ROWS));
+        }
+        files
+    }
+
     /// The oldest compute capability the module compiles for.
     pub fn min_compute_capability(self) -> (i32, i32) {
         match self {
@@ -187,14 +202,18 @@ impl Module {
         // The decode attention files define their kernels for the cache type the module names.
         let instances = match self {
             Module::AttentionDecode(kv) => format!("ATTENTION_DECODE_ALL({kv}, {})\n", kv.c_type()),
-            Module::AttentionDecodeMma(kv) => {
-                format!("ATTENTION_DECODE_MMA_ALL({kv}, {})\n", kv.c_type())
-            }
+            Module::AttentionDecodeMma(kv) => format!(
+                "ATTENTION_DECODE_MMA_ALL({kv}, {c})\nATTENTION_PROMPT_ROWS_ALL({kv}, {c})\n",
+                c = kv.c_type()
+            ),
             _ => String::new(),
         };
-        let (name, text) = self.file();
-        let body = kernel_file(name, text);
-        format!("{common}\n{header}\n{body}\n{instances}")
+        let body: Vec<_> = self
+            .own_files()
+            .into_iter()
+            .map(|(name, text)| kernel_file(name, text))
+            .collect();
+        format!("{common}\n{header}\n{}\n{instances}", body.join("\n"))
     }
 }
 
@@ -291,6 +310,16 @@ pub enum Kernel {
         head_dim: u16,
         rope: bool,
     },
+    /// Prompt rows with the bits [`Kernel::AttentionDecodeMma`] gives them as decode rows, a
+    /// chunk of keys read once for a tile of rows (the batch-invariant prompt attention).
+    AttentionPromptRowsMma {
+        kv: Float,
+        head_dim: u16,
+    },
+    /// Merges the chunks of [`Kernel::AttentionPromptRowsMma`]'s rows.
+    AttentionPromptRowsMerge {
+        kv: Float,
+    },
     /// `width` as for [`Kernel::AttentionDecode`].
     AttentionPrefill {
         kv: Float,
@@ -337,7 +366,9 @@ impl Kernel {
             | Kernel::AttentionPrefillCombine
             | Kernel::KvStore { .. } => Module::Attention,
             Kernel::AttentionDecode { kv, .. } => Module::AttentionDecode(kv),
-            Kernel::AttentionDecodeMma { kv, .. } => Module::AttentionDecodeMma(kv),
+            Kernel::AttentionDecodeMma { kv, .. }
+            | Kernel::AttentionPromptRowsMma { kv, .. }
+            | Kernel::AttentionPromptRowsMerge { kv } => Module::AttentionDecodeMma(kv),
             Kernel::AttentionPrefillMma { .. } => Module::AttentionMma,
             Kernel::MoeRoute | Kernel::MoeCombine => Module::Moe,
             Kernel::ExpertsMma { .. } => Module::ExpertsMma,
@@ -359,6 +390,10 @@ impl Kernel {
                 // attention_mma.cu.
                 Some(PREFILL_MMA_STAGES * 2 * PREFILL_MMA_KEYS * (head_dim as usize + 8) * 2)
             }
+            Kernel::AttentionPromptRowsMma { head_dim, .. } => {
+                // A chunk of 128 keys and its values, 16-bit: see attention_prompt_rows.cu.
+                Some(2 * PROMPT_ROWS_CHUNK * head_dim as usize * 2)
+            }
             Kernel::SlicedGemm { tile, .. } => Some(tile.smem_bytes()),
             _ => None,
         }
@@ -379,6 +414,9 @@ impl Kernel {
             Kernel::ExpertsMma { swiglu: true },
         ];
         for f in floats {
+            if f != Float::F32 {
+                kernels.push(Kernel::AttentionPromptRowsMerge { kv: f });
+            }
             kernels.push(Kernel::Embedding { table: f });
             kernels.push(Kernel::KvStore { kv: f });
             for batch in 1..=8 {
@@ -409,6 +447,7 @@ impl Kernel {
                             rope,
                         });
                     }
+                    kernels.push(Kernel::AttentionPromptRowsMma { kv: f, head_dim });
                 }
             }
             for width in [2, 4, 8] {
@@ -497,6 +536,10 @@ impl Kernel {
                 let rope = if rope { "rope_" } else { "" };
                 format!("attention_decode_mma_{rope}{kv}_d{head_dim}")
             }
+            Kernel::AttentionPromptRowsMma { kv, head_dim } => {
+                format!("attention_prompt_rows_mma_{kv}_d{head_dim}")
+            }
+            Kernel::AttentionPromptRowsMerge { kv } => format!("attention_prompt_rows_merge_{kv}"),
             Kernel::AttentionPrefill { kv, width } => format!("attention_prefill_{kv}_e{width}"),
             Kernel::KvStore { kv } => format!("kv_store_{kv}"),
             Kernel::AttentionPrefillCombine => "attention_prefill_combine".into(),
@@ -554,7 +597,8 @@ mod tests {
     #[test]
     fn every_kernel_waits_for_the_one_before() {
         for module in Module::ALL {
-            let (_, body) = module.file();
+            let body: String = module.own_files().iter().map(|(_, text)| *text).collect();
+            let body = body.as_str();
             let mut kernels = 0;
             for (at, _) in body.match_indices("__global__") {
                 let open = at + body[at..].find('{').expect("a kernel body");
@@ -633,6 +677,15 @@ mod tests {
                     source.contains(&format!("ATTENTION_DECODE_MMA_ENTRY({name}"))
                         && source.contains(&format!("ATTENTION_DECODE_MMA(T, KV, {head_dim})"))
                         && source.contains(&format!("ATTENTION_DECODE_MMA_ALL({kv},"))
+                }
+                Kernel::AttentionPromptRowsMma { kv, head_dim } => {
+                    source.contains("attention_prompt_rows_mma_##T##_d##D(")
+                        && source.contains(&format!("ATTENTION_PROMPT_ROWS_MMA(T, KV, {head_dim})"))
+                        && source.contains(&format!("ATTENTION_PROMPT_ROWS_ALL({kv},"))
+                }
+                Kernel::AttentionPromptRowsMerge { kv } => {
+                    source.contains("attention_prompt_rows_merge_##T(")
+                        && source.contains(&format!("ATTENTION_PROMPT_ROWS_ALL({kv},"))
                 }
                 Kernel::AttentionPrefillMma { kv, head_dim } => {
                     source.contains(&format!("ATTENTION_MMA(T, KV, {head_dim})"))

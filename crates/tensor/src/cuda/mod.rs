@@ -50,7 +50,8 @@ pub use attention::{
     AttentionPrecision, DecodeContext, DecodeRope, DecodeRows, MAX_HEAD_DIM, PagedCache,
     PagedCacheMut, attention_decode, attention_decode_rope, attention_decode_rope_fits,
     attention_decode_scratch_len, attention_decode_scratch_reset, attention_prefill,
-    attention_prefill_scratch_len, kv_store,
+    attention_prefill_scratch_len, attention_prompt_rows, attention_prompt_rows_max_context,
+    kv_store,
 };
 pub use device::{CudaDevice, DeviceInfo, StreamEvent};
 pub use elementwise::{

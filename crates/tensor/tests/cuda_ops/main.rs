@@ -24,6 +24,7 @@ mod attention;
 mod elementwise;
 mod moe;
 mod products;
+mod prompt_rows;
 
 fn device() -> Option<CudaDevice> {
     match CudaDevice::open(0) {

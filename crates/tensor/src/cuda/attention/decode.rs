@@ -391,25 +391,10 @@ fn launch_decode<T: FloatElem>(
 
     // A lane's values of a row come whole in vector loads.
     let vec = cache.vectorised(head_dim, kv_row) & i32::from(head_dim.is_multiple_of(width.into()));
-    let tensor_cores = precision == AttentionPrecision::Bf16
-        && T::FLOAT != Float::F32
-        && MMA_HEAD_DIMS.contains(&head_dim)
-        && vec == 1
-        && device.info().compute_capability
-            >= Module::AttentionDecodeMma(T::FLOAT).min_compute_capability();
-    // Query heads a block takes: the group, or blocks of 8 of it (always 8 on the tensor
-    // cores: the n of their product).
-    let group = n_heads / n_kv_heads;
-    let rows = if tensor_cores {
-        MAX_DECODE_ROWS
-    } else {
-        group.min(MAX_DECODE_ROWS).next_power_of_two()
-    };
-    let blocks_per_split = n_kv_heads * group.div_ceil(rows);
-    // As many blocks as fit on the device at once, so that the chunks run in one wave;
-    // `decode_keys_per_split` in attention_decode.cu turns this into chunks.
-    let target_splits =
-        (DECODE_BLOCKS_PER_SM * device.info().multiprocessors).div_ceil(blocks_per_split);
+    let tensor_cores = decode_on_tensor_cores(device, &cache, shape, precision);
+    let rows = decode_block_rows(shape, tensor_cores);
+    let blocks_per_split = n_kv_heads * (n_heads / n_kv_heads).div_ceil(rows);
+    let target_splits = decode_target_splits(device, shape, tensor_cores);
     let grid_splits = match context {
         DecodeContext::One(Position::Host(context)) => {
             context.div_ceil(keys_per_split(context, target_splits))
@@ -469,6 +454,53 @@ fn launch_decode<T: FloatElem>(
     launch!(device, kernel, config3(grid, THREADS, 0);
         qp, kp, vp, mlp, accp, tickets, outp, ctx, ctx_dev, heads, kv_heads, d, scale, target, vec,
         pages, rope, batch)
+}
+
+/// Whether decode over `cache` runs on the tensor cores (attention_decode_mma.cu): with
+/// [`AttentionPrecision::Bf16`], a 16-bit cache whose rows load in 16-byte pieces, heads of 64
+/// or 128 and compute capability 8.0 on.
+pub(super) fn decode_on_tensor_cores<T: FloatElem>(
+    device: &CudaDevice,
+    cache: &PagedCache<'_, T>,
+    shape: AttentionShape,
+    precision: AttentionPrecision,
+) -> bool {
+    let AttentionShape {
+        n_kv_heads,
+        head_dim,
+        ..
+    } = shape;
+    precision == AttentionPrecision::Bf16
+        && T::FLOAT != Float::F32
+        && MMA_HEAD_DIMS.contains(&head_dim)
+        && cache.vectorised(head_dim, n_kv_heads * head_dim) == 1
+        && device.info().compute_capability
+            >= Module::AttentionDecodeMma(T::FLOAT).min_compute_capability()
+}
+
+/// Query heads a decode block takes for its kv head: the group, or blocks of 8 of it (always
+/// 8 on the tensor cores: the n of their product).
+pub(super) fn decode_block_rows(shape: AttentionShape, tensor_cores: bool) -> usize {
+    if tensor_cores {
+        MAX_DECODE_ROWS
+    } else {
+        (shape.n_heads / shape.n_kv_heads)
+            .min(MAX_DECODE_ROWS)
+            .next_power_of_two()
+    }
+}
+
+/// The chunks decode aims for: as many blocks as fit on the device at once, so that a lone
+/// row's chunks run in one wave; `decode_keys_per_split` in attention_decode.cu turns this
+/// into chunks of a context.
+pub(super) fn decode_target_splits(
+    device: &CudaDevice,
+    shape: AttentionShape,
+    tensor_cores: bool,
+) -> usize {
+    let rows = decode_block_rows(shape, tensor_cores);
+    let blocks_per_split = shape.n_kv_heads * (shape.n_heads / shape.n_kv_heads).div_ceil(rows);
+    (DECODE_BLOCKS_PER_SM * device.info().multiprocessors).div_ceil(blocks_per_split)
 }
 
 /// Keys per decode chunk: `decode_keys_per_split` in attention_decode.cu, for the grid.

@@ -3,18 +3,21 @@
 //! of `n_kv_heads · head_dim`, a position's row found through the sequence's block table
 //! ([`PagedCache`]); queries and outputs are `[tokens, n_heads · head_dim]`.
 //!
-//! Split by job: [`decode`] (one new token per sequence, of one sequence or many in a launch)
-//! and [`prefill`] (a prompt chunk); this file holds what both read: the paged cache's view,
+//! Split by job: [`decode`] (one new token per sequence, of one sequence or many in a launch),
+//! [`prefill`] (a prompt chunk) and [`prompt_rows`] (a prompt chunk's rows with the bits decode
+//! gives them, for batch invariance); this file holds what both read: the paged cache's view,
 //! the shape checks, the cache store and the precision choice.
 
 mod decode;
 mod prefill;
+mod prompt_rows;
 
 pub use decode::{
     DecodeContext, DecodeRope, DecodeRows, attention_decode, attention_decode_rope,
     attention_decode_rope_fits, attention_decode_scratch_len, attention_decode_scratch_reset,
 };
 pub use prefill::{attention_prefill, attention_prefill_scratch_len};
+pub use prompt_rows::{attention_prompt_rows, attention_prompt_rows_max_context};
 
 use super::device::launch;
 use super::kernels::Kernel;

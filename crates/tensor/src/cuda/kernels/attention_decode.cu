@@ -236,10 +236,32 @@ __device__ __forceinline__ void norm_rotate(float* x, const LaneRope<E>& lr, con
     }
 }
 
-// The end of a chunk's work, once the block's warps have put their rows' running maximum,
+// One value of a chunk's result, once the block's warps have put their rows' running maximum,
 // sum and unnormalised values in shared memory (a warp that saw no key: maximum -inf, all
-// zero): merges the warps, then writes the output (a context of one chunk) or the chunk's
-// partial result. Shared by both decode kernels.
+// zero): value e of row r merged over the warps, with the row's maximum and sum. Shared by
+// the decode kernels and the prompt rows' (attention_prompt_rows.cu), so a row's bits are
+// one arithmetic's.
+template <int ROWS, int DMAX>
+__device__ __forceinline__ float chunk_value(const float (*warp_m)[ROWS],
+                                             const float (*warp_l)[ROWS],
+                                             const float (*warp_acc)[ROWS][DMAX], int r, int e,
+                                             float& mm, float& sum) {
+    mm = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < DEC_WARPS; ++w) mm = fmaxf(mm, warp_m[w][r]);
+    sum = 0.0f;
+    float o = 0.0f;
+#pragma unroll
+    for (int w = 0; w < DEC_WARPS; ++w) {
+        const float f = __expf(warp_m[w][r] - mm);  // 0 for a warp that saw no key
+        sum = fmaf(f, warp_l[w][r], sum);
+        o = fmaf(f, warp_acc[w][r][e], o);
+    }
+    return o;
+}
+
+// The end of a chunk's work: merges the warps (chunk_value), then writes the output (a
+// context of one chunk) or the chunk's partial result. Shared by both decode kernels.
 template <int ROWS, int DMAX>
 __device__ __forceinline__ void decode_chunk_done(
     const float (*warp_m)[ROWS], const float (*warp_l)[ROWS], const float (*warp_acc)[ROWS][DMAX],
@@ -248,16 +270,8 @@ __device__ __forceinline__ void decode_chunk_done(
     const bool alone = splits == 1;
     for (int i = threadIdx.x; i < rows * d; i += DEC_THREADS) {
         const int r = i / d, e = i - r * d;
-        float mm = NEG_INF;
-#pragma unroll
-        for (int w = 0; w < DEC_WARPS; ++w) mm = fmaxf(mm, warp_m[w][r]);
-        float sum = 0.0f, o = 0.0f;
-#pragma unroll
-        for (int w = 0; w < DEC_WARPS; ++w) {
-            const float f = __expf(warp_m[w][r] - mm);  // 0 for a warp that saw no key
-            sum = fmaf(f, warp_l[w][r], sum);
-            o = fmaf(f, warp_acc[w][r][e], o);
-        }
+        float mm, sum;
+        const float o = chunk_value<ROWS, DMAX>(warp_m, warp_l, warp_acc, r, e, mm, sum);
         const size_t h = head0 + r;
         if (alone) {
             out[h * d + e] = o / sum;
@@ -272,29 +286,17 @@ __device__ __forceinline__ void decode_chunk_done(
     }
 }
 
-// After a block's chunks (`done` of them) are written: the last block of a (kv head, rows) to
-// finish (an atomic ticket counting chunks) merges every chunk in chunk order, so the bits do
-// not depend on which block ends last or on how many chunks each block took, and resets the
-// ticket for the next launch. Shared by both decode kernels.
+// Every chunk's partial result of `rows` heads from head0 merged in chunk order into `out`:
+// each chunk weighted by e^(m_s - M) / sum_s e^(m_s - M) l_s. Every thread of the block takes
+// part. Shared by the decode kernels (decode_merge) and the prompt rows' merge kernel.
 template <int ROWS>
-__device__ __forceinline__ void decode_merge(int rows, int d, int head0, int splits, int done,
-                                             int n_heads, const float* __restrict__ part_ml,
+__device__ __forceinline__ void merge_chunks(int rows, int d, int head0, int splits, int n_heads,
+                                             const float* __restrict__ part_ml,
                                              const float* __restrict__ part_acc,
-                                             unsigned* __restrict__ tickets,
                                              float* __restrict__ out) {
     __shared__ float merge_w[DEC_MAX_SPLITS][ROWS];
-    __shared__ bool last;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (splits == 1 || done == 0) return;
-    __threadfence();  // this block's partials are visible before its ticket is
-    __syncthreads();
-    if (threadIdx.x == 0)
-        last = atomicAdd(&tickets[blockIdx.y], (unsigned)done) + (unsigned)done == (unsigned)splits;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    // Each chunk's weight for each row, e^(m_s - M) / sum_s e^(m_s - M) l_s: a warp a row,
-    // a lane a chunk (two with 64).
+    // Each chunk's weight for each row: a warp a row, a lane a chunk (two with 64).
     const int PER_LANE = DEC_MAX_SPLITS / 32;
     for (int r = warp; r < rows; r += DEC_WARPS) {
         const size_t h = head0 + r;
@@ -353,6 +355,28 @@ __device__ __forceinline__ void decode_merge(int rows, int d, int head0, int spl
             out[h * d + e] = o;
         }
     }
+}
+
+// After a block's chunks (`done` of them) are written: the last block of a (kv head, rows) to
+// finish (an atomic ticket counting chunks) merges every chunk in chunk order (merge_chunks),
+// so the bits do not depend on which block ends last or on how many chunks each block took,
+// and resets the ticket for the next launch. Shared by both decode kernels.
+template <int ROWS>
+__device__ __forceinline__ void decode_merge(int rows, int d, int head0, int splits, int done,
+                                             int n_heads, const float* __restrict__ part_ml,
+                                             const float* __restrict__ part_acc,
+                                             unsigned* __restrict__ tickets,
+                                             float* __restrict__ out) {
+    __shared__ bool last;
+    if (splits == 1 || done == 0) return;
+    __threadfence();  // this block's partials are visible before its ticket is
+    __syncthreads();
+    if (threadIdx.x == 0)
+        last = atomicAdd(&tickets[blockIdx.y], (unsigned)done) + (unsigned)done == (unsigned)splits;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    merge_chunks<ROWS>(rows, d, head0, splits, n_heads, part_ml, part_acc, out);
     if (threadIdx.x == 0) tickets[blockIdx.y] = 0;
 }
 

@@ -38,6 +38,109 @@ __device__ __forceinline__ unsigned word_of(const uint4& v, int w) {
     return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
 }
 
+// The queries' B fragments of the first product, from the block's 8 query rows in shared
+// memory (q_s[n] is column n of the product).
+template <typename KV, int D>
+__device__ __forceinline__ void mma_query_fragments(const float (*q_s)[D], int g, int t,
+                                                    unsigned (&qb)[D / 16][2]) {
+    using Mma = Mma16<KV>;
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i) {
+        const float4 a = *(const float4*)&q_s[g][8 * (4 * i + t)];
+        const float4 b = *(const float4*)&q_s[g][8 * (4 * i + t) + 4];
+        qb[2 * i][0] = Mma::pack(a.x, a.y);
+        qb[2 * i][1] = Mma::pack(a.z, a.w);
+        qb[2 * i + 1][0] = Mma::pack(b.x, b.y);
+        qb[2 * i + 1][1] = Mma::pack(b.z, b.w);
+    }
+}
+
+// One warp step of 16 keys: the scores of keys g and g + 8 (`in0`, `in8`: whether they are
+// in the chunk; those not are masked) for columns 2t and 2t + 1, the running maxima and sums
+// rescaled (online softmax), and the weighted values added to `o`. The operands as loaded
+// (see the top). Shared by the decode kernel and the prompt rows' (attention_prompt_rows.cu).
+template <typename KV, int D>
+__device__ __forceinline__ void mma_attend_step(const uint4 (&kw)[2][D / 32],
+                                                const uint4 (&vw)[4][D / 64],
+                                                const unsigned (&qb)[D / 16][2], bool in0,
+                                                bool in8, float scale, float (&o)[D / 16][4],
+                                                float (&m_run)[2], float (&l_run)[2]) {
+    using Mma = Mma16<KV>;
+    // s: keys g, g + 8 × heads 2t, 2t + 1 (c0 c1, c2 c3).
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i) {
+        const unsigned a0[4] = {kw[0][i].x, kw[1][i].x, kw[0][i].y, kw[1][i].y};
+        Mma::mma(s, a0, qb[2 * i][0], qb[2 * i][1]);
+        const unsigned a1[4] = {kw[0][i].z, kw[1][i].z, kw[0][i].w, kw[1][i].w};
+        Mma::mma(s, a1, qb[2 * i + 1][0], qb[2 * i + 1][1]);
+    }
+    s[0] = in0 ? s[0] * scale : NEG_INF;
+    s[1] = in0 ? s[1] * scale : NEG_INF;
+    s[2] = in8 ? s[2] * scale : NEG_INF;
+    s[3] = in8 ? s[3] * scale : NEG_INF;
+    float correction[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float mx = fmaxf(s[r], s[r + 2]);
+#pragma unroll
+        for (int o_ = 4; o_ < 32; o_ *= 2) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o_));
+        // The step's first key is in the chunk, so the new maximum is finite.
+        const float m_new = fmaxf(m_run[r], mx);
+        correction[r] = __expf(m_run[r] - m_new);  // 0 on the first step (m = -inf)
+        m_run[r] = m_new;
+    }
+    const float p0 = __expf(s[0] - m_run[0]), p1 = __expf(s[1] - m_run[1]);
+    const float p2 = __expf(s[2] - m_run[0]), p3 = __expf(s[3] - m_run[1]);
+    l_run[0] = l_run[0] * correction[0] + (p0 + p2);
+    l_run[1] = l_run[1] * correction[1] + (p1 + p3);
+    // p^T's B fragment: keys 2t, 2t + 1 (then + 8) of head g.
+    const unsigned pb0 = transpose_8x8(Mma::pack(p0, p1));
+    const unsigned pb1 = transpose_8x8(Mma::pack(p2, p3));
+#pragma unroll
+    for (int m = 0; m < D / 16; ++m) {
+        o[m][0] *= correction[0];
+        o[m][1] *= correction[1];
+        o[m][2] *= correction[0];
+        o[m][3] *= correction[1];
+        const int p = m / 4, w = m % 4;
+        // Rows g, g + 8 of d tile m (the low and high halves) of keys 2t and 2t + 1, then
+        // of 2t + 8 and 2t + 9.
+        const unsigned k0 = word_of(vw[0][p], w), k1 = word_of(vw[1][p], w);
+        const unsigned k8 = word_of(vw[2][p], w), k9 = word_of(vw[3][p], w);
+        const unsigned a[4] = {__byte_perm(k0, k1, 0x5410), __byte_perm(k0, k1, 0x7632),
+                               __byte_perm(k8, k9, 0x5410), __byte_perm(k8, k9, 0x7632)};
+        Mma::mma(o[m], a, pb0, pb1);
+    }
+}
+
+// A warp's running maxima, sums (over the 8 lanes of a t) and values of its 8 columns to
+// shared memory, for the block's merge (chunk_value).
+template <int D>
+__device__ __forceinline__ void mma_warp_rows(int warp, int g, int t, const float (&o)[D / 16][4],
+                                              const float (&m_run)[2], float (&l_run)[2],
+                                              float (*warp_m)[DEC_MMA_ROWS],
+                                              float (*warp_l)[DEC_MMA_ROWS],
+                                              float (*warp_acc)[DEC_MMA_ROWS][D]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int o_ = 4; o_ < 32; o_ *= 2) l_run[r] += __shfl_xor_sync(FULL_MASK, l_run[r], o_);
+    if (g == 0) {
+        warp_m[warp][2 * t] = m_run[0];
+        warp_m[warp][2 * t + 1] = m_run[1];
+        warp_l[warp][2 * t] = l_run[0];
+        warp_l[warp][2 * t + 1] = l_run[1];
+    }
+#pragma unroll
+    for (int m = 0; m < D / 16; ++m) {
+        // Values δ and δ + 1 (rows g and g + 8 of d tile m) of heads 2t and 2t + 1.
+        const int delta = 64 * (m / 4) + 8 * g + 2 * (m % 4);
+        *(float2*)&warp_acc[warp][2 * t][delta] = make_float2(o[m][0], o[m][2]);
+        *(float2*)&warp_acc[warp][2 * t + 1][delta] = make_float2(o[m][1], o[m][3]);
+    }
+}
+
 // grid, scratch and arguments as attention_decode's, with ROWS = 8; `d` is D and the cache
 // and scratch are on 16 bytes (checked by the host).
 template <typename KV, int D, bool FUSED, typename Wait>
@@ -47,7 +150,6 @@ __device__ __forceinline__ void attention_decode_mma(
     float* __restrict__ out, int context, const int* __restrict__ context_dev, int n_heads,
     int n_kv_heads, float scale, int target_splits, const KvPages& pages, const DecodeRope& rope,
     Wait wait) {
-    using Mma = Mma16<KV>;
     const int ROWS = DEC_MMA_ROWS, KEYS = DEC_MMA_KEYS;
     const int E = D / 32;        // a lane's values of a row when it holds them in order (rope)
     const int SLICES = D / 16;   // k slices of the first product, d tiles of the second
@@ -172,15 +274,7 @@ __device__ __forceinline__ void attention_decode_mma(
     }
     __syncthreads();
     unsigned qb[SLICES][2];
-#pragma unroll
-    for (int i = 0; i < K_PARTS; ++i) {
-        const float4 a = *(const float4*)&q_s[g][8 * (4 * i + t)];
-        const float4 b = *(const float4*)&q_s[g][8 * (4 * i + t) + 4];
-        qb[2 * i][0] = Mma::pack(a.x, a.y);
-        qb[2 * i][1] = Mma::pack(a.z, a.w);
-        qb[2 * i + 1][0] = Mma::pack(b.x, b.y);
-        qb[2 * i + 1][1] = Mma::pack(b.z, b.w);
-    }
+    mma_query_fragments<KV, D>(q_s, g, t, qb);
 
     int done = 0;
     for (int split = blockIdx.x; split < splits; split += gridDim.x, ++done) {
@@ -201,75 +295,14 @@ __device__ __forceinline__ void attention_decode_mma(
             patch(t0);
             prefetch(t0 + 2 * step);
 
-            // s: keys g, g + 8 × heads 2t, 2t + 1 (c0 c1, c2 c3).
-            float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-            for (int i = 0; i < K_PARTS; ++i) {
-                const unsigned a0[4] = {kw[0][i].x, kw[1][i].x, kw[0][i].y, kw[1][i].y};
-                Mma::mma(s, a0, qb[2 * i][0], qb[2 * i][1]);
-                const unsigned a1[4] = {kw[0][i].z, kw[1][i].z, kw[0][i].w, kw[1][i].w};
-                Mma::mma(s, a1, qb[2 * i + 1][0], qb[2 * i + 1][1]);
-            }
-            const bool in0 = t0 + g < t_end, in8 = t0 + g + 8 < t_end;
-            s[0] = in0 ? s[0] * scale : NEG_INF;
-            s[1] = in0 ? s[1] * scale : NEG_INF;
-            s[2] = in8 ? s[2] * scale : NEG_INF;
-            s[3] = in8 ? s[3] * scale : NEG_INF;
-            float correction[2];
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                float mx = fmaxf(s[r], s[r + 2]);
-#pragma unroll
-                for (int o_ = 4; o_ < 32; o_ *= 2) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o_));
-                // Key t0 is in the chunk, so the new maximum is finite.
-                const float m_new = fmaxf(m_run[r], mx);
-                correction[r] = __expf(m_run[r] - m_new);  // 0 on the first step (m = -inf)
-                m_run[r] = m_new;
-            }
-            const float p0 = __expf(s[0] - m_run[0]), p1 = __expf(s[1] - m_run[1]);
-            const float p2 = __expf(s[2] - m_run[0]), p3 = __expf(s[3] - m_run[1]);
-            l_run[0] = l_run[0] * correction[0] + (p0 + p2);
-            l_run[1] = l_run[1] * correction[1] + (p1 + p3);
-            // p^T's B fragment: keys 2t, 2t + 1 (then + 8) of head g.
-            const unsigned pb0 = transpose_8x8(Mma::pack(p0, p1));
-            const unsigned pb1 = transpose_8x8(Mma::pack(p2, p3));
-#pragma unroll
-            for (int m = 0; m < SLICES; ++m) {
-                o[m][0] *= correction[0];
-                o[m][1] *= correction[1];
-                o[m][2] *= correction[0];
-                o[m][3] *= correction[1];
-                const int p = m / 4, w = m % 4;
-                // Rows g, g + 8 of d tile m (the low and high halves) of keys 2t and 2t + 1, then
-                // of 2t + 8 and 2t + 9.
-                const unsigned k0 = word_of(vw[0][p], w), k1 = word_of(vw[1][p], w);
-                const unsigned k8 = word_of(vw[2][p], w), k9 = word_of(vw[3][p], w);
-                const unsigned a[4] = {__byte_perm(k0, k1, 0x5410), __byte_perm(k0, k1, 0x7632),
-                                       __byte_perm(k8, k9, 0x5410), __byte_perm(k8, k9, 0x7632)};
-                Mma::mma(o[m], a, pb0, pb1);
-            }
+            mma_attend_step<KV, D>(kw, vw, qb, t0 + g < t_end, t0 + g + 8 < t_end, scale, o,
+                                   m_run, l_run);
         }
 
-        // Each head's sum over the 8 lanes of its t; the warp's rows to shared memory.
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-#pragma unroll
-            for (int o_ = 4; o_ < 32; o_ *= 2) l_run[r] += __shfl_xor_sync(FULL_MASK, l_run[r], o_);
+        // The warp's rows to shared memory.
         __shared__ float warp_m[DEC_WARPS][ROWS], warp_l[DEC_WARPS][ROWS];
         __shared__ __align__(16) float warp_acc[DEC_WARPS][ROWS][D];
-        if (g == 0) {
-            warp_m[warp][2 * t] = m_run[0];
-            warp_m[warp][2 * t + 1] = m_run[1];
-            warp_l[warp][2 * t] = l_run[0];
-            warp_l[warp][2 * t + 1] = l_run[1];
-        }
-#pragma unroll
-        for (int m = 0; m < SLICES; ++m) {
-            // Values δ and δ + 1 (rows g and g + 8 of d tile m) of heads 2t and 2t + 1.
-            const int delta = 64 * (m / 4) + 8 * g + 2 * (m % 4);
-            *(float2*)&warp_acc[warp][2 * t][delta] = make_float2(o[m][0], o[m][2]);
-            *(float2*)&warp_acc[warp][2 * t + 1][delta] = make_float2(o[m][1], o[m][3]);
-        }
+        mma_warp_rows<D>(warp, g, t, o, m_run, l_run, warp_m, warp_l, warp_acc);
         __syncthreads();
         decode_chunk_done<ROWS, D>(warp_m, warp_l, warp_acc, rows, D, head0, split, splits, n_heads,
                                    part_ml, part_acc, out);
