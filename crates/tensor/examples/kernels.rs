@@ -1,6 +1,6 @@
 //! Kernel micro-benchmarks: `cargo run --release -p ember-tensor --example kernels [threads]
 //! [quant | hot [type [k [m]]] | choice | matvec | gemm [type] | attention[-step]
-//! [positions]]`. Prints the read bandwidth of the probe beside matrix-vector and
+//! [positions [heads kv_heads head_dim]]]`. Prints the read bandwidth of the probe beside matrix-vector and
 //! matrix-matrix rates; with `quant`, only the quantized ones. The "hot" lines run one thread
 //! on a matrix that fits in L2: what one core's kernel can consume, which must exceed its share
 //! of the probe for decode to be bound by memory. `hot` runs only those (for `perf stat`),
@@ -11,8 +11,9 @@
 //! `gemm` one thread's prefill products (512 activation rows) at those shapes, in GMAC/s, in
 //! plain rows and in the layout a model's weights take;
 //! `attention` a 512-token (or `positions`) prompt's causal attention over an f16 and an f32
-//! cache (a 1.5B model's 12 heads over 2 of 128), the fastest of 15 runs (the least
-//! disturbed by neighbours); `attention-step` one decode step's over as many positions.
+//! cache (a 1.5B model's 12 heads over 2 of 128, or the heads given), the fastest of 15 runs
+//! (the least disturbed by neighbours); `attention-step` one decode step's over as many
+//! positions.
 
 use std::time::Instant;
 
@@ -49,8 +50,19 @@ fn main() {
         return;
     }
     if mode == "attention" || mode == "attention-step" {
-        let positions = std::env::args().nth(3).and_then(|a| a.parse().ok());
-        attention(&pool, positions.unwrap_or(512), mode == "attention-step");
+        let arg = |i: usize| std::env::args().nth(i).and_then(|a| a.parse().ok());
+        // Qwen2.5-1.5B's heads by default; SmolLM2-135M's are 9 over 3 of 64.
+        let shape = AttentionShape {
+            n_heads: arg(4).unwrap_or(12),
+            n_kv_heads: arg(5).unwrap_or(2),
+            head_dim: arg(6).unwrap_or(128),
+        };
+        attention(
+            &pool,
+            arg(3).unwrap_or(512),
+            shape,
+            mode == "attention-step",
+        );
         return;
     }
     if mode == "gemm" {
@@ -361,13 +373,8 @@ fn quantized(owner: &BufferOwner, dtype: DType, n: usize, k: usize) -> Buffer {
     w
 }
 
-fn attention(pool: &ThreadPool, n: usize, step: bool) {
-    let (kv_heads, d) = (2, 128);
-    let shape = AttentionShape {
-        n_heads: 12,
-        n_kv_heads: kv_heads,
-        head_dim: d,
-    };
+fn attention(pool: &ThreadPool, n: usize, shape: AttentionShape, step: bool) {
+    let (kv_heads, d) = (shape.n_kv_heads, shape.head_dim);
     let mut seed = 1u64;
     let mut next = || {
         seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
@@ -426,7 +433,8 @@ fn attention(pool: &ThreadPool, n: usize, step: bool) {
         // Two products of `d` MACs per (query, visible key) and head.
         let macs = (n * (n + 1) / 2 * 2 * d * shape.n_heads) as f64;
         println!(
-            "attention {name} cache, {n} queries, 12/2 heads of {d}: {ms:6.2} ms, {:5.1} GMAC/s",
+            "attention {name} cache, {n} queries, {}/{kv_heads} heads of {d}: {ms:6.2} ms, {:5.1} GMAC/s",
+            shape.n_heads,
             macs / ms / 1e6
         );
     }

@@ -45,9 +45,10 @@ pub struct EngineOptions {
     pub cuda_graphs: bool,
     /// On CUDA, every product of 16-bit weights on the batch-invariant kernel
     /// (`--batch-invariant`), so a request's tokens do not depend on what shares its passes.
-    /// Off by default: it costs 35-65% (H100, qwen3-8b decode 175 -> 113 tok/s) and prompt
-    /// attention for heads of 64 and 128 is not yet invariant (issue 22); off, the products
-    /// take matrix-vector kernels for decode batches of up to 8 and cuBLASLt past them.
+    /// Off by default while its prefill is slow (H100, qwen3-8b bf16: decode 0.91x the
+    /// default's tokens/s alone and 0.92x at 64 streams, prefill 0.38x: issue 22); off, the
+    /// products take matrix-vector kernels for decode batches of up to 8 and cuBLASLt past
+    /// them.
     pub batch_invariant: bool,
     /// The prompt cache's share of the KV pool (`--prompt-cache-gib`): finished requests'
     /// blocks stay, and a request whose prompt starts with a cached prefix prefills only the
