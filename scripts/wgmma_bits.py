@@ -141,15 +141,19 @@ def entries():
 
 
 def nvrtc_lib():
+    """NVRTC from PyTorch's wheels (or a toolkit), its builtins loaded first from the same
+    folder: NVRTC opens them by name, which LD_LIBRARY_PATH would otherwise have to find."""
     import nvidia
 
-    for base in nvidia.__path__:
-        for pattern in ["cu13/lib/libnvrtc.so*", "cuda_nvrtc/lib/libnvrtc.so*", "*/lib/libnvrtc.so*"]:
-            found = sorted(glob.glob(os.path.join(base, pattern)))
-            if found:
-                return ctypes.CDLL(found[0])
-    for found in sorted(glob.glob("/usr/local/cuda*/lib64/libnvrtc.so*")):
-        return ctypes.CDLL(found)
+    folders = [os.path.join(base, sub) for base in nvidia.__path__
+               for sub in ["cu13/lib", "cuda_nvrtc/lib", "cu12/lib"]]
+    folders += sorted(glob.glob("/usr/local/cuda*/lib64"))
+    for folder in folders:
+        found = sorted(glob.glob(os.path.join(folder, "libnvrtc.so*")))
+        if found:
+            for builtins in sorted(glob.glob(os.path.join(folder, "libnvrtc-builtins.so*"))):
+                ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+            return ctypes.CDLL(found[0])
     return ctypes.CDLL("libnvrtc.so")
 
 
