@@ -341,18 +341,22 @@ impl CudaDevice {
         let function = module
             .load_function(&kernel.symbol())
             .map_err(CudaError::driver("cuModuleGetFunction"))?;
-        if let Some(bytes) = kernel.dynamic_smem_bytes().filter(|&b| b > 48 * 1024) {
+        // A block takes up to 48 KB of shared memory, static and dynamic together, without
+        // asking; past that the function must be opted in, even when its dynamic part alone is
+        // under 48 KB.
+        let dynamic = kernel.dynamic_smem_bytes().filter(|&b| b > 0);
+        let fixed = match dynamic {
+            Some(_) => function
+                .shared_size_bytes()
+                .map_err(CudaError::driver("reading a kernel's shared memory"))?
+                as usize,
+            None => 0,
+        };
+        if let Some(bytes) = dynamic.filter(|&b| fixed + b > 48 * 1024) {
             // As much as asked for, or as much as this device gives a block beside the
             // kernel's static shared memory: the launch asks for what it needs (more fails
             // with the driver's error, naming the kernel).
-            let fixed = function
-                .shared_size_bytes()
-                .map_err(CudaError::driver("reading a kernel's shared memory"))?;
-            let bytes = bytes.min(
-                self.info()
-                    .max_shared_per_block
-                    .saturating_sub(fixed as usize),
-            );
+            let bytes = bytes.min(self.info().max_shared_per_block.saturating_sub(fixed));
             function
                 .set_attribute(
                     CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
