@@ -393,7 +393,7 @@ fn launch_decode<T: FloatElem>(
     let vec = cache.vectorised(head_dim, kv_row) & i32::from(head_dim.is_multiple_of(width.into()));
     let tensor_cores = decode_on_tensor_cores(device, &cache, shape, precision);
     let rows = decode_block_rows(shape, tensor_cores);
-    let blocks_per_split = n_kv_heads * (n_heads / n_kv_heads).div_ceil(rows);
+    let blocks_per_split = decode_blocks_per_split(shape, tensor_cores);
     let target_splits = decode_target_splits(device, shape, tensor_cores);
     let grid_splits = match context {
         DecodeContext::One(Position::Host(context)) => {
@@ -490,6 +490,12 @@ pub(super) fn decode_block_rows(shape: AttentionShape, tensor_cores: bool) -> us
     }
 }
 
+/// Blocks a decode chunk takes (the grid's y): one for each kv head's blocks of query heads.
+pub(super) fn decode_blocks_per_split(shape: AttentionShape, tensor_cores: bool) -> usize {
+    let rows = decode_block_rows(shape, tensor_cores);
+    shape.n_kv_heads * (shape.n_heads / shape.n_kv_heads).div_ceil(rows)
+}
+
 /// The chunks decode aims for: as many blocks as fit on the device at once, so that a lone
 /// row's chunks run in one wave; `decode_keys_per_split` in attention_decode.cu turns this
 /// into chunks of a context.
@@ -498,9 +504,8 @@ pub(super) fn decode_target_splits(
     shape: AttentionShape,
     tensor_cores: bool,
 ) -> usize {
-    let rows = decode_block_rows(shape, tensor_cores);
-    let blocks_per_split = shape.n_kv_heads * (shape.n_heads / shape.n_kv_heads).div_ceil(rows);
-    (DECODE_BLOCKS_PER_SM * device.info().multiprocessors).div_ceil(blocks_per_split)
+    (DECODE_BLOCKS_PER_SM * device.info().multiprocessors)
+        .div_ceil(decode_blocks_per_split(shape, tensor_cores))
 }
 
 /// Keys per decode chunk: `decode_keys_per_split` in attention_decode.cu, for the grid.

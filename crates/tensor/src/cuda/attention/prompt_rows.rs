@@ -9,7 +9,8 @@ use super::super::{
     CudaDevice, CudaError, DevSlice, DevSliceMut, FloatElem, config, config3, ensure, int,
 };
 use super::decode::{
-    MAX_SPLITS, MIN_KEYS_PER_SPLIT, decode_block_rows, decode_on_tensor_cores, decode_target_splits,
+    MAX_SPLITS, MIN_KEYS_PER_SPLIT, decode_blocks_per_split, decode_on_tensor_cores,
+    decode_target_splits,
 };
 use super::{AttentionPrecision, PagedCache, THREADS, check_shape};
 use crate::cpu::AttentionShape;
@@ -112,8 +113,8 @@ pub fn attention_prompt_rows<T: FloatElem>(
         OP,
         "scratch not on 16 bytes"
     );
-    let block_rows = decode_block_rows(shape, true);
-    let blocks_y = n_kv_heads * (n_heads / n_kv_heads).div_ceil(block_rows);
+    // The decode kernel's blocks of query heads, a kv head's.
+    let blocks_y = decode_blocks_per_split(shape, true);
     let attend = Kernel::AttentionPromptRowsMma {
         kv: T::FLOAT,
         head_dim: head_dim as u16,
