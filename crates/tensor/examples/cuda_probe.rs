@@ -14,7 +14,7 @@ use std::process::ExitCode;
 use ember_tensor::cpu::AttentionShape;
 use ember_tensor::cuda::{
     self, CudaDevice, CudaError, DevMat, DeviceBuffer, DeviceElem, Epilogue, Float, Gemm,
-    MatvecNorm, MatvecOutput, SlicedGemm, SlicedTile, matvec_bytes,
+    MatvecNorm, MatvecOutput, SlicedGemm, matvec_bytes,
 };
 use ember_tensor::{BufferKind, BufferOwner};
 use half::{bf16, f16};
@@ -488,12 +488,12 @@ fn products(probe: &mut Probe, copy: f64, batches: &[usize]) -> Result<(), CudaE
             let us = probe.product_us(m, n, k, |a, w, y| sliced.matmul(a, w, y, false))?;
             line("planned".into(), us);
             // The head's every tile takes minutes: the plan and cuBLASLt only.
-            let tiles: &[SlicedTile] = if name == "head" {
-                &[]
+            let tiles = if name == "head" {
+                Vec::new()
             } else {
-                &SlicedTile::ALL
+                sliced.tiles()
             };
-            for &tile in tiles {
+            for tile in tiles {
                 for split in [false, true] {
                     sliced.force_tile(Some((tile, split)));
                     let us = probe.product_us(m, n, k, |a, w, y| sliced.matmul(a, w, y, false))?;

@@ -71,9 +71,12 @@ pub fn in_parallel<T: Send>(modules: &[Module], f: impl Fn(Module) -> T + Sync) 
     done.into_iter().map(|(_, v)| v).collect()
 }
 
-/// The NVRTC architecture name for a compute capability: `(9, 0)` → `sm_90`.
+/// The NVRTC architecture name for a compute capability: `(8, 9)` → `sm_89`. Hopper's is
+/// `sm_90a`, its architecture-specific features (wgmma) included: the code runs on 9.0 alone,
+/// which is the device it is compiled for.
 pub fn arch_name((major, minor): (i32, i32)) -> String {
-    format!("sm_{major}{minor}")
+    let features = if (major, minor) == (9, 0) { "a" } else { "" };
+    format!("sm_{major}{minor}{features}")
 }
 
 /// Compiles a module's `source` to a CUBIN for `arch` (`sm_90`). Check [`nvrtc_present`]
@@ -261,7 +264,8 @@ mod tests {
         assert_ne!(k, b.key("x"));
         assert_ne!(k, c.key("x"));
         assert_eq!(k, a.key("x"));
-        assert_eq!(arch_name((9, 0)), "sm_90");
+        assert_eq!(arch_name((9, 0)), "sm_90a");
+        assert_eq!(arch_name((8, 9)), "sm_89");
     }
 
     #[test]

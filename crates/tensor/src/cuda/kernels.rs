@@ -704,9 +704,13 @@ mod tests {
                     } else {
                         "sliced_gemm_##tname##_##tile("
                     };
+                    let table = if tile.is_wgmma() {
+                        "SLICED_GEMM_WG_KERNEL"
+                    } else {
+                        "SLICED_GEMM_KERNEL"
+                    };
                     source.contains(name)
-                        && source
-                            .contains(&format!("SLICED_GEMM_KERNEL(tname, T, {},", tile.name()))
+                        && source.contains(&format!("{table}(tname, T, {},", tile.name()))
                         && source.contains(&format!("SLICED_GEMM_ALL({weights},"))
                 }
                 _ => false,

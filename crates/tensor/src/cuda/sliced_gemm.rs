@@ -43,7 +43,8 @@ pub fn slice_len(n: usize, k: usize) -> usize {
 }
 
 /// A block's tile: 16·WM·WARPS_M weight rows by 8·WN·WARPS_N tokens, `stages` deep (the
-/// `SLICED_GEMM_ALL` table in sliced_gemm.cu).
+/// `SLICED_GEMM_ALL` table in sliced_gemm.cu). The `Wg` tiles multiply by Hopper's warpgroup
+/// instructions (wgmma), which only compute capability 9.0 runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum SlicedTile {
     M128N8K2,
@@ -53,10 +54,12 @@ pub enum SlicedTile {
     M128N64K2,
     M128N128K2,
     M128N128W16K2,
+    Wg128N128K2,
+    Wg128N128K4,
 }
 
 impl SlicedTile {
-    pub const ALL: [SlicedTile; 7] = [
+    pub const ALL: [SlicedTile; 9] = [
         SlicedTile::M128N8K2,
         SlicedTile::M64N16K4,
         SlicedTile::M64N32K4,
@@ -64,7 +67,20 @@ impl SlicedTile {
         SlicedTile::M128N64K2,
         SlicedTile::M128N128K2,
         SlicedTile::M128N128W16K2,
+        SlicedTile::Wg128N128K2,
+        SlicedTile::Wg128N128K4,
     ];
+
+    /// Whether the tile multiplies by wgmma (sm_90a), not mma.sync (sm_80 and later).
+    pub fn is_wgmma(self) -> bool {
+        matches!(self, SlicedTile::Wg128N128K2 | SlicedTile::Wg128N128K4)
+    }
+
+    /// Whether a device of compute capability `cc` runs the tile. wgmma is one of sm_90's
+    /// architecture-specific features: no later architecture has it.
+    pub fn runs_on(self, cc: (i32, i32)) -> bool {
+        !self.is_wgmma() || cc == (9, 0)
+    }
 
     /// `(weight rows, tokens, warps, stages, steps a stage)`.
     fn shape(self) -> (usize, usize, usize, usize, usize) {
@@ -76,6 +92,8 @@ impl SlicedTile {
             SlicedTile::M128N64K2 => (128, 64, 8, 4, 2),
             SlicedTile::M128N128K2 => (128, 128, 8, 3, 2),
             SlicedTile::M128N128W16K2 => (128, 128, 16, 3, 2),
+            SlicedTile::Wg128N128K2 => (128, 128, 8, 5, 2),
+            SlicedTile::Wg128N128K4 => (128, 128, 8, 3, 4),
         }
     }
 
@@ -88,6 +106,8 @@ impl SlicedTile {
             SlicedTile::M128N64K2 => "m128n64k2",
             SlicedTile::M128N128K2 => "m128n128k2",
             SlicedTile::M128N128W16K2 => "m128n128w16k2",
+            SlicedTile::Wg128N128K2 => "wg128n128k2",
+            SlicedTile::Wg128N128K4 => "wg128n128k4",
         }
     }
 
@@ -218,6 +238,15 @@ impl SlicedGemm {
         })
     }
 
+    /// The tiles this device runs.
+    pub fn tiles(&self) -> Vec<SlicedTile> {
+        let cc = self.device.info().compute_capability;
+        SlicedTile::ALL
+            .into_iter()
+            .filter(|t| t.runs_on(cc))
+            .collect()
+    }
+
     /// Runs every later product with `tile`, its slices split across blocks or not (where the
     /// split's sums fit), instead of the plan for its batch; `None` goes back to planning. For
     /// benchmarks and tests: every tile and form gives the same bits.
@@ -272,7 +301,7 @@ impl SlicedGemm {
                 let a = input.slice(0..m * k);
                 let mut y = out.slice_mut(0..m * n);
                 let mut best: Option<TunedPlan> = None;
-                for tile in SlicedTile::ALL.into_iter().filter(|t| t.worth_timing(m)) {
+                for tile in self.tiles().into_iter().filter(|t| t.worth_timing(m)) {
                     for split in [false, true] {
                         // A split the sums do not fit runs unsplit: timed already.
                         let plan =
@@ -425,6 +454,15 @@ impl SlicedGemm {
         if let Some((tile, split)) = self.forced.or_else(|| tuned_choice(&self.tuned, m, n, k)) {
             plan = plan.with_tile(tile, split, m, n, partials);
         }
+        let cc = self.device.info().compute_capability;
+        ensure!(
+            plan.tile.runs_on(cc),
+            OP,
+            "tile {} on a device of compute capability {}.{}",
+            plan.tile.name(),
+            cc.0,
+            cc.1
+        );
         let mut out = [OutArgs::default(); MAX_OUTPUTS];
         out[..outs.len()].copy_from_slice(outs);
         let mut args = KernelArgs {
@@ -538,10 +576,11 @@ mod tests {
         assert_eq!(Module::SlicedGemm.define("SG_STEP"), STEP);
         assert_eq!(Module::SlicedGemm.define("SG_MAX_OUTS"), MAX_OUTPUTS);
         assert!(SLICE_LENS.iter().all(|s| s.is_multiple_of(STEP)));
-        // Every tile fits the shared memory a block of sm_86 can have (99 KiB), and its
-        // steps a stage divide every slice.
+        // Every tile fits the shared memory a block can have where it runs (sm_86: 99 KiB;
+        // sm_90: 227 KiB), and its steps a stage divide every slice.
         for tile in SlicedTile::ALL {
-            assert!(tile.smem_bytes() <= 99 << 10, "{tile:?}");
+            let most = if tile.is_wgmma() { 227 << 10 } else { 99 << 10 };
+            assert!(tile.smem_bytes() <= most, "{tile:?}");
             let steps = tile.shape().4;
             assert!(SLICE_LENS.iter().all(|s| (s / STEP).is_multiple_of(steps)));
         }
@@ -552,7 +591,12 @@ mod tests {
     fn tiles_match_the_kernel_table() {
         let source = Module::SlicedGemm.source();
         for tile in SlicedTile::ALL {
-            let prefix = format!("SLICED_GEMM_KERNEL(tname, T, {}, ", tile.name());
+            let table = if tile.is_wgmma() {
+                "SLICED_GEMM_WG_KERNEL"
+            } else {
+                "SLICED_GEMM_KERNEL"
+            };
+            let prefix = format!("{table}(tname, T, {}, ", tile.name());
             let line = source
                 .lines()
                 .find_map(|l| l.trim().strip_prefix(prefix.as_str()))

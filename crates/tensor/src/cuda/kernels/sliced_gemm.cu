@@ -35,6 +35,12 @@
 //
 // A shared row holds 4·KS pieces of 16 bytes, piece c of row r at c ^ (r % 8): the 8 rows an
 // ldmatrix phase reads at one piece fall in 8 distinct 16-byte bank groups.
+//
+// On Hopper (sm_90a) the `wg` tiles take the same k16 products by wgmma instead: each of two
+// warpgroups multiplies 64 weight rows by the block's 128 tokens, one m64n128k16 step a 16
+// values, both operands read from shared memory by the tensor cores. A wgmma step adds an
+// element the bits an m16n8k16 mma.sync adds it (scripts/wgmma_bits.py: every element equal,
+// bf16 and f16, N 8 to 256), so the slices and their order are those above, unchanged.
 
 #define SG_STEP 32
 // Bytes of one step of a row: 32 16-bit values.
@@ -86,6 +92,14 @@ __device__ __forceinline__ int sg_piece_offset(int row, int piece) {
     return row * (SG_ROW_BYTES * KS) + ((piece ^ (row & 7)) << 4);
 }
 
+// Byte offset of piece `piece` of shared row `row` in wgmma's layout without swizzle: rows in
+// groups of 8, a group's pieces as 8-row by 16-byte core matrices (128 contiguous bytes), those
+// adjacent in k 128 bytes apart, the groups 8 rows' bytes apart.
+template <int KS>
+__device__ __forceinline__ int sg_core_offset(int row, int piece) {
+    return (row >> 3) * (SG_ROW_BYTES * KS * 8) + (piece << 7) + ((row & 7) << 4);
+}
+
 // A block's place: BM = 16·WM·WARPS_M weight rows by BN = 8·WN·WARPS_N tokens (a warp takes
 // WM 16-row tiles by WN 8-token tiles), and the values it sums: all of k, or its slice.
 template <int WM, int WN, int WARPS_M, int WARPS_N, int STAGES, int KS, bool SPLIT>
@@ -118,8 +132,10 @@ struct SgBlock {
 // memory, 16 bytes a piece: piece p = thread + i·THREADS of the ROWS·PIECES is row p / PIECES,
 // piece p % PIECES, so a thread keeps one piece of every R-th row (THREADS is a multiple of
 // PIECES) and what it needs is worked out once a block; a stage only adds its columns. Pieces
-// past `limit` rows or past the block's values read nothing and stage zeros.
-template <int ROWS, int THREADS, int KS>
+// past `limit` rows or past the block's values read nothing and stage zeros. In wgmma's layout
+// (CORE) 8 threads in a row take one piece of 8 rows, so that they write one core matrix (a
+// row's 8 pieces would all fall in one bank group there).
+template <int ROWS, int THREADS, int KS, bool CORE>
 struct SgStager {
     static constexpr int PIECES = 4 * KS, R = THREADS / PIECES, N = (ROWS + R - 1) / R;
     static constexpr int ROW_BYTES = SG_ROW_BYTES * KS;
@@ -133,10 +149,13 @@ struct SgStager {
 
     __device__ __forceinline__ SgStager(const void* src, int first, int limit, int k,
                                         int k_begin) {
-        const unsigned t = threadIdx.x, r = t / PIECES, piece = t % PIECES;
+        const unsigned t = threadIdx.x;
+        const unsigned r = CORE ? t / (8 * PIECES) * 8 + (t & 7) : t / PIECES;
+        const unsigned piece = CORE ? (t >> 3) % PIECES : t % PIECES;
         c0 = k_begin + (int)piece * 8;
         first_piece = (const unsigned char*)src + ((size_t)(first + (int)r) * k + c0) * 2;
-        to = sg_piece_offset<KS>((int)r, (int)piece);
+        // Row r + i·R sits i·R rows' bytes further in either layout (R is a multiple of 8).
+        to = CORE ? sg_core_offset<KS>((int)r, (int)piece) : sg_piece_offset<KS>((int)r, (int)piece);
         in_tile = ROWS % R == 0 || (int)r < ROWS;
         valid_rows = 0;
 #pragma unroll
@@ -160,17 +179,18 @@ struct SgStager {
     }
 };
 
-extern __shared__ __align__(16) unsigned char sg_smem[];
+extern __shared__ __align__(128) unsigned char sg_smem[];
 
-// The weights of the first stages, requested before the kernel waits for the one before it.
-template <int WM, int WN, int WARPS_M, int WARPS_N, int STAGES, int KS, bool SPLIT>
+// The weights of the first AHEAD stages, requested before the kernel waits for the one before it.
+template <int WM, int WN, int WARPS_M, int WARPS_N, int STAGES, int KS, bool SPLIT, bool CORE,
+          int AHEAD>
 __device__ __forceinline__ void sliced_gemm_weights_ahead(const SlicedGemmArgs& a) {
     using Block = SgBlock<WM, WN, WARPS_M, WARPS_N, STAGES, KS, SPLIT>;
     const Block blk(a);
-    const SgStager<Block::BM, Block::THREADS, KS> w(a.w, blk.r0, a.n, a.k, blk.k_begin);
+    const SgStager<Block::BM, Block::THREADS, KS, CORE> w(a.w, blk.r0, a.n, a.k, blk.k_begin);
     const unsigned smem = shared_address(sg_smem);
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s)
+    for (int s = 0; s < AHEAD; ++s)
         if (s < blk.stages) w.stage(Block::w_buffer(smem, s), a.w, a.k, blk.k_end, s);
 }
 
@@ -190,16 +210,102 @@ __device__ __forceinline__ void sliced_each_output(const SlicedGemmArgs& a, cons
             }
 }
 
+// y[tok, row] = v, or += v with `accumulate`, in the output that weight row `row` belongs to.
+__device__ __forceinline__ void sliced_store(const SlicedGemmArgs& a, int tok, int row, float v) {
+    // The output by constant indices: an argument indexed at run time is copied to local
+    // memory first, a round trip every thread of every block pays.
+    void* y = a.out[0].y;
+    int first = 0, width = a.out[0].width;
+    if (a.outs > 2 && row >= a.out[2].first) {
+        y = a.out[2].y;
+        first = a.out[2].first;
+        width = a.out[2].width;
+    } else if (a.outs > 1 && row >= a.out[1].first) {
+        y = a.out[1].y;
+        first = a.out[1].first;
+        width = a.out[1].width;
+    }
+    const size_t at = (size_t)tok * width + (row - first);
+    if (a.out_bf16) {
+        bf16_t* yb = (bf16_t*)y;
+        if (a.accumulate) v = to_f32(yb[at]) + v;
+        yb[at] = from_f32<bf16_t>(v);
+    } else {
+        float* yf = (float*)y;
+        yf[at] = a.accumulate ? yf[at] + v : v;
+    }
+}
+
+// A warp's sums out: `total` (the whole row length) where the block ran every slice, else
+// `acc` (its slice) to the split form's partials, the tile's last block then adding the slices
+// up in order. The warp's tiles start at weight row `row0` and token `tok0`; element e of tile
+// (i, j) is weight row (half e / 2) · 8 + g of the 16, token 2t + e % 2 of the 8 (mma.sync's C
+// fragment, and each warp's quarter of a wgmma accumulator alike).
+template <int WM, int WN, bool SPLIT>
+__device__ __forceinline__ void sliced_gemm_finish(const SlicedGemmArgs& a,
+                                                   const float (&acc)[WM][WN][4],
+                                                   const float (&total)[WM][WN][4], int row0,
+                                                   int tok0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+    auto row_of = [&](int i, int e) { return row0 + i * 16 + g + (e >> 1) * 8; };
+    auto token_of = [&](int j, int e) { return tok0 + j * 8 + 2 * tq + (e & 1); };
+    if (!SPLIT) {
+        sliced_each_output<WM, WN>(a, row_of, token_of,
+                                   [&](int i, int j, int e, int tok, int row) {
+                                       sliced_store(a, tok, row, total[i][j][e]);
+                                   });
+        return;
+    }
+
+    // Split: this slice's sums out, then the tile's last block adds the slices in order.
+    const size_t plane = (size_t)a.m * a.n;
+    sliced_each_output<WM, WN>(a, row_of, token_of, [&](int i, int j, int e, int tok, int row) {
+        a.partials[blockIdx.z * plane + (size_t)tok * a.n + row] = acc[i][j][e];
+    });
+    __threadfence();
+    unsigned* ticket = a.tickets + blockIdx.y * gridDim.x + blockIdx.x;
+    // Every thread's sums are out before thread 0 takes the ticket (the barrier), and the
+    // block learns from the same barrier whether it was the last.
+    __syncthreads();
+    const bool last =
+        __syncthreads_or(threadIdx.x == 0 && atomicAdd(ticket, 1u) == (unsigned)(a.slices - 1));
+    if (!last) return;
+    __threadfence();  // the other blocks' sums, seen after their tickets
+    sliced_each_output<WM, WN>(a, row_of, token_of, [&](int, int, int, int tok, int row) {
+        const float* p = a.partials + (size_t)tok * a.n + row;
+        float sum = 0.0f;
+        for (int z = 0; z < a.slices; ++z) sum += __ldcg(p + z * plane);
+        sliced_store(a, tok, row, sum);
+    });
+    if (threadIdx.x == 0) *ticket = 0;
+}
+
+// A slice ends: its sum joins the total, the next starts from zero.
+template <int WM, int WN>
+__device__ __forceinline__ void sliced_slice_done(float (&acc)[WM][WN][4],
+                                                  float (&total)[WM][WN][4]) {
+#pragma unroll
+    for (int i = 0; i < WM; ++i)
+#pragma unroll
+        for (int j = 0; j < WN; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                total[i][j][e] += acc[i][j][e];
+                acc[i][j][e] = 0.0f;
+            }
+}
+
 template <typename T, int WM, int WN, int WARPS_M, int WARPS_N, int STAGES, int KS, bool SPLIT>
 __device__ __forceinline__ void sliced_gemm(const SlicedGemmArgs& a) {
     using Block = SgBlock<WM, WN, WARPS_M, WARPS_N, STAGES, KS, SPLIT>;
     const Block blk(a);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int warp_m = warp % WARPS_M, warp_n = warp / WARPS_M;
     const int steps = blk.steps, stages = blk.stages, steps_per_slice = a.slice / SG_STEP;
-    const int r0 = blk.r0, t0 = blk.t0;
-    const SgStager<Block::BM, Block::THREADS, KS> w_stager(a.w, r0, a.n, a.k, blk.k_begin);
-    const SgStager<Block::BN, Block::THREADS, KS> x_stager(a.x, t0, a.m, a.k, blk.k_begin);
+    const SgStager<Block::BM, Block::THREADS, KS, false> w_stager(a.w, blk.r0, a.n, a.k,
+                                                                   blk.k_begin);
+    const SgStager<Block::BN, Block::THREADS, KS, false> x_stager(a.x, blk.t0, a.m, a.k,
+                                                                   blk.k_begin);
     const unsigned smem = shared_address(sg_smem);
 
     // x (written by the kernel before) for the first stages, whose weights are on their way:
@@ -276,77 +382,163 @@ __device__ __forceinline__ void sliced_gemm(const SlicedGemmArgs& a) {
         left_in_slice -= in_stage;
         if (!SPLIT && (left_in_slice == 0 || s + 1 == stages)) {
             left_in_slice = steps_per_slice;
-            // A slice ends: its sum joins the total, the next starts from zero.
-#pragma unroll
-            for (int i = 0; i < WM; ++i)
-#pragma unroll
-                for (int j = 0; j < WN; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        total[i][j][e] += acc[i][j][e];
-                        acc[i][j][e] = 0.0f;
-                    }
+            sliced_slice_done(acc, total);
         }
     }
     cp_async_wait<0>();
+    sliced_gemm_finish<WM, WN, SPLIT>(a, acc, total, blk.r0 + warp_m * WM * 16,
+                                      blk.t0 + warp_n * WN * 8);
+}
 
-    // Element e of tile (i, j): weight row (half e / 2) · 8 + g of the 16, token 2t + e % 2.
-    auto row_of = [&](int i, int e) { return r0 + (warp_m * WM + i) * 16 + g + (e >> 1) * 8; };
-    auto token_of = [&](int j, int e) { return t0 + (warp_n * WN + j) * 8 + 2 * tq + (e & 1); };
-    auto store = [&](int tok, int row, float v) {
-        // The output by constant indices: an argument indexed at run time is copied to local
-        // memory first, a round trip every thread of every block pays.
-        void* y = a.out[0].y;
-        int first = 0, width = a.out[0].width;
-        if (a.outs > 2 && row >= a.out[2].first) {
-            y = a.out[2].y;
-            first = a.out[2].first;
-            width = a.out[2].width;
-        } else if (a.outs > 1 && row >= a.out[1].first) {
-            y = a.out[1].y;
-            first = a.out[1].first;
-            width = a.out[1].width;
-        }
-        const size_t at = (size_t)tok * width + (row - first);
-        if (a.out_bf16) {
-            bf16_t* yb = (bf16_t*)y;
-            if (a.accumulate) v = to_f32(yb[at]) + v;
-            yb[at] = from_f32<bf16_t>(v);
-        } else {
-            float* yf = (float*)y;
-            yf[at] = a.accumulate ? yf[at] + v : v;
-        }
+// Hopper's warpgroup products: the `a` features of sm_90 (NVRTC's sm_90a), which no other
+// architecture runs; elsewhere the wg tiles' kernels trap and the host never picks them.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define SG_WGMMA 1
+
+// wgmma's descriptor of a matrix in shared memory without swizzle: its start, the bytes
+// between core matrices adjacent in k (leading) and between 8-row groups (stride), in 16s.
+__device__ __forceinline__ unsigned long long sg_descriptor(unsigned addr, unsigned lbo,
+                                                            unsigned sbo) {
+    return (unsigned long long)((addr >> 4) & 0x3fff) |
+           (unsigned long long)((lbo >> 4) & 0x3fff) << 16 |
+           (unsigned long long)((sbo >> 4) & 0x3fff) << 32;
+}
+
+// d += A · Bᵀ for A 64 × 16 and B 128 × 16, both k-major in shared memory (descriptors `a`,
+// `b`), d a warpgroup's m64n128 f32 accumulator (64 values a thread).
+template <typename T> struct SgWgmma;
+#define SG_WGMMA_N128(T, TYPE)                                                                     \
+    template <> struct SgWgmma<T> {                                                                \
+        static __device__ __forceinline__ void n128(float* d, unsigned long long a,                \
+                                                    unsigned long long b) {                        \
+            asm volatile(                                                                          \
+                "{ .reg .pred p; setp.ne.b32 p, %66, 0;\n"                                         \
+                "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " {"                  \
+                "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "           \
+                "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+                "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+                "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"    \
+                "}, %64, %65, p, 1, 1, 0, 0; }"                                                    \
+                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),          \
+                  "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),        \
+                  "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),    \
+                  "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),    \
+                  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),    \
+                  "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),    \
+                  "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),    \
+                  "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),    \
+                  "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),    \
+                  "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),    \
+                  "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])                               \
+                : "l"(a), "l"(b), "r"(1));                                                         \
+        }                                                                                          \
     };
+SG_WGMMA_N128(bf16_t, "bf16")
+SG_WGMMA_N128(f16_t, "f16")
 
-    if (!SPLIT) {
-        sliced_each_output<WM, WN>(a, row_of, token_of,
-                                   [&](int i, int j, int e, int tok, int row) {
-                                       store(tok, row, total[i][j][e]);
-                                   });
-        return;
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+// Waits until at most N of the warpgroup's committed groups of wgmma steps are in flight.
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+// Makes this thread's writes to shared memory (cp.async's included) visible to the tensor
+// cores' reads through the async proxy.
+__device__ __forceinline__ void fence_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+// Pins the accumulators in place: no read or write of them moves across this point (after a
+// wait, nothing reads a value a step in flight has yet to write).
+template <int WN>
+__device__ __forceinline__ void wgmma_hold(float (&d)[1][WN][4]) {
+#pragma unroll
+    for (int j = 0; j < WN; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[0][j][e])::"memory");
+}
+#endif
+
+// The wg tiles: 8 warps, two warpgroups of 64 weight rows each by the block's 8·WN = 128
+// tokens. Stage s sits in buffer s % STAGES; the steps of stage s run while the kernel waits
+// for stage s + 1, so the buffer refilled at stage s is that of s - 2 (its steps done by every
+// warpgroup before the barrier), STAGES - 2 stages ahead.
+template <typename T, int WN, int STAGES, int KS, bool SPLIT>
+__device__ __forceinline__ void sliced_gemm_wgmma(const SlicedGemmArgs& a) {
+#ifdef SG_WGMMA
+    static_assert(WN == 16 && STAGES >= 3, "m64n128 steps, a stage computed while one loads");
+    using Block = SgBlock<1, WN, 8, 1, STAGES, KS, SPLIT>;
+    const Block blk(a);
+    const int warp = threadIdx.x >> 5;
+    const int steps = blk.steps, stages = blk.stages, steps_per_slice = a.slice / SG_STEP;
+    const SgStager<Block::BM, Block::THREADS, KS, true> w_stager(a.w, blk.r0, a.n, a.k,
+                                                                  blk.k_begin);
+    const SgStager<Block::BN, Block::THREADS, KS, true> x_stager(a.x, blk.t0, a.m, a.k,
+                                                                  blk.k_begin);
+    const unsigned smem = shared_address(sg_smem);
+#pragma unroll
+    for (int s = 0; s < STAGES - 2; ++s) {
+        if (s < stages) x_stager.stage(Block::x_buffer(smem, s), a.x, a.k, blk.k_end, s);
+        cp_async_commit();
     }
 
-    // Split: this slice's sums out, then the tile's last block adds the slices in order.
-    const size_t plane = (size_t)a.m * a.n;
-    sliced_each_output<WM, WN>(a, row_of, token_of, [&](int i, int j, int e, int tok, int row) {
-        a.partials[blockIdx.z * plane + (size_t)tok * a.n + row] = acc[i][j][e];
-    });
-    __threadfence();
-    unsigned* ticket = a.tickets + blockIdx.y * gridDim.x + blockIdx.x;
-    // Every thread's sums are out before thread 0 takes the ticket (the barrier), and the
-    // block learns from the same barrier whether it was the last.
-    __syncthreads();
-    const bool last =
-        __syncthreads_or(threadIdx.x == 0 && atomicAdd(ticket, 1u) == (unsigned)(a.slices - 1));
-    if (!last) return;
-    __threadfence();  // the other blocks' sums, seen after their tickets
-    sliced_each_output<WM, WN>(a, row_of, token_of, [&](int, int, int, int tok, int row) {
-        const float* p = a.partials + (size_t)tok * a.n + row;
-        float sum = 0.0f;
-        for (int z = 0; z < a.slices; ++z) sum += __ldcg(p + z * plane);
-        store(tok, row, sum);
-    });
-    if (threadIdx.x == 0) *ticket = 0;
+    float acc[1][WN][4];
+    float total[1][WN][4];
+#pragma unroll
+    for (int j = 0; j < WN; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[0][j][e] = total[0][j][e] = 0.0f;
+
+    // Core matrices adjacent in k are 128 bytes apart, 8-row groups a stage row's 8 rows.
+    constexpr unsigned LBO = 128, SBO = 8 * Block::ROW_BYTES;
+    // This warpgroup's 64 weight rows: 8 row groups in.
+    const unsigned w_rows = (warp >> 2) * 8 * SBO;
+    int left_in_slice = steps_per_slice;
+    for (int s = 0, buf = 0; s < stages; ++s, buf = buf + 1 == STAGES ? 0 : buf + 1) {
+        cp_async_wait<STAGES - 3>();
+        fence_async_shared();
+        // Stage s is in, and every warpgroup is done with stage s - 2 (its wait below).
+        __syncthreads();
+        if (s + STAGES - 2 < stages) {
+            const int refill = buf >= 2 ? buf - 2 : buf + STAGES - 2;
+            w_stager.stage(Block::w_buffer(smem, refill), a.w, a.k, blk.k_end, s + STAGES - 2);
+            x_stager.stage(Block::x_buffer(smem, refill), a.x, a.k, blk.k_end, s + STAGES - 2);
+        }
+        cp_async_commit();
+
+        const unsigned ws = Block::w_buffer(smem, buf) + w_rows, xs = Block::x_buffer(smem, buf);
+        // A 32-value step is two k16 steps, values 0-15 then 16-31: pieces 0-1, then 2-3. As
+        // in the mma.sync form, the last stage's steps past the values are never taken.
+        const int in_stage = min(KS, steps - s * KS);
+        wgmma_fence();
+#pragma unroll
+        for (int q = 0; q < KS; ++q)
+            if (q < in_stage)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const unsigned at = (4 * q + 2 * h) * LBO;
+                    SgWgmma<T>::n128(&acc[0][0][0], sg_descriptor(ws + at, LBO, SBO),
+                                     sg_descriptor(xs + at, LBO, SBO));
+                }
+        wgmma_commit();
+        wgmma_wait<1>();  // stage s - 1's steps are done: its buffer may be refilled next
+        left_in_slice -= in_stage;
+        if (!SPLIT && (left_in_slice == 0 || s + 1 == stages)) {
+            left_in_slice = steps_per_slice;
+            wgmma_wait<0>();
+            wgmma_hold(acc);
+            sliced_slice_done(acc, total);
+            wgmma_hold(acc);
+        }
+    }
+    wgmma_wait<0>();
+    wgmma_hold(acc);
+    cp_async_wait<0>();
+    sliced_gemm_finish<1, WN, SPLIT>(a, acc, total, blk.r0 + warp * 16, blk.t0);
+#else
+    __trap();
+#endif
 }
 
 // The tiles the host picks from (`SlicedTile` in sliced_gemm.rs): a name, then WM, WN,
@@ -354,15 +546,33 @@ __device__ __forceinline__ void sliced_gemm(const SlicedGemmArgs& a) {
 #define SLICED_GEMM_KERNEL(tname, T, tile, WM, WN, WARPS_M, WARPS_N, STAGES, KS)                   \
     extern "C" __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N)                           \
         sliced_gemm_##tname##_##tile(const __grid_constant__ SlicedGemmArgs a) {                   \
-        sliced_gemm_weights_ahead<WM, WN, WARPS_M, WARPS_N, STAGES, KS, false>(a);                 \
+        sliced_gemm_weights_ahead<WM, WN, WARPS_M, WARPS_N, STAGES, KS, false, false,              \
+                                  STAGES - 1>(a);                                                  \
         grid_dependency_wait();                                                                    \
         sliced_gemm<T, WM, WN, WARPS_M, WARPS_N, STAGES, KS, false>(a);                            \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N)                           \
         sliced_gemm_##tname##_##tile##_split(const __grid_constant__ SlicedGemmArgs a) {           \
-        sliced_gemm_weights_ahead<WM, WN, WARPS_M, WARPS_N, STAGES, KS, true>(a);                  \
+        sliced_gemm_weights_ahead<WM, WN, WARPS_M, WARPS_N, STAGES, KS, true, false,               \
+                                  STAGES - 1>(a);                                                  \
         grid_dependency_wait();                                                                    \
         sliced_gemm<T, WM, WN, WARPS_M, WARPS_N, STAGES, KS, true>(a);                             \
+    }
+
+// Hopper's (sm_90a): the same table's columns, two warpgroups by 128 tokens only.
+#define SLICED_GEMM_WG_KERNEL(tname, T, tile, WM, WN, WARPS_M, WARPS_N, STAGES, KS)                \
+    static_assert(WM == 1 && WARPS_M == 8 && WARPS_N == 1, "two warpgroups of 64 rows");           \
+    extern "C" __global__ void __launch_bounds__(256)                                              \
+        sliced_gemm_##tname##_##tile(const __grid_constant__ SlicedGemmArgs a) {                   \
+        sliced_gemm_weights_ahead<1, WN, 8, 1, STAGES, KS, false, true, STAGES - 2>(a);            \
+        grid_dependency_wait();                                                                    \
+        sliced_gemm_wgmma<T, WN, STAGES, KS, false>(a);                                            \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(256)                                              \
+        sliced_gemm_##tname##_##tile##_split(const __grid_constant__ SlicedGemmArgs a) {           \
+        sliced_gemm_weights_ahead<1, WN, 8, 1, STAGES, KS, true, true, STAGES - 2>(a);             \
+        grid_dependency_wait();                                                                    \
+        sliced_gemm_wgmma<T, WN, STAGES, KS, true>(a);                                             \
     }
 
 #define SLICED_GEMM_ALL(tname, T)                                                                  \
@@ -372,7 +582,9 @@ __device__ __forceinline__ void sliced_gemm(const SlicedGemmArgs& a) {
     SLICED_GEMM_KERNEL(tname, T, m64n64w8k4, 1, 4, 4, 2, 3, 4)                                     \
     SLICED_GEMM_KERNEL(tname, T, m128n64k2, 2, 4, 4, 2, 4, 2)                                      \
     SLICED_GEMM_KERNEL(tname, T, m128n128k2, 2, 8, 4, 2, 3, 2)                                     \
-    SLICED_GEMM_KERNEL(tname, T, m128n128w16k2, 2, 4, 4, 4, 3, 2)
+    SLICED_GEMM_KERNEL(tname, T, m128n128w16k2, 2, 4, 4, 4, 3, 2)                                  \
+    SLICED_GEMM_WG_KERNEL(tname, T, wg128n128k2, 1, 16, 8, 1, 5, 2)                                \
+    SLICED_GEMM_WG_KERNEL(tname, T, wg128n128k4, 1, 16, 8, 1, 3, 4)
 
 SLICED_GEMM_ALL(bf16, bf16_t)
 SLICED_GEMM_ALL(f16, f16_t)
