@@ -436,6 +436,27 @@ pub trait Backend {
     fn silu_mul(&mut self, len: usize) -> Result<()>;
     /// `dst[offset..offset + len] += src[..len]`.
     fn add(&mut self, dst: Slot, offset: usize, src: Slot, len: usize) -> Result<()>;
+
+    /// A rank of a tensor-parallel group ([`crate::parallel`]): `slot[offset..offset + len]`
+    /// becomes the sum of every rank's, added in rank order. Only a backend that has joined a
+    /// group is asked.
+    fn all_reduce(&mut self, slot: Slot, offset: usize, len: usize) -> Result<()> {
+        let _ = (slot, offset, len);
+        Err(tensor_parallel_unsupported())
+    }
+    /// [`Backend::embed`] on a rank holding rows `first..first + table.rows()` of the
+    /// vocabulary: a token outside them gets zeros (another rank gives its row, and the ranks'
+    /// rows are summed).
+    fn embed_part(&mut self, table: &Self::Matrix, n: usize, first: usize) -> Result<()> {
+        let _ = (table, n, first);
+        Err(tensor_parallel_unsupported())
+    }
+    /// On a rank whose last [`Backend::project_logits`] gave its part of the vocabulary, the
+    /// first `rows` rows of every rank's parts gathered into whole rows of `vocab` logits.
+    fn gather_logits(&mut self, rows: usize, vocab: usize) -> Result<()> {
+        let _ = (rows, vocab);
+        Err(tensor_parallel_unsupported())
+    }
     /// Made once per MoE layer at load, kept in [`Moe::prepared`].
     fn prepare_experts(&self, experts: &[Mlp<Self>]) -> Result<Self::Experts>
     where
@@ -491,6 +512,13 @@ pub trait Backend {
     /// [`Backend::begin_pass`] of one token at `table.len()`: the last pick of
     /// [`Backend::pick_ahead`], which the host may not have seen.
     fn begin_fed_pass(&mut self, table: &BlockTable) -> Result<()>;
+}
+
+fn tensor_parallel_unsupported() -> crate::Error {
+    crate::Error::Unsupported {
+        what: "tensor parallelism".into(),
+        backend: "this backend",
+    }
 }
 
 /// Picks of [`Backend::pick_ahead`] that may wait unread: the one the host is about to read,

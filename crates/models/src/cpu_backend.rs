@@ -16,6 +16,7 @@ use crate::backend::{
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::kv_cache::{BlockTable, KvPool};
+use crate::parallel::{HostGroup, Shard};
 use crate::rope::RopeTable;
 use crate::transformer::{Mlp, Moe};
 use crate::weights::{Matrix, Vector, WeightLoader};
@@ -49,6 +50,8 @@ pub struct CpuBackend {
     owns_weights: bool,
     /// The quantized types of the matrices loaded, for reports.
     quantized_types: Mutex<Vec<DType>>,
+    /// The tensor-parallel group this backend is a rank of, if any ([`CpuBackend::join_group`]).
+    group: Option<(Arc<HostGroup>, Shard)>,
 }
 
 impl CpuBackend {
@@ -84,6 +87,7 @@ impl CpuBackend {
             last_pick: None,
             owns_weights: false,
             quantized_types: Mutex::new(Vec::new()),
+            group: None,
         })
     }
 
@@ -115,6 +119,29 @@ impl CpuBackend {
 
     pub fn pool(&self) -> &ThreadPool {
         &self.pool
+    }
+
+    /// Makes this backend rank `shard.rank` of `group` ([`crate::parallel`]): its model is
+    /// that shard's ([`crate::Transformer::load_shard`]), and its passes meet the other ranks'
+    /// in the group's collectives.
+    pub fn join_group(mut self, group: Arc<HostGroup>, shard: Shard) -> Self {
+        assert_eq!(
+            group.ranks(),
+            shard.ranks,
+            "a group of {} ranks",
+            group.ranks()
+        );
+        self.group = Some((group, shard));
+        self
+    }
+
+    /// The group and this rank's place in it (a handle of its own, so that the slots may be
+    /// borrowed beside it).
+    fn group(&self) -> Result<(Arc<HostGroup>, Shard)> {
+        self.group.clone().ok_or_else(|| Error::Unsupported {
+            what: "a collective outside a tensor-parallel group".into(),
+            backend: "the CPU",
+        })
     }
 
     /// The pool, for another backend to share.
@@ -417,6 +444,46 @@ impl Backend for CpuBackend {
     fn add(&mut self, dst: Slot, offset: usize, src: Slot, len: usize) -> Result<()> {
         let (_, s, d, _) = self.src_dst(src, dst);
         cpu::add_assign(&mut d[offset..offset + len], &s[..len]);
+        Ok(())
+    }
+
+    fn all_reduce(&mut self, slot: Slot, offset: usize, len: usize) -> Result<()> {
+        let (group, shard) = self.group()?;
+        let data = &mut self.slot_mut(slot)[offset..offset + len];
+        Ok(group.all_reduce(shard.rank, data)?)
+    }
+
+    fn embed_part(&mut self, table: &Matrix, n: usize, first: usize) -> Result<()> {
+        let hidden = table.cols;
+        let tokens = std::mem::take(&mut self.tokens);
+        let x = self.slot_mut(Slot::Residual);
+        for (i, &token) in tokens[..n].iter().enumerate() {
+            let row = &mut x[i * hidden..(i + 1) * hidden];
+            match (token as usize).checked_sub(first) {
+                Some(r) if r < table.rows => table.row_to_f32(r, row),
+                _ => row.fill(0.0),
+            }
+        }
+        self.tokens = tokens;
+        Ok(())
+    }
+
+    fn gather_logits(&mut self, rows: usize, vocab: usize) -> Result<()> {
+        let (group, shard) = self.group()?;
+        let logits = self.ws.logits.as_mut_slice::<f32>();
+        let mine = logits[..rows * shard.part(vocab).len()].to_vec();
+        group.all_gather(shard.rank, &mine, |rank, theirs| {
+            let cols = Shard {
+                rank,
+                ranks: shard.ranks,
+            }
+            .part(vocab);
+            for row in 0..rows {
+                let at = row * vocab + cols.start;
+                logits[at..at + cols.len()]
+                    .copy_from_slice(&theirs[row * cols.len()..(row + 1) * cols.len()]);
+            }
+        })?;
         Ok(())
     }
 

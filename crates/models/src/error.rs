@@ -24,6 +24,8 @@ pub enum Error {
     BatchTooLarge { requested: usize, capacity: usize },
     #[error("a forward pass that must give a token was given none")]
     NoTokens,
+    #[error("a rank of the tensor-parallel group failed: {0}")]
+    RankFailed(#[from] crate::parallel::GroupAborted),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

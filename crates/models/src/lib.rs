@@ -15,6 +15,7 @@ mod cpu_backend;
 mod cuda_backend;
 mod error;
 mod kv_cache;
+pub mod parallel;
 mod rope;
 mod transformer;
 mod weights;

@@ -1,11 +1,13 @@
 //! A [`Transformer`] built from a checkpoint's tensors in a backend's memory.
 
 use ember_checkpoint::TensorSource;
+use ember_tensor::BufferOwner;
 
 use super::{Attention, FeedForward, Layer, Linear, Mlp, Moe, Transformer};
 use crate::backend::{Backend, WeightMatrix};
 use crate::config::ModelConfig;
 use crate::error::Result;
+use crate::parallel::{Shard, ShardSource};
 
 impl<B: Backend> Linear<B> {
     fn load(
@@ -51,10 +53,40 @@ impl<B: Backend> Transformer<B> {
         source: &dyn TensorSource,
         context: usize,
     ) -> Result<Self> {
+        Self::load_part(backend, config, source, context, Shard::WHOLE)
+    }
+
+    /// Builds rank `shard.rank`'s share of the model of `config` (the whole model's) in
+    /// `backend`'s memory ([`crate::parallel`]): its heads, MLP columns and part of the
+    /// vocabulary, the columns it copies listed by `owner` (the backend's). The backend must be
+    /// a rank of a group of `shard.ranks` and sized for [`ModelConfig::for_shard`]'s shapes.
+    pub fn load_shard(
+        backend: &B,
+        config: &ModelConfig,
+        source: &dyn TensorSource,
+        context: usize,
+        shard: Shard,
+        owner: &BufferOwner,
+    ) -> Result<Self> {
+        let part = ShardSource::new(source, config, shard, owner)?;
+        Self::load_part(backend, config.for_shard(shard)?, &part, context, shard)
+    }
+
+    /// [`Self::load`] of `shard`'s share from a source that gives it, `config` its shapes.
+    fn load_part(
+        backend: &B,
+        config: ModelConfig,
+        source: &dyn TensorSource,
+        context: usize,
+        shard: Shard,
+    ) -> Result<Self> {
         let b = backend;
         let c = &config;
         let (h, q_dim, kv_dim) = (c.hidden_size, c.q_dim(), c.kv_dim());
-        let embed_tokens = b.load_matrix(source, "model.embed_tokens.weight", c.vocab_size, h)?;
+        // Outputs the ranks add up take their bias once, from rank 0.
+        let summed_bias = shard.rank == 0;
+        let vocab = shard.part(c.vocab_size).len();
+        let embed_tokens = b.load_matrix(source, "model.embed_tokens.weight", vocab, h)?;
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
             let p = format!("model.layers.{i}");
@@ -96,7 +128,7 @@ impl<B: Backend> Transformer<B> {
                 q: qkv(&names[0], q)?,
                 k: qkv(&names[1], k)?,
                 v: qkv(&names[2], v)?,
-                o: linear("o_proj", h, q_dim, c.o_bias)?,
+                o: linear("o_proj", h, q_dim, c.o_bias && summed_bias)?,
                 q_norm: head_norm("q_norm")?,
                 k_norm: head_norm("k_norm")?,
             };
@@ -110,6 +142,7 @@ impl<B: Backend> Transformer<B> {
                     c.intermediate_size,
                     h,
                     c.mlp_bias,
+                    c.mlp_bias && summed_bias,
                 )?)
             };
             layers.push(Layer {
@@ -127,11 +160,12 @@ impl<B: Backend> Transformer<B> {
         let lm_head = if c.tie_word_embeddings {
             None
         } else {
-            Some(b.load_matrix(source, "lm_head.weight", c.vocab_size, h)?)
+            Some(b.load_matrix(source, "lm_head.weight", vocab, h)?)
         };
         let rope = b.rope_tables(c, context)?;
         Ok(Transformer {
             config,
+            shard,
             embed_tokens,
             layers,
             norm,
@@ -149,6 +183,7 @@ fn load_mlp<B: Backend>(
     width: usize,
     hidden: usize,
     bias: bool,
+    down_bias: bool,
 ) -> Result<Mlp<B>> {
     let name = |name: &str| format!("{prefix}.{name}");
     // Gate and up share their input: adjacent, so that a backend may run them as one product.
@@ -166,7 +201,7 @@ fn load_mlp<B: Backend>(
     Ok(Mlp {
         gate: Linear::with_weight(b, source, &gate, gate_weight, bias)?,
         up: Linear::with_weight(b, source, &up, up_weight, bias)?,
-        down: Linear::load(b, source, &name("down_proj"), hidden, width, bias)?,
+        down: Linear::load(b, source, &name("down_proj"), hidden, width, down_bias)?,
     })
 }
 
@@ -247,7 +282,7 @@ fn load_moe<B: Backend>(
         (0..e_count)
             .map(|e| {
                 let prefix = format!("{prefix}.experts.{e}");
-                load_mlp(b, source, &prefix, width, hidden, false)
+                load_mlp(b, source, &prefix, width, hidden, false, false)
             })
             .collect::<Result<Vec<_>>>()?
     };

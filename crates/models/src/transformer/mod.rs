@@ -14,6 +14,7 @@ use crate::backend::{
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::kv_cache::BlockTable;
+use crate::parallel::Shard;
 
 mod load;
 
@@ -36,6 +37,22 @@ impl<B: Backend> Linear<B> {
     /// `Residual[offset..] += src[..rows] · weightᵀ + bias`.
     fn apply_to_residual(&self, b: &mut B, src: Slot, rows: usize, offset: usize) -> Result<()> {
         add_to_residual(b, &self.writing(Slot::Residual), src, rows, offset)
+    }
+
+    /// The same on a rank of a tensor-parallel group, whose weight holds its share of the
+    /// input columns: its product is a partial sum, so the ranks' are added up (the bias
+    /// with rank 0's) before the residual takes them.
+    fn apply_partial_to_residual(
+        &self,
+        b: &mut B,
+        src: Slot,
+        rows: usize,
+        offset: usize,
+    ) -> Result<()> {
+        let len = rows * self.weight.rows();
+        b.linear(&self.weight, self.bias.as_ref(), src, rows, Slot::BlockOut)?;
+        b.all_reduce(Slot::BlockOut, 0, len)?;
+        b.add(Slot::Residual, offset, Slot::BlockOut, len)
     }
 }
 
@@ -68,6 +85,23 @@ impl<B: Backend> Mlp<B> {
     ) -> Result<()> {
         let (gate, up) = (self.gate.writing(Slot::Gate), self.up.writing(Slot::Up));
         b.norm_mlp(rows, norm, eps, gate, up, self.down.writing(Slot::Residual))
+    }
+
+    /// [`Self::apply_to_residual`] on a rank holding its share of the MLP's columns: its
+    /// down product a partial sum ([`Linear::apply_partial_to_residual`]).
+    fn apply_partial_to_residual(
+        &self,
+        b: &mut B,
+        rows: Range<usize>,
+        norm: &B::Vector,
+        eps: f32,
+    ) -> Result<()> {
+        let (gate, up) = (self.gate.writing(Slot::Gate), self.up.writing(Slot::Up));
+        let (n, offset) = (rows.len(), rows.start * self.down.weight.rows());
+        b.norm_linears(Slot::Residual, rows, norm, eps, &[gate, up])?;
+        b.silu_mul(n * self.width())?;
+        self.down
+            .apply_partial_to_residual(b, Slot::Gate, n, offset)
     }
 }
 
@@ -181,7 +215,12 @@ impl PassPlan {
 }
 
 pub struct Transformer<B: Backend> {
+    /// The shapes this model computes: a rank's share of the heads and MLP columns when it is
+    /// one of a tensor-parallel group ([`Self::load_shard`]), the vocabulary always whole.
     pub config: ModelConfig,
+    /// Which rank of how many; [`Shard::WHOLE`] for a model on one backend.
+    pub shard: Shard,
+    /// The embedding's (and head's) rows: the vocabulary, or the rank's part of it.
     pub embed_tokens: B::Matrix,
     pub layers: Vec<Layer<B>>,
     pub norm: B::Vector,
@@ -477,7 +516,12 @@ impl<B: Backend> Transformer<B> {
     fn pass(&self, b: &mut B, kv: &mut B::Kv, plan: &PassPlan) -> Result<()> {
         let c = &self.config;
         let (eps, n) = (c.rms_norm_eps, plan.rows);
-        b.embed(&self.embed_tokens, n)?;
+        if self.shard.is_whole() {
+            b.embed(&self.embed_tokens, n)?;
+        } else {
+            b.embed_part(&self.embed_tokens, n, self.shard.part(c.vocab_size).start)?;
+            b.all_reduce(Slot::Residual, 0, n * c.hidden_size)?;
+        }
         let mut segments = self.attention_segments(plan);
         let mut logit_rows = 0..0;
         for (index, layer) in self.layers.iter().enumerate() {
@@ -496,6 +540,9 @@ impl<B: Backend> Transformer<B> {
             }
             let norm = &layer.post_attention_norm;
             match &layer.feed_forward {
+                FeedForward::Dense(mlp) if !self.shard.is_whole() => {
+                    mlp.apply_partial_to_residual(b, rows, norm, eps)?
+                }
                 FeedForward::Dense(mlp) => mlp.apply_to_residual(b, rows, norm, eps)?,
                 FeedForward::Sparse(moe) => b.norm_moe(moe, rows, norm, eps)?,
             }
@@ -505,7 +552,11 @@ impl<B: Backend> Transformer<B> {
             return Ok(());
         }
         b.rms_norm(Slot::Residual, logit_rows, &self.norm, eps, Slot::Normed)?;
-        b.project_logits(self.lm_head(), m)
+        b.project_logits(self.lm_head(), m)?;
+        if !self.shard.is_whole() {
+            b.gather_logits(m, c.vocab_size)?;
+        }
+        Ok(())
     }
 
     /// Each sequence's attention in a pass, for layer 0.
@@ -558,6 +609,10 @@ impl<B: Backend> Transformer<B> {
             p.layer = index;
         }
         b.rope_attention_segments(kv, &self.rope, style, segments, q_norm, k_norm)?;
-        a.o.apply_to_residual(b, Slot::AttentionOut, n, 0)
+        if self.shard.is_whole() {
+            a.o.apply_to_residual(b, Slot::AttentionOut, n, 0)
+        } else {
+            a.o.apply_partial_to_residual(b, Slot::AttentionOut, n, 0)
+        }
     }
 }

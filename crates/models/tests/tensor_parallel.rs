@@ -1,0 +1,315 @@
+//! Tensor parallelism on the CPU (`ember_models::parallel`): a model split across ranks run as
+//! threads, each a backend holding its share of the weights and KV cache, meeting in a host
+//! group's all-reduces, against the same model whole. On every dense golden fixture:
+//! - split 2 ways, greedy decoding gives transformers' recorded ids (the fixtures' margins
+//!   leave room for f32 sums in another order), and every row of logits stays within
+//!   `LOGIT_TOLERANCE` of the whole model's;
+//! - at a fixed split, a sequence's logits are the same bits run to run and whether it runs
+//!   alone or beside another sequence in one pass (sums in rank order, kernels that never mix
+//!   rows).
+//!
+//! Splits the shapes do not allow (key-value heads that do not divide, a mixture of experts)
+//! are refused at load with an error naming why.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{bits, golden, tokens};
+use ember_checkpoint::SafetensorsSet;
+use ember_models::parallel::{HostGroup, Shard};
+use ember_models::{
+    Arithmetic, BlockTable, CpuBackend, KV_BLOCK_SIZE, KvDtype, KvLayout, KvPool, Logits,
+    ModelConfig, SequencePass, Transformer,
+};
+use ember_tensor::{BufferOwner, ThreadPool};
+use serde_json::Value;
+
+const CONTEXT: usize = 256;
+const MAX_BATCH: usize = 128;
+/// Largest difference from the whole model's logits, relative to the row's largest logit:
+/// the o and down products' sums are cut in two and added (f32 sums in another order; up to
+/// 1.5e-6 measured on these fixtures).
+const LOGIT_TOLERANCE: f32 = 1e-5;
+
+const DENSE: [&str; 7] = [
+    "llama-bf16",
+    "llama-f32",
+    "qwen2-bf16",
+    "qwen2-f32",
+    "qwen3-bf16",
+    "qwen3-f32",
+    "qwen3-hd128-bf16",
+];
+
+/// One rank's (or the whole model's) backend, model and cache.
+struct Rank {
+    backend: CpuBackend,
+    model: Transformer<CpuBackend>,
+    kv: KvPool,
+    next_block: u32,
+}
+
+impl Rank {
+    fn load(
+        config: &ModelConfig,
+        source: &SafetensorsSet,
+        shard: Shard,
+        group: Option<Arc<HostGroup>>,
+    ) -> Rank {
+        let owner = BufferOwner::new();
+        let shapes = config.for_shard(shard).unwrap();
+        let backend = CpuBackend::new(
+            &shapes,
+            ThreadPool::new(1),
+            &owner,
+            MAX_BATCH,
+            CONTEXT,
+            MAX_BATCH,
+            Arithmetic::Transformers,
+        )
+        .unwrap();
+        let backend = match group {
+            Some(group) => backend.join_group(group, shard),
+            None => backend,
+        };
+        let model =
+            Transformer::load_shard(&backend, config, source, CONTEXT, shard, &owner).unwrap();
+        let layout = KvLayout::new(&model.config, KvDtype::F32);
+        let kv = KvPool::new(layout, 4 * CONTEXT / KV_BLOCK_SIZE, 0, &owner).unwrap();
+        Rank {
+            backend,
+            model,
+            kv,
+            next_block: 0,
+        }
+    }
+
+    fn sequence(&mut self) -> BlockTable {
+        let count = (CONTEXT / KV_BLOCK_SIZE) as u32;
+        let blocks = (self.next_block..self.next_block + count).collect();
+        self.next_block += count;
+        BlockTable::with_blocks(blocks, 0)
+    }
+
+    /// Every row's logits of `prompt`, then `steps` greedy tokens one pass each (their
+    /// logits after the prompt's).
+    fn greedy(&mut self, prompt: &[u32], steps: usize) -> (Vec<u32>, Vec<f32>) {
+        // Each case from an empty cache: the earlier cases' blocks are taken again.
+        self.next_block = 0;
+        let mut seq = self.sequence();
+        let vocab = self.model.config.vocab_size;
+        let mut logits = self
+            .model
+            .forward(
+                &mut self.backend,
+                &mut self.kv,
+                &mut seq,
+                prompt,
+                Logits::All,
+            )
+            .unwrap()
+            .to_vec();
+        let mut ids = Vec::new();
+        for _ in 0..steps {
+            let last = &logits[logits.len() - vocab..];
+            let id = argmax(last);
+            ids.push(id);
+            let row = self
+                .model
+                .forward(
+                    &mut self.backend,
+                    &mut self.kv,
+                    &mut seq,
+                    &[id],
+                    Logits::Last,
+                )
+                .unwrap()
+                .to_vec();
+            logits.extend(row);
+        }
+        (ids, logits)
+    }
+
+    /// The last rows' logits of two sequences in one pass.
+    fn pair(&mut self, a: &[u32], b: &[u32]) -> Vec<f32> {
+        let (mut sa, mut sb) = (self.sequence(), self.sequence());
+        let passes = &mut [
+            SequencePass {
+                seq: &mut sa,
+                tokens: a,
+                logits: Logits::Last,
+            },
+            SequencePass {
+                seq: &mut sb,
+                tokens: b,
+                logits: Logits::Last,
+            },
+        ];
+        self.model
+            .forward_batch(&mut self.backend, &mut self.kv, passes)
+            .unwrap()
+            .to_vec()
+    }
+
+    /// The last row's logits of `tokens` alone.
+    fn alone(&mut self, tokens: &[u32]) -> Vec<f32> {
+        let mut seq = self.sequence();
+        self.model
+            .forward(
+                &mut self.backend,
+                &mut self.kv,
+                &mut seq,
+                tokens,
+                Logits::Last,
+            )
+            .unwrap()
+            .to_vec()
+    }
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    ember_tensor::cpu::argmax(row)
+}
+
+/// `f` on every rank of a model split `ranks` ways, each on a thread of its own; rank 0's
+/// result (every rank ends a pass with the same whole rows of logits).
+fn on_ranks<T: Send>(
+    config: &ModelConfig,
+    source: &SafetensorsSet,
+    ranks: usize,
+    f: impl Fn(&mut Rank) -> T + Sync,
+) -> T {
+    let group = Arc::new(HostGroup::new(ranks));
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..ranks)
+            .map(|rank| {
+                let (group, f) = (Arc::clone(&group), &f);
+                s.spawn(move || {
+                    let shard = Shard::new(rank, ranks).unwrap();
+                    f(&mut Rank::load(config, source, shard, Some(group)))
+                })
+            })
+            .collect();
+        let mut results: Vec<T> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        results.swap_remove(0)
+    })
+}
+
+fn completions(name: &str) -> Vec<(Vec<u32>, Vec<u32>)> {
+    let path = golden(name).join("expected.json");
+    let expected: Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    let ids = |v: &Value| -> Vec<u32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    expected["completions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| (ids(&c["input_ids"]), ids(&c["generated_ids"])))
+        .collect()
+}
+
+fn max_relative_difference(got: &[f32], want: &[f32], vocab: usize) -> f32 {
+    got.chunks(vocab)
+        .zip(want.chunks(vocab))
+        .map(|(g, w)| {
+            let scale = w.iter().fold(1.0f32, |m, x| m.max(x.abs()));
+            g.iter()
+                .zip(w)
+                .map(|(a, b)| (a - b).abs() / scale)
+                .fold(0.0, f32::max)
+        })
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn split_two_ways_greedy_decoding_gives_the_references_tokens() {
+    for name in DENSE {
+        let path = golden(name);
+        let owner = BufferOwner::new();
+        let config = ModelConfig::from_dir(&path).unwrap();
+        let source = SafetensorsSet::open(&path, &owner).unwrap();
+        let vocab = config.vocab_size;
+        let mut whole = Rank::load(&config, &source, Shard::WHOLE, None);
+        for (case, (prompt, want)) in completions(name).into_iter().enumerate() {
+            let (whole_ids, whole_logits) = whole.greedy(&prompt, want.len());
+            let (ids, logits) = on_ranks(&config, &source, 2, |r| r.greedy(&prompt, want.len()));
+            assert_eq!(ids, want, "{name} case {case}: tokens split two ways");
+            assert_eq!(whole_ids, want, "{name} case {case}: tokens whole");
+            let diff = max_relative_difference(&logits, &whole_logits, vocab);
+            assert!(
+                diff <= LOGIT_TOLERANCE,
+                "{name} case {case}: logits split two ways {diff:e} from the whole model's"
+            );
+        }
+    }
+}
+
+#[test]
+fn at_a_fixed_split_a_row_is_the_same_bits_run_to_run_and_in_any_batch() {
+    for name in ["qwen3-bf16", "qwen2-f32"] {
+        let path = golden(name);
+        let owner = BufferOwner::new();
+        let config = ModelConfig::from_dir(&path).unwrap();
+        let source = SafetensorsSet::open(&path, &owner).unwrap();
+        let vocab = config.vocab_size;
+        let (a, b) = (tokens(11, 1, vocab), tokens(5, 2, vocab));
+        let run = || {
+            on_ranks(&config, &source, 2, |r| {
+                let pair = r.pair(&a, &b);
+                let (alone_a, alone_b) = (r.alone(&a), r.alone(&b));
+                (pair, [alone_a, alone_b].concat())
+            })
+        };
+        let (pair, alone) = run();
+        assert_eq!(
+            bits(&pair),
+            bits(&alone),
+            "{name}: two sequences in one pass ≠ alone"
+        );
+        let (again, _) = run();
+        assert_eq!(
+            bits(&again),
+            bits(&pair),
+            "{name}: a second run ≠ the first"
+        );
+    }
+}
+
+#[test]
+fn splits_the_shapes_do_not_allow_are_refused_at_load() {
+    let owner = BufferOwner::new();
+    // Two key-value heads do not go four ways.
+    let path = golden("qwen3-f32");
+    let config = ModelConfig::from_dir(&path).unwrap();
+    let err = config.for_shard(Shard::new(0, 4).unwrap()).unwrap_err();
+    assert!(
+        err.to_string().contains("2 key-value heads across 4 ranks"),
+        "{err}"
+    );
+    let source = SafetensorsSet::open(&path, &owner).unwrap();
+    let backend = CpuBackend::new(
+        &config,
+        ThreadPool::new(1),
+        &owner,
+        4,
+        CONTEXT,
+        4,
+        Arithmetic::Transformers,
+    )
+    .unwrap();
+    let shard = Shard::new(1, 4).unwrap();
+    let err = Transformer::load_shard(&backend, &config, &source, CONTEXT, shard, &owner)
+        .err()
+        .expect("four ranks of two key-value heads");
+    assert!(err.to_string().contains("tensor parallelism"), "{err}");
+    // Experts are not split yet.
+    let config = ModelConfig::from_dir(&golden("qwen3moe-f32")).unwrap();
+    let err = config.for_shard(Shard::new(0, 2).unwrap()).unwrap_err();
+    assert!(err.to_string().contains("mixture-of-experts"), "{err}");
+}
