@@ -503,6 +503,10 @@ impl Backend for CpuBackend {
         let hidden = moe.router.cols;
         self.rms_norm(Slot::Residual, rows.clone(), norm, eps, Slot::Normed)?;
         self.moe_into_block_out(moe, rows.len());
+        if self.group.is_some() {
+            // A rank's experts hold its share of their columns: its sum is a partial one.
+            self.all_reduce(Slot::BlockOut, 0, rows.len() * hidden)?;
+        }
         self.add(
             Slot::Residual,
             rows.start * hidden,

@@ -1,6 +1,7 @@
 //! Tensor parallelism on the CPU (`ember_models::parallel`): a model split across ranks run as
 //! threads, each a backend holding its share of the weights and KV cache, meeting in a host
-//! group's all-reduces, against the same model whole. On every dense golden fixture:
+//! group's all-reduces, against the same model whole. On every golden fixture (a mixture of
+//! experts with every expert cut like a dense MLP):
 //! - split 2 ways, greedy decoding gives transformers' recorded ids (the fixtures' margins
 //!   leave room for f32 sums in another order), and every row of logits stays within
 //!   `LOGIT_TOLERANCE` of the whole model's;
@@ -8,8 +9,8 @@
 //!   alone or beside another sequence in one pass (sums in rank order, kernels that never mix
 //!   rows).
 //!
-//! Splits the shapes do not allow (key-value heads that do not divide, a mixture of experts)
-//! are refused at load with an error naming why.
+//! Splits the shapes do not allow (key-value heads that do not divide) are refused at load
+//! with an error naming why.
 
 mod common;
 
@@ -32,7 +33,7 @@ const MAX_BATCH: usize = 128;
 /// 1.5e-6 measured on these fixtures).
 const LOGIT_TOLERANCE: f32 = 1e-5;
 
-const DENSE: [&str; 7] = [
+const FIXTURES: [&str; 9] = [
     "llama-bf16",
     "llama-f32",
     "qwen2-bf16",
@@ -40,6 +41,8 @@ const DENSE: [&str; 7] = [
     "qwen3-bf16",
     "qwen3-f32",
     "qwen3-hd128-bf16",
+    "qwen3moe-bf16",
+    "qwen3moe-f32",
 ];
 
 /// One rank's (or the whole model's) backend, model and cache.
@@ -229,7 +232,7 @@ fn max_relative_difference(got: &[f32], want: &[f32], vocab: usize) -> f32 {
 
 #[test]
 fn split_two_ways_greedy_decoding_gives_the_references_tokens() {
-    for name in DENSE {
+    for name in FIXTURES {
         let path = golden(name);
         let owner = BufferOwner::new();
         let config = ModelConfig::from_dir(&path).unwrap();
@@ -252,7 +255,7 @@ fn split_two_ways_greedy_decoding_gives_the_references_tokens() {
 
 #[test]
 fn at_a_fixed_split_a_row_is_the_same_bits_run_to_run_and_in_any_batch() {
-    for name in ["qwen3-bf16", "qwen2-f32"] {
+    for name in ["qwen3-bf16", "qwen2-f32", "qwen3moe-f32"] {
         let path = golden(name);
         let owner = BufferOwner::new();
         let config = ModelConfig::from_dir(&path).unwrap();
@@ -308,8 +311,4 @@ fn splits_the_shapes_do_not_allow_are_refused_at_load() {
         .err()
         .expect("four ranks of two key-value heads");
     assert!(err.to_string().contains("tensor parallelism"), "{err}");
-    // Experts are not split yet.
-    let config = ModelConfig::from_dir(&golden("qwen3moe-f32")).unwrap();
-    let err = config.for_shard(Shard::new(0, 2).unwrap()).unwrap_err();
-    assert!(err.to_string().contains("mixture-of-experts"), "{err}");
 }

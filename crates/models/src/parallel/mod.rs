@@ -85,18 +85,26 @@ impl ModelConfig {
         if shard.is_whole() {
             return Ok(self.clone());
         }
-        if self.moe.is_some() {
-            return Err(split_error(
-                "a mixture-of-experts model (experts are not split yet)".into(),
-            ));
-        }
         let heads = shard.even_part("attention heads", self.num_attention_heads, 1)?;
         let kv_heads = shard.even_part("key-value heads", self.num_key_value_heads, 1)?;
         let width = shard.even_part("MLP columns", self.intermediate_size, 1)?;
+        // Every rank holds every expert, each cut like a dense MLP: its share of the
+        // columns. (Experts whole on one rank each, expert parallelism, is the other way.)
+        let moe = match &self.moe {
+            Some(moe) => {
+                let part = shard.even_part("expert MLP columns", moe.moe_intermediate_size, 1)?;
+                Some(crate::config::MoeConfig {
+                    moe_intermediate_size: part.len(),
+                    ..moe.clone()
+                })
+            }
+            None => None,
+        };
         Ok(ModelConfig {
             num_attention_heads: heads.len(),
             num_key_value_heads: kv_heads.len(),
             intermediate_size: width.len(),
+            moe,
             ..self.clone()
         })
     }

@@ -25,9 +25,14 @@ struct Part {
 }
 
 /// How a tensor is cut: rows (outputs: heads, MLP columns, vocabulary) or columns (inputs
-/// of the products whose outputs the ranks add up).
+/// of the products whose outputs the ranks add up; of a stack of matrices, each one's).
 enum Cut {
+    /// One run of rows: a view.
     Rows(Range<usize>),
+    /// Several runs of a stack's rows (counting through its matrices), copied end to end:
+    /// each expert's share of a stacked `[experts, rows, cols]` tensor, which becomes
+    /// `[experts, share, cols]`.
+    RowRuns(Vec<Range<usize>>),
     Cols(Range<usize>),
 }
 
@@ -81,6 +86,14 @@ impl<'a> ShardSource<'a> {
                 cuts.push((mlp(&format!("{name}.bias")), Cut::Rows(width.clone())));
             }
             cuts.push((mlp("down_proj.weight"), Cut::Cols(width.clone())));
+            if let Some(moe) = c.moe.as_ref().filter(|_| c.is_sparse_layer(i)) {
+                cuts.extend(expert_cuts(
+                    i,
+                    moe.num_experts,
+                    moe.moe_intermediate_size,
+                    shard,
+                )?);
+            }
         }
         for (name, cut) in cuts {
             if !inner.contains(&name) {
@@ -89,12 +102,48 @@ impl<'a> ShardSource<'a> {
             let t = inner.get(&name)?;
             let part = match cut {
                 Cut::Rows(rows) => row_part(&t, rows)?,
+                Cut::RowRuns(runs) => row_runs_part(&t, &runs, shard, owner)?,
                 Cut::Cols(cols) => col_part(&t, cols, shard, owner)?,
             };
             source.parts.insert(name, part);
         }
         Ok(source)
     }
+}
+
+/// Layer `layer`'s experts, each cut like a dense MLP (its share of the columns: gate and up
+/// by rows, down by columns), in the three forms `load_moe` reads: a tensor per expert,
+/// stacked with gate and up fused, and stacked apart (GGUF's names mapped).
+fn expert_cuts(
+    layer: usize,
+    experts: usize,
+    width: usize,
+    shard: Shard,
+) -> Result<Vec<(String, Cut)>> {
+    let part = shard.even_part("expert MLP columns", width, 1)?;
+    let name = |n: &str| format!("model.layers.{layer}.mlp.experts.{n}");
+    let mut cuts = Vec::new();
+    for e in 0..experts {
+        for n in ["gate_proj", "up_proj"] {
+            cuts.push((name(&format!("{e}.{n}.weight")), Cut::Rows(part.clone())));
+        }
+        cuts.push((
+            name(&format!("{e}.down_proj.weight")),
+            Cut::Cols(part.clone()),
+        ));
+    }
+    let shifted = |base: usize| part.start + base..part.end + base;
+    let fused = (0..experts)
+        .flat_map(|e| [shifted(2 * e * width), shifted(2 * e * width + width)])
+        .collect();
+    cuts.push((name("gate_up_proj"), Cut::RowRuns(fused)));
+    cuts.push((name("down_proj"), Cut::Cols(part.clone())));
+    for n in ["gate_proj", "up_proj"] {
+        let runs = (0..experts).map(|e| shifted(e * width)).collect();
+        cuts.push((name(&format!("{n}.weight")), Cut::RowRuns(runs)));
+    }
+    cuts.push((name("down_proj.weight"), Cut::Cols(part)));
+    Ok(cuts)
 }
 
 /// Rows `rows` of a matrix, or elements `rows` of a vector: a view.
@@ -130,16 +179,55 @@ fn row_part(t: &TensorRef<'_>, rows: Range<usize>) -> Result<Part> {
     })
 }
 
-/// Columns `cols` of a matrix: each row's run copied into a buffer of the rank's.
+/// Runs of a stack's rows (see [`Cut::RowRuns`]), copied end to end into a buffer of the
+/// rank's: as many in each matrix of the stack.
+fn row_runs_part(
+    t: &TensorRef<'_>,
+    runs: &[Range<usize>],
+    shard: Shard,
+    owner: &BufferOwner,
+) -> Result<Part> {
+    let &[count, rows, cols] = t.shape else {
+        return Err(shape_error(t, "a stack of matrices"));
+    };
+    let kept: usize = runs.iter().map(Range::len).sum();
+    if runs.iter().any(|r| r.end > count * rows) || !kept.is_multiple_of(count) {
+        return Err(shape_error(t, &format!("row runs {runs:?}")));
+    }
+    let row_bytes = t.dtype.row_bytes(cols);
+    let label = format!("{} (rank {} of {})", t.name, shard.rank, shard.ranks);
+    let mut copy = owner.alloc(BufferKind::Repacked, label, kept * row_bytes)?;
+    let mut at = 0;
+    for run in runs {
+        let bytes = &t.bytes[run.start * row_bytes..run.end * row_bytes];
+        copy.bytes_mut()[at..at + bytes.len()].copy_from_slice(bytes);
+        at += bytes.len();
+    }
+    Ok(Part {
+        name: t.name.to_string(),
+        dtype: t.dtype,
+        shape: vec![count, kept / count, cols],
+        buffer: Arc::new(copy),
+        offset: 0,
+        len: at,
+        path: t.path.to_path_buf(),
+    })
+}
+
+/// Columns `cols` of a matrix (of each matrix of a stack): each row's run copied into a
+/// buffer of the rank's.
 fn col_part(
     t: &TensorRef<'_>,
     cols: Range<usize>,
     shard: Shard,
     owner: &BufferOwner,
 ) -> Result<Part> {
-    let [rows, width] = *t.shape else {
-        return Err(shape_error(t, "a matrix"));
+    let (lead, width) = match t.shape {
+        [rows, width] => (vec![*rows], *width),
+        [count, rows, width] => (vec![*count, *rows], *width),
+        _ => return Err(shape_error(t, "a matrix or a stack of them")),
     };
+    let rows: usize = lead.iter().product();
     let block = t.dtype.block_size();
     if cols.end > width || !cols.start.is_multiple_of(block) || !cols.len().is_multiple_of(block) {
         return Err(shape_error(
@@ -158,10 +246,12 @@ fn col_part(
         let at = r * row_bytes + skip;
         out.copy_from_slice(&t.bytes[at..at + keep]);
     }
+    let mut shape = lead;
+    shape.push(cols.len());
     Ok(Part {
         name: t.name.to_string(),
         dtype: t.dtype,
-        shape: vec![rows, cols.len()],
+        shape,
         buffer: Arc::new(copy),
         offset: 0,
         len: rows * keep,
@@ -197,5 +287,111 @@ impl TensorSource for ShardSource<'_> {
 
     fn contains(&self, name: &str) -> bool {
         self.parts.contains_key(name) || self.inner.contains(name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::path::Path;
+
+    use ember_checkpoint::CheckpointError;
+    use ember_checkpoint::Result as CheckpointResult;
+
+    use super::*;
+
+    /// f32 tensors held in memory, each value its index in the tensor.
+    struct Memory {
+        tensors: HashMap<String, (Vec<usize>, Arc<Buffer>)>,
+    }
+
+    impl Memory {
+        fn new(owner: &BufferOwner, shapes: &[(&str, &[usize])]) -> Memory {
+            let tensors = shapes
+                .iter()
+                .map(|&(name, shape)| {
+                    let len: usize = shape.iter().product();
+                    let values: Vec<f32> = (0..len).map(|i| i as f32).collect();
+                    let bytes = bytemuck::cast_slice(&values);
+                    let buffer = owner.alloc_copy(BufferKind::Scratch, name, bytes).unwrap();
+                    (name.to_string(), (shape.to_vec(), Arc::new(buffer)))
+                })
+                .collect();
+            Memory { tensors }
+        }
+    }
+
+    impl TensorSource for Memory {
+        fn get(&self, name: &str) -> CheckpointResult<TensorRef<'_>> {
+            let (key, (shape, buffer)) =
+                self.tensors
+                    .get_key_value(name)
+                    .ok_or_else(|| CheckpointError::MissingTensor {
+                        path: "memory".into(),
+                        name: name.into(),
+                    })?;
+            Ok(TensorRef {
+                name: key,
+                dtype: DType::F32,
+                shape,
+                bytes: buffer.bytes(),
+                path: Path::new("memory"),
+                buffer,
+                offset: 0,
+            })
+        }
+
+        fn contains(&self, name: &str) -> bool {
+            self.tensors.contains_key(name)
+        }
+    }
+
+    fn values(source: &dyn TensorSource, name: &str) -> (Vec<usize>, Vec<f32>) {
+        let t = source.get(name).unwrap();
+        (t.shape.to_vec(), bytemuck::cast_slice(t.bytes).to_vec())
+    }
+
+    /// Stacked experts (gate and up fused, `[E, 2I, H]`; down `[E, H, I]`) give each rank
+    /// every expert's share: its rows of gate and of up, its columns of down.
+    #[test]
+    fn stacked_experts_give_each_rank_every_experts_share() {
+        let owner = BufferOwner::new();
+        let (e, i, h) = (2, 4, 3);
+        let gate_up = "model.layers.0.mlp.experts.gate_up_proj";
+        let down = "model.layers.0.mlp.experts.down_proj";
+        let memory = Memory::new(&owner, &[(gate_up, &[e, 2 * i, h]), (down, &[e, h, i])]);
+        let shard = Shard::new(1, 2).unwrap();
+        let cuts = expert_cuts(0, e, i, shard).unwrap();
+        let mut source = ShardSource {
+            inner: &memory,
+            parts: HashMap::new(),
+        };
+        for (name, cut) in cuts {
+            if memory.contains(&name) {
+                let t = memory.get(&name).unwrap();
+                let part = match cut {
+                    Cut::Rows(rows) => row_part(&t, rows).unwrap(),
+                    Cut::RowRuns(runs) => row_runs_part(&t, &runs, shard, &owner).unwrap(),
+                    Cut::Cols(cols) => col_part(&t, cols, shard, &owner).unwrap(),
+                };
+                source.parts.insert(name, part);
+            }
+        }
+        // Rank 1 of 2: rows 2..4 of gate and of up (rows 2, 3 and 6, 7 of each expert's 8).
+        let (shape, got) = values(&source, gate_up);
+        assert_eq!(shape, [e, i, h]);
+        let rows = [2, 3, 6, 7, 10, 11, 14, 15];
+        let want: Vec<f32> = rows
+            .iter()
+            .flat_map(|r| (0..h).map(move |c| (r * h + c) as f32))
+            .collect();
+        assert_eq!(got, want);
+        // Columns 2..4 of each of down's rows.
+        let (shape, got) = values(&source, down);
+        assert_eq!(shape, [e, h, i / 2]);
+        let want: Vec<f32> = (0..e * h)
+            .flat_map(|r| [(r * i + 2) as f32, (r * i + 3) as f32])
+            .collect();
+        assert_eq!(got, want);
     }
 }

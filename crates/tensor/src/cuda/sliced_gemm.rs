@@ -13,6 +13,9 @@ use crate::buffer::{BufferKind, BufferOwner};
 /// Values a step of the kernel takes (`SG_STEP`): slices are whole steps.
 const STEP: usize = 32;
 
+/// Bytes between wgmma's core matrices adjacent in k, padding included (`SG_CORE_LBO`).
+const CORE_LBO: usize = 144;
+
 /// Slice lengths the host picks from, longest first.
 const SLICE_LENS: [usize; 5] = [2048, 1024, 512, 256, 128];
 
@@ -139,10 +142,16 @@ impl SlicedTile {
         self.shape().1 * 16 >= m
     }
 
-    /// Shared memory a block takes: its stages of weight and token rows, 64 bytes a step each.
+    /// Shared memory a block takes: its stages of weight and token rows, 64 bytes a step each
+    /// (72 in wgmma's padded layout: `SG_CORE_LBO` in sliced_gemm.cu).
     pub fn smem_bytes(self) -> usize {
         let (rows, tokens, _, stages, steps) = self.shape();
-        stages * (rows + tokens) * steps * STEP * 2
+        let step_bytes = if self.is_wgmma() {
+            CORE_LBO * 4 / 8
+        } else {
+            STEP * 2
+        };
+        stages * (rows + tokens) * steps * step_bytes
     }
 }
 
@@ -575,6 +584,7 @@ mod tests {
     fn constants_match_the_kernel() {
         assert_eq!(Module::SlicedGemm.define("SG_STEP"), STEP);
         assert_eq!(Module::SlicedGemm.define("SG_MAX_OUTS"), MAX_OUTPUTS);
+        assert_eq!(Module::SlicedGemm.define("SG_CORE_LBO"), CORE_LBO);
         assert!(SLICE_LENS.iter().all(|s| s.is_multiple_of(STEP)));
         // Every tile fits the shared memory a block can have where it runs (sm_86: 99 KiB;
         // sm_90: 227 KiB), and its steps a stage divide every slice.

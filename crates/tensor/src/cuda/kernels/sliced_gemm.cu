@@ -92,22 +92,31 @@ __device__ __forceinline__ int sg_piece_offset(int row, int piece) {
     return row * (SG_ROW_BYTES * KS) + ((piece ^ (row & 7)) << 4);
 }
 
+// Bytes between core matrices adjacent in k in wgmma's layout (below): the matrix's 128 and
+// 16 of padding, so that the 8 pieces of one row (a 128-byte run of it, staged by 8
+// neighbouring threads in one phase of a warp's copy) fall in 8 distinct bank groups.
+#define SG_CORE_LBO 144
+
 // Byte offset of piece `piece` of shared row `row` in wgmma's layout without swizzle: rows in
-// groups of 8, a group's pieces as 8-row by 16-byte core matrices (128 contiguous bytes), those
-// adjacent in k 128 bytes apart, the groups 8 rows' bytes apart.
+// groups of 8, a group's pieces as core matrices of 8 rows by 16 bytes (128 contiguous bytes),
+// SG_CORE_LBO apart in k, the groups 4·KS of them apart.
 template <int KS>
 __device__ __forceinline__ int sg_core_offset(int row, int piece) {
-    return (row >> 3) * (SG_ROW_BYTES * KS * 8) + (piece << 7) + ((row & 7) << 4);
+    return (row >> 3) * (SG_CORE_LBO * 4 * KS) + piece * SG_CORE_LBO + ((row & 7) << 4);
 }
 
 // A block's place: BM = 16·WM·WARPS_M weight rows by BN = 8·WN·WARPS_N tokens (a warp takes
 // WM 16-row tiles by WN 8-token tiles), and the values it sums: all of k, or its slice.
-template <int WM, int WN, int WARPS_M, int WARPS_N, int STAGES, int KS, bool SPLIT>
+// CORE: the stages in wgmma's layout, whose rows take SG_CORE_LBO / 8 bytes a piece.
+template <int WM, int WN, int WARPS_M, int WARPS_N, int STAGES, int KS, bool SPLIT,
+          bool CORE = false>
 struct SgBlock {
     static constexpr int BM = 16 * WM * WARPS_M, BN = 8 * WN * WARPS_N;
     static constexpr int THREADS = 32 * WARPS_M * WARPS_N;
     static constexpr int ROW_BYTES = SG_ROW_BYTES * KS, PIECES = 4 * KS;
-    static constexpr int W_BYTES = BM * ROW_BYTES, STAGE_BYTES = (BM + BN) * ROW_BYTES;
+    // Shared bytes a row of a stage takes.
+    static constexpr int SMEM_ROW = CORE ? SG_CORE_LBO * PIECES / 8 : ROW_BYTES;
+    static constexpr int W_BYTES = BM * SMEM_ROW, STAGE_BYTES = (BM + BN) * SMEM_ROW;
     int r0, t0, k_begin, k_end, steps, stages;
 
     __device__ __forceinline__ explicit SgBlock(const SlicedGemmArgs& a) {
@@ -132,13 +141,13 @@ struct SgBlock {
 // memory, 16 bytes a piece: piece p = thread + i·THREADS of the ROWS·PIECES is row p / PIECES,
 // piece p % PIECES, so a thread keeps one piece of every R-th row (THREADS is a multiple of
 // PIECES) and what it needs is worked out once a block; a stage only adds its columns. Pieces
-// past `limit` rows or past the block's values read nothing and stage zeros. In wgmma's layout
-// (CORE) 8 threads in a row take one piece of 8 rows, so that they write one core matrix (a
-// row's 8 pieces would all fall in one bank group there).
+// past `limit` rows or past the block's values read nothing and stage zeros. CORE: into
+// wgmma's layout (sg_core_offset) instead of ldmatrix's.
 template <int ROWS, int THREADS, int KS, bool CORE>
 struct SgStager {
     static constexpr int PIECES = 4 * KS, R = THREADS / PIECES, N = (ROWS + R - 1) / R;
-    static constexpr int ROW_BYTES = SG_ROW_BYTES * KS;
+    // Shared bytes from a row to the next (in wgmma's layout, an eighth of a group's).
+    static constexpr int ROW_STRIDE = CORE ? SG_CORE_LBO * PIECES / 8 : SG_ROW_BYTES * KS;
     static_assert(THREADS % PIECES == 0 && R % 8 == 0, "a thread's rows share their swizzle");
     static_assert(ROWS % R == 0 || ROWS < R, "a thread stages every R-th row of the tile");
     const unsigned char* first_piece;  // the thread's piece of its first row at the block's first value
@@ -149,12 +158,10 @@ struct SgStager {
 
     __device__ __forceinline__ SgStager(const void* src, int first, int limit, int k,
                                         int k_begin) {
-        const unsigned t = threadIdx.x;
-        const unsigned r = CORE ? t / (8 * PIECES) * 8 + (t & 7) : t / PIECES;
-        const unsigned piece = CORE ? (t >> 3) % PIECES : t % PIECES;
+        const unsigned t = threadIdx.x, r = t / PIECES, piece = t % PIECES;
         c0 = k_begin + (int)piece * 8;
         first_piece = (const unsigned char*)src + ((size_t)(first + (int)r) * k + c0) * 2;
-        // Row r + i·R sits i·R rows' bytes further in either layout (R is a multiple of 8).
+        // Row r + i·R sits i·R row strides further in either layout (R is a multiple of 8).
         to = CORE ? sg_core_offset<KS>((int)r, (int)piece) : sg_piece_offset<KS>((int)r, (int)piece);
         in_tile = ROWS % R == 0 || (int)r < ROWS;
         valid_rows = 0;
@@ -173,7 +180,7 @@ struct SgStager {
 #pragma unroll
         for (int i = 0; i < N; ++i) {
             const bool valid = in_k && (valid_rows >> i & 1u);
-            cp_async_16(buffer + to + i * R * ROW_BYTES,
+            cp_async_16(buffer + to + i * R * ROW_STRIDE,
                         valid ? from + i * row_step : (const unsigned char*)src, valid);
         }
     }
@@ -185,7 +192,7 @@ extern __shared__ __align__(128) unsigned char sg_smem[];
 template <int WM, int WN, int WARPS_M, int WARPS_N, int STAGES, int KS, bool SPLIT, bool CORE,
           int AHEAD>
 __device__ __forceinline__ void sliced_gemm_weights_ahead(const SlicedGemmArgs& a) {
-    using Block = SgBlock<WM, WN, WARPS_M, WARPS_N, STAGES, KS, SPLIT>;
+    using Block = SgBlock<WM, WN, WARPS_M, WARPS_N, STAGES, KS, SPLIT, CORE>;
     const Block blk(a);
     const SgStager<Block::BM, Block::THREADS, KS, CORE> w(a.w, blk.r0, a.n, a.k, blk.k_begin);
     const unsigned smem = shared_address(sg_smem);
@@ -468,7 +475,7 @@ template <typename T, int WN, int STAGES, int KS, bool SPLIT>
 __device__ __forceinline__ void sliced_gemm_wgmma(const SlicedGemmArgs& a) {
 #ifdef SG_WGMMA
     static_assert(WN == 16 && STAGES >= 3, "m64n128 steps, a stage computed while one loads");
-    using Block = SgBlock<1, WN, 8, 1, STAGES, KS, SPLIT>;
+    using Block = SgBlock<1, WN, 8, 1, STAGES, KS, SPLIT, true>;
     const Block blk(a);
     const int warp = threadIdx.x >> 5;
     const int steps = blk.steps, stages = blk.stages, steps_per_slice = a.slice / SG_STEP;
@@ -490,8 +497,8 @@ __device__ __forceinline__ void sliced_gemm_wgmma(const SlicedGemmArgs& a) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[0][j][e] = total[0][j][e] = 0.0f;
 
-    // Core matrices adjacent in k are 128 bytes apart, 8-row groups a stage row's 8 rows.
-    constexpr unsigned LBO = 128, SBO = 8 * Block::ROW_BYTES;
+    // Core matrices adjacent in k SG_CORE_LBO bytes apart, 8-row groups 8 rows apart.
+    constexpr unsigned LBO = SG_CORE_LBO, SBO = 8 * Block::SMEM_ROW;
     // This warpgroup's 64 weight rows: 8 row groups in.
     const unsigned w_rows = (warp >> 2) * 8 * SBO;
     int left_in_slice = steps_per_slice;
@@ -542,7 +549,8 @@ __device__ __forceinline__ void sliced_gemm_wgmma(const SlicedGemmArgs& a) {
 }
 
 // The tiles the host picks from (`SlicedTile` in sliced_gemm.rs): a name, then WM, WN,
-// WARPS_M, WARPS_N, STAGES, KS. Shared memory: STAGES · (BM + BN) · 64 · KS bytes.
+// WARPS_M, WARPS_N, STAGES, KS. Shared memory: STAGES · (BM + BN) · 64 · KS bytes (the wg
+// tiles' 72 · KS: SG_CORE_LBO's padding).
 #define SLICED_GEMM_KERNEL(tname, T, tile, WM, WN, WARPS_M, WARPS_N, STAGES, KS)                   \
     extern "C" __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N)                           \
         sliced_gemm_##tname##_##tile(const __grid_constant__ SlicedGemmArgs a) {                   \
