@@ -463,7 +463,10 @@ pub trait Backend {
         Self: Sized;
     /// A mixture-of-experts block added into the residual stream: routes each token's
     /// `h = rms_norm(Residual[rows])` to its top-k experts and adds their weighted sum to
-    /// `Residual[rows]` (`Normed` and the MLP slots are scratch).
+    /// `Residual[rows]` (`Normed` and the MLP slots are scratch). On a rank of a
+    /// tensor-parallel group, whose experts hold their share of the columns, the weighted sum
+    /// is a partial one: the backend adds the ranks' ([`Backend::all_reduce`]) before the
+    /// residual takes it.
     fn norm_moe(
         &mut self,
         moe: &Moe<Self>,
