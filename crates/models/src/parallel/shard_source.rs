@@ -346,6 +346,37 @@ mod tests {
         }
     }
 
+    /// A quantized matrix cut by columns keeps each row's whole blocks of those columns; a
+    /// cut inside a block is refused.
+    #[test]
+    fn quantized_columns_are_cut_on_whole_blocks() {
+        let owner = BufferOwner::new();
+        let (rows, cols) = (3, 96);
+        let row_bytes = DType::Q8_0.row_bytes(cols);
+        let bytes: Vec<u8> = (0..rows * row_bytes).map(|i| i as u8).collect();
+        let buffer = Arc::new(owner.alloc_copy(BufferKind::Scratch, "o", &bytes).unwrap());
+        let shape = [rows, cols];
+        let t = TensorRef {
+            name: "o",
+            dtype: DType::Q8_0,
+            shape: &shape,
+            bytes: buffer.bytes(),
+            path: Path::new("memory"),
+            buffer: &buffer,
+            offset: 0,
+        };
+        let shard = Shard::new(1, 3).unwrap();
+        let part = col_part(&t, 32..64, shard, &owner).unwrap();
+        assert_eq!(part.shape, [rows, 32]);
+        let block = DType::Q8_0.row_bytes(32);
+        let want: Vec<u8> = (0..rows)
+            .flat_map(|r| bytes[r * row_bytes + block..r * row_bytes + 2 * block].to_vec())
+            .collect();
+        assert_eq!(&part.buffer.bytes()[..part.len], &want[..]);
+        let err = col_part(&t, 16..48, shard, &owner).err().unwrap();
+        assert!(err.to_string().contains("whole 32-value blocks"), "{err}");
+    }
+
     fn values(source: &dyn TensorSource, name: &str) -> (Vec<usize>, Vec<f32>) {
         let t = source.get(name).unwrap();
         (t.shape.to_vec(), bytemuck::cast_slice(t.bytes).to_vec())
