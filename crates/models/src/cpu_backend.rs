@@ -245,14 +245,8 @@ impl Backend for CpuBackend {
     }
 
     fn embed(&mut self, table: &Matrix, n: usize) -> Result<()> {
-        let hidden = table.cols;
-        let tokens = std::mem::take(&mut self.tokens);
-        let x = self.slot_mut(Slot::Residual);
-        for (i, &token) in tokens[..n].iter().enumerate() {
-            table.row_to_f32(token as usize, &mut x[i * hidden..(i + 1) * hidden]);
-        }
-        self.tokens = tokens;
-        Ok(())
+        // The whole vocabulary is the part starting at row 0 (tokens were checked against it).
+        self.embed_part(table, n, 0)
     }
 
     fn rms_norm(

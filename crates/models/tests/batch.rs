@@ -11,7 +11,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{bits, golden, tokens};
+use common::{bits, fresh_table, golden, tokens};
 use ember_checkpoint::{GgufFile, SafetensorsSet, TensorSource};
 use ember_models::{
     Arithmetic, BlockTable, CpuBackend, KV_BLOCK_SIZE, KvDtype, KvLayout, KvPool, Logits,
@@ -57,10 +57,7 @@ impl Model {
 
     /// A new sequence's table, with blocks of its own for the whole context.
     fn sequence(&mut self) -> BlockTable {
-        let count = (CONTEXT / KV_BLOCK_SIZE) as u32;
-        let blocks = (self.next_block..self.next_block + count).collect();
-        self.next_block += count;
-        BlockTable::with_blocks(blocks, 0)
+        fresh_table(&mut self.next_block, CONTEXT)
     }
 
     fn vocab(&self) -> usize {

@@ -17,7 +17,7 @@
 
 mod common;
 
-use common::{bits, golden, tokens};
+use common::{bits, fresh_table, golden, tokens};
 use ember_checkpoint::{SafetensorsSet, TensorSource};
 use ember_models::{
     Arithmetic, Backend, BlockTable, CpuBackend, CudaBackend, CudaKvPool, CudaOptions,
@@ -45,10 +45,7 @@ impl<B: Backend> Harness<B> {
 
     /// A new sequence's table, with blocks of its own for the whole context.
     fn sequence(&mut self) -> BlockTable {
-        let count = (CONTEXT / KV_BLOCK_SIZE) as u32;
-        let blocks = (self.next_block..self.next_block + count).collect();
-        self.next_block += count;
-        BlockTable::with_blocks(blocks, 0)
+        fresh_table(&mut self.next_block, CONTEXT)
     }
 
     /// `tokens` in one pass of their own; the last row's logits as bits.

@@ -16,7 +16,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{bits, golden, tokens};
+use common::{bits, fresh_table, golden, tokens};
 use ember_checkpoint::SafetensorsSet;
 use ember_models::parallel::{HostGroup, Shard};
 use ember_models::{
@@ -89,10 +89,7 @@ impl Rank {
     }
 
     fn sequence(&mut self) -> BlockTable {
-        let count = (CONTEXT / KV_BLOCK_SIZE) as u32;
-        let blocks = (self.next_block..self.next_block + count).collect();
-        self.next_block += count;
-        BlockTable::with_blocks(blocks, 0)
+        fresh_table(&mut self.next_block, CONTEXT)
     }
 
     /// Every row's logits of `prompt`, then `steps` greedy tokens one pass each (their
@@ -116,7 +113,7 @@ impl Rank {
         let mut ids = Vec::new();
         for _ in 0..steps {
             let last = &logits[logits.len() - vocab..];
-            let id = argmax(last);
+            let id = ember_tensor::cpu::argmax(last);
             ids.push(id);
             let row = self
                 .model
@@ -169,10 +166,6 @@ impl Rank {
             .unwrap()
             .to_vec()
     }
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    ember_tensor::cpu::argmax(row)
 }
 
 /// `f` on every rank of a model split `ranks` ways, each on a thread of its own; rank 0's

@@ -2,6 +2,8 @@
 
 use std::path::PathBuf;
 
+use ember_models::{BlockTable, KV_BLOCK_SIZE};
+
 pub fn golden(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../engine/tests/fixtures/golden")
@@ -23,4 +25,13 @@ pub fn tokens(len: usize, seed: u64, vocab: usize) -> Vec<u32> {
             (state % vocab as u64) as u32
         })
         .collect()
+}
+
+/// A new sequence's table with blocks of its own for `context` positions, the pool's next
+/// blocks after `next_block` (advanced past them).
+pub fn fresh_table(next_block: &mut u32, context: usize) -> BlockTable {
+    let count = (context / KV_BLOCK_SIZE) as u32;
+    let blocks = (*next_block..*next_block + count).collect();
+    *next_block += count;
+    BlockTable::with_blocks(blocks, 0)
 }

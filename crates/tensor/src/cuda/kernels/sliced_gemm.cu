@@ -287,6 +287,29 @@ __device__ __forceinline__ void sliced_gemm_finish(const SlicedGemmArgs& a,
     if (threadIdx.x == 0) *ticket = 0;
 }
 
+// x (written by the kernel before) for the first AHEAD stages, whose weights are on their way:
+// commit group i holds stage i's x, and group 0 also the early stages' weights.
+template <typename Block, int AHEAD, typename Stager>
+__device__ __forceinline__ void sliced_x_ahead(const SlicedGemmArgs& a, const Block& blk,
+                                               const Stager& x_stager, unsigned smem) {
+#pragma unroll
+    for (int s = 0; s < AHEAD; ++s) {
+        if (s < blk.stages) x_stager.stage(Block::x_buffer(smem, s), a.x, a.k, blk.k_end, s);
+        cp_async_commit();
+    }
+}
+
+// Both sums start at zero.
+template <int WM, int WN>
+__device__ __forceinline__ void sliced_zero(float (&acc)[WM][WN][4], float (&total)[WM][WN][4]) {
+#pragma unroll
+    for (int i = 0; i < WM; ++i)
+#pragma unroll
+        for (int j = 0; j < WN; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = total[i][j][e] = 0.0f;
+}
+
 // A slice ends: its sum joins the total, the next starts from zero.
 template <int WM, int WN>
 __device__ __forceinline__ void sliced_slice_done(float (&acc)[WM][WN][4],
@@ -315,22 +338,9 @@ __device__ __forceinline__ void sliced_gemm(const SlicedGemmArgs& a) {
                                                                    blk.k_begin);
     const unsigned smem = shared_address(sg_smem);
 
-    // x (written by the kernel before) for the first stages, whose weights are on their way:
-    // group i holds stage i's x, and group 0 also the early stages' weights.
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < stages) x_stager.stage(Block::x_buffer(smem, s), a.x, a.k, blk.k_end, s);
-        cp_async_commit();
-    }
-
-    float acc[WM][WN][4];
-    float total[WM][WN][4];
-#pragma unroll
-    for (int i = 0; i < WM; ++i)
-#pragma unroll
-        for (int j = 0; j < WN; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[i][j][e] = total[i][j][e] = 0.0f;
+    sliced_x_ahead<Block, STAGES - 1>(a, blk, x_stager, smem);
+    float acc[WM][WN][4], total[WM][WN][4];
+    sliced_zero(acc, total);
 
     // One 32-value step of the stage in buffer `buf`: the tile's two m16n8k16 products a
     // 16-row by 8-token piece, in k order.
@@ -484,18 +494,9 @@ __device__ __forceinline__ void sliced_gemm_wgmma(const SlicedGemmArgs& a) {
     const SgStager<Block::BN, Block::THREADS, KS, true> x_stager(a.x, blk.t0, a.m, a.k,
                                                                   blk.k_begin);
     const unsigned smem = shared_address(sg_smem);
-#pragma unroll
-    for (int s = 0; s < STAGES - 2; ++s) {
-        if (s < stages) x_stager.stage(Block::x_buffer(smem, s), a.x, a.k, blk.k_end, s);
-        cp_async_commit();
-    }
-
-    float acc[1][WN][4];
-    float total[1][WN][4];
-#pragma unroll
-    for (int j = 0; j < WN; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[0][j][e] = total[0][j][e] = 0.0f;
+    sliced_x_ahead<Block, STAGES - 2>(a, blk, x_stager, smem);
+    float acc[1][WN][4], total[1][WN][4];
+    sliced_zero(acc, total);
 
     // Core matrices adjacent in k SG_CORE_LBO bytes apart, 8-row groups 8 rows apart.
     constexpr unsigned LBO = SG_CORE_LBO, SBO = 8 * Block::SMEM_ROW;
