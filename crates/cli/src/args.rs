@@ -74,6 +74,16 @@ pub struct ModelArgs {
     /// decode about 0.9x the default's speed, prefill 0.4x).
     #[arg(long, env = "EMBER_BATCH_INVARIANT", value_parser = clap::builder::FalseyValueParser::new())]
     pub batch_invariant: bool,
+    /// Split the model across N ranks (tensor parallelism: each holds its share of the
+    /// attention heads, MLP columns and vocabulary, and the ranks add their partial sums
+    /// twice a layer). The CPU only for now, its ranks threads sharing --threads; the heads
+    /// and key-value heads must divide by N.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64), env = "EMBER_TENSOR_PARALLEL")]
+    pub tensor_parallel: u32,
+    /// RANK:PASS: that rank of a split model fails its PASSth forward pass on purpose (tests
+    /// of what a lost rank does).
+    #[arg(long, hide = true)]
+    pub fail_rank: Option<ember_engine::RankFault>,
 }
 
 #[derive(Args, Debug)]

@@ -78,6 +78,13 @@ pub enum Error {
     /// made for); the sequence is not drafted for.
     #[error("the draft model's KV pool is full")]
     DraftPoolFull,
+    /// A rank of the tensor-parallel group failed (`--tensor-parallel`): its ranks have left
+    /// their lock-step, so the engine serves no more.
+    #[error("the tensor-parallel group stopped ({0}); the engine must be restarted")]
+    GroupFailed(String),
+    /// `--tensor-parallel` where it cannot run, or over shapes that do not split.
+    #[error("--tensor-parallel: {0}")]
+    TensorParallel(String),
     /// More sequences at once than the engine was loaded for.
     #[error("{wanted} sequences at once need --parallel {wanted} (the engine runs {parallel})")]
     TooManySequences { wanted: usize, parallel: usize },
@@ -87,6 +94,15 @@ impl Error {
     /// Whether the caller stopped the work, rather than it failing.
     pub fn is_cancellation(&self) -> bool {
         matches!(self, Error::Cancelled)
+    }
+
+    /// Whether the engine can serve no more after this error (a tensor-parallel group that
+    /// lost a rank): the server stops rather than fail every request after it.
+    pub fn is_fatal(&self) -> bool {
+        matches!(
+            self,
+            Error::GroupFailed(_) | Error::Model(ember_models::Error::RankFailed(_))
+        )
     }
 }
 

@@ -26,6 +26,6 @@ pub use engine::{
     BatchEvent, DEFAULT_CONTEXT, DEFAULT_PARALLEL_CPU, DEFAULT_PARALLEL_CUDA,
     DEFAULT_PREFILL_CHUNK_CPU, DEFAULT_PREFILL_CHUNK_CUDA, DefaultsSource, Device, DraftStats,
     Engine, EngineOptions, FinishReason, GenerateParams, Generation, LLAMA_SERVER_DEFAULTS,
-    OPENAI_DEFAULTS, PromptEncoder, ResidencyMode, SamplingDefaults, Step, StepTiming,
+    OPENAI_DEFAULTS, PromptEncoder, RankFault, ResidencyMode, SamplingDefaults, Step, StepTiming,
 };
 pub use error::{Error, Result};

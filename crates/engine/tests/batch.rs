@@ -19,18 +19,21 @@ use ember_engine::{BatchEvent, Engine, EngineOptions, FinishReason, GeneratePara
 use replies::{Draws, Reply, Request, alone, bits, golden, on_test_device};
 
 fn load(path: &Path, parallel: usize, chunk: usize, cache: CacheBudget) -> Engine {
-    load_with(path, parallel, chunk, cache, None)
+    load_with(path, parallel, chunk, cache, None, 1)
 }
 
-/// [`load`] with a KV pool of `pool_tokens` positions for the running requests.
+/// [`load`] with a KV pool of `pool_tokens` positions for the running requests, the model
+/// split across `ranks` (`--tensor-parallel`).
 fn load_with(
     path: &Path,
     parallel: usize,
     chunk: usize,
     cache: CacheBudget,
     pool_tokens: Option<usize>,
+    ranks: usize,
 ) -> Engine {
     let options = on_test_device(EngineOptions {
+        tensor_parallel: ranks,
         threads: Some(2),
         context: Some(256),
         parallel: Some(parallel),
@@ -145,14 +148,20 @@ fn batched(
 }
 
 fn check(name: &str) {
+    check_split(name, 1);
+}
+
+/// [`check`] of the model split across `ranks`, against the same split alone.
+fn check_split(name: &str, ranks: usize) {
     let path = golden(name);
-    let mut reference = load(&path, 1, 512, CacheBudget::Off);
+    let load = |parallel, chunk, cache| load_with(&path, parallel, chunk, cache, None, ranks);
+    let mut reference = load(1, 512, CacheBudget::Off);
     let vocab = reference.config().vocab_size;
     let requests = requests(vocab);
     let want: Vec<Reply> = requests.iter().map(|r| alone(&mut reference, r)).collect();
 
     // Four at a time in passes of 16 tokens: prompts run in chunks beside decode tokens.
-    let mut engine = load(&path, 4, 16, CacheBudget::Off);
+    let mut engine = load(4, 16, CacheBudget::Off);
     let (got, widest) = batched(&mut engine, &requests, None);
     assert!(
         widest >= 3,
@@ -168,7 +177,7 @@ fn check(name: &str) {
     // With a prompt cache, run twice: the second time each prompt's whole blocks come from
     // the cache, and the replies stay the same bits. One request
     // is cancelled midway; the others do not notice.
-    let mut engine = load(&path, 3, 16, CacheBudget::Gib(0.01));
+    let mut engine = load(3, 16, CacheBudget::Gib(0.01));
     batched(&mut engine, &requests, None);
     let (got, _) = batched(&mut engine, &requests, Some(4));
     assert!(
@@ -201,6 +210,18 @@ fn concurrent_equals_alone_on_every_golden_fixture() {
         "qwen3-bf16",
     ] {
         check(name);
+    }
+}
+
+/// Split two ways (ranks as threads on the CPU): still the bits of the same split alone.
+#[test]
+fn split_models_give_concurrent_requests_the_bits_they_get_alone() {
+    if on_test_device(EngineOptions::default()).device != ember_engine::Device::Cpu {
+        eprintln!("tensor parallelism runs on the CPU only: not checked on this device");
+        return;
+    }
+    for name in ["qwen3-f32", "qwen3moe-f32", "llama-bf16"] {
+        check_split(name, 2);
     }
 }
 
@@ -292,7 +313,7 @@ fn preempted_requests_resume_with_the_bits_they_get_alone() {
     let want: Vec<Reply> = requests.iter().map(|r| alone(&mut reference, r)).collect();
     // A cache of a few blocks: the pool stays short of what the four need at once.
     for cache in [CacheBudget::Off, CacheBudget::Gib(0.0002)] {
-        let mut engine = load_with(&path, 4, 32, cache, Some(256));
+        let mut engine = load_with(&path, 4, 32, cache, Some(256), 1);
         let (got, widest) = batched(&mut engine, &requests, None);
         let preemptions = engine.step_timing().preemptions;
         assert!(

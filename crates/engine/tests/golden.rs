@@ -70,6 +70,8 @@ fn device() -> Device {
 struct Run {
     max_batch: usize,
     kv_dtype: Option<KvDtype>,
+    /// Ranks the model is split across (`--tensor-parallel`).
+    ranks: usize,
 }
 
 fn runs(name: &str) -> Vec<Run> {
@@ -78,12 +80,14 @@ fn runs(name: &str) -> Vec<Run> {
         .map(|max_batch| Run {
             max_batch,
             kv_dtype: Some(KvDtype::F32),
+            ranks: 1,
         })
         .to_vec();
     if device() != Device::Cpu && name.ends_with("bf16") {
         runs.push(Run {
             max_batch: 3,
             kv_dtype: None,
+            ranks: 1,
         });
     }
     runs
@@ -127,6 +131,7 @@ fn load(name: &str, run: Run) -> (Engine, Value) {
         cuda_graphs: std::env::var("EMBER_TEST_CUDA_GRAPHS").map_or(true, |v| v != "0"),
         // `EMBER_TEST_BATCH_INVARIANT=1`: the batch-invariant products.
         batch_invariant: batch_invariant(),
+        tensor_parallel: run.ranks,
         ..EngineOptions::default()
     };
     (
@@ -225,7 +230,11 @@ fn check_teacher_forced(
 }
 
 fn check_fixture(name: &str) {
-    for run in runs(name) {
+    check_runs(name, &runs(name));
+}
+
+fn check_runs(name: &str, runs: &[Run]) {
+    for &run in runs {
         let (mut engine, expected) = load(name, run);
         let greedy = GenerateParams {
             max_tokens: 0,
@@ -328,7 +337,7 @@ fn check_fixture(name: &str) {
         }
     }
 
-    let (engine, expected) = load(name, runs(name)[0]);
+    let (engine, expected) = load(name, runs[0]);
     for (i, chat) in expected["chats"].as_array().unwrap().iter().enumerate() {
         let messages: Vec<ChatMessage> = serde_json::from_value(chat["messages"].clone()).unwrap();
         let kwargs = chat["chat_template_kwargs"]
@@ -403,4 +412,117 @@ fn llama_f32() {
 #[test]
 fn llama_bf16() {
     check_fixture("llama-bf16");
+}
+
+/// Every fixture split two ways (tensor parallelism: ranks as threads on the CPU, each with its
+/// share of the heads, MLP columns and vocabulary), and four where its four query heads allow
+/// (each of the two key-value heads then held by two ranks): transformers' ids and
+/// log-probabilities, held to the same tolerance (the ranks' partial sums are added in another
+/// order than one product's: f32 differences far below it). CUDA ranks need NCCL, not loaded
+/// yet.
+#[test]
+fn every_fixture_split_two_and_four_ways() {
+    if device() != Device::Cpu {
+        eprintln!(
+            "tensor parallelism runs on the CPU only: not checked on {:?}",
+            device()
+        );
+        return;
+    }
+    for name in [
+        "llama-bf16",
+        "llama-f32",
+        "qwen2-bf16",
+        "qwen2-f32",
+        "qwen3-bf16",
+        "qwen3-f32",
+        "qwen3-hd128-bf16",
+        "qwen3moe-bf16",
+        "qwen3moe-f32",
+    ] {
+        let heads = ember_models::ModelConfig::from_dir(&fixture(name))
+            .unwrap()
+            .num_attention_heads;
+        for ranks in [2, 4].into_iter().filter(|&r| heads.is_multiple_of(r)) {
+            let split = runs(name).into_iter().map(|run| Run { ranks, ..run });
+            check_runs(name, &split.collect::<Vec<_>>());
+        }
+    }
+}
+
+/// The largest difference between a split model's logits and the whole one's, relative to the
+/// row's largest logit: the o and down products' sums cut in two and added (f32 sums in
+/// another order; the models crate's test measured 1.5e-6 on these fixtures).
+const SPLIT_LOGIT_TOLERANCE: f32 = 1e-5;
+
+/// Split two ways against whole, 32 greedy tokens from every golden prompt: the same tokens,
+/// every step's logits within [`SPLIT_LOGIT_TOLERANCE`].
+#[test]
+fn split_two_ways_agrees_with_whole_for_32_tokens() {
+    if device() != Device::Cpu {
+        eprintln!(
+            "tensor parallelism runs on the CPU only: not checked on {:?}",
+            device()
+        );
+        return;
+    }
+    let mut worst = 0f32;
+    for name in [
+        "llama-bf16",
+        "qwen2-f32",
+        "qwen3-bf16",
+        "qwen3-hd128-bf16",
+        "qwen3moe-f32",
+    ] {
+        let run = runs(name)[0];
+        let (mut whole, expected) = load(name, run);
+        let (mut split, _) = load(name, Run { ranks: 2, ..run });
+        let params = GenerateParams {
+            max_tokens: 32,
+            sampling: SamplingParams::default(),
+            ignore_eos: true,
+            step_logits: true,
+            cache_prompt: false,
+            draft: false,
+        };
+        for (case, c) in expected["completions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .enumerate()
+        {
+            let prompt = ids(&c["input_ids"]);
+            let mut rows = Vec::new();
+            let want = whole
+                .generate(&prompt, &params, |s| {
+                    rows.push(s.logits.unwrap().to_vec());
+                    ControlFlow::Continue(())
+                })
+                .unwrap();
+            let mut step = 0;
+            let got = split
+                .generate(&prompt, &params, |s| {
+                    let (got, want) = (s.logits.unwrap(), &rows[step]);
+                    let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+                    let off = got
+                        .iter()
+                        .zip(want)
+                        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                    worst = worst.max(off / scale);
+                    assert!(
+                        off <= SPLIT_LOGIT_TOLERANCE * scale,
+                        "{name} case {case} step {step}: logits {off} apart (largest {scale})"
+                    );
+                    step += 1;
+                    ControlFlow::Continue(())
+                })
+                .unwrap();
+            assert_eq!(
+                got.tokens, want.tokens,
+                "{name} case {case}: 32 greedy tokens"
+            );
+            assert_eq!(got.tokens.len(), 32);
+        }
+    }
+    eprintln!("split against whole: logits at most {worst:.2e} of the row's largest apart");
 }

@@ -57,7 +57,13 @@ fn batch_invariant() -> bool {
 }
 
 fn load(path: &Path, cache: CacheBudget, host: CacheBudget) -> Engine {
+    load_split(path, cache, host, 1)
+}
+
+/// [`load`] of the model split across `ranks` (`--tensor-parallel`).
+fn load_split(path: &Path, cache: CacheBudget, host: CacheBudget, ranks: usize) -> Engine {
     let options = EngineOptions {
+        tensor_parallel: ranks,
         threads: Some(2),
         context: Some(512),
         prefill_chunk: Some(prefill_chunk()),
@@ -167,6 +173,13 @@ fn prompt(n: usize, seed: u64, vocab: usize) -> Vec<u32> {
 
 /// Runs every case on `path`; `what` names the model in failures.
 fn check(path: &Path, what: &str) {
+    check_split(path, what, 1);
+}
+
+/// [`check`] of the model split across `ranks`: every rank's pool holds its heads' share of
+/// each block, and copies to and from the host tier go to every rank.
+fn check_split(path: &Path, what: &str, ranks: usize) {
+    let load = |path, cache, host| load_split(path, cache, host, ranks);
     let mut cold = load(path, CacheBudget::Off, CacheBudget::Off);
     let mut warm = load(path, CacheBudget::Gib(0.02), CacheBudget::Off);
     let vocab = cold.config().vocab_size;
@@ -277,6 +290,21 @@ fn tiny_budget(engine: &Engine) -> f64 {
     let bytes_per_position =
         2 * c.num_hidden_layers * c.kv_dim() * engine.kv_dtype().size_in_bytes();
     (8 * 16 * bytes_per_position) as f64 / (1u64 << 30) as f64
+}
+
+/// Split two ways (ranks as threads on the CPU).
+#[test]
+fn resumed_equals_cold_on_split_models() {
+    if device() != Device::Cpu {
+        eprintln!(
+            "tensor parallelism runs on the CPU only: not checked on {:?}",
+            device()
+        );
+        return;
+    }
+    for name in ["qwen3-f32", "qwen3moe-bf16", "llama-f32"] {
+        check_split(&golden(name), name, 2);
+    }
 }
 
 #[test]

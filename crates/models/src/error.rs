@@ -24,6 +24,9 @@ pub enum Error {
     BatchTooLarge { requested: usize, capacity: usize },
     #[error("a forward pass that must give a token was given none")]
     NoTokens,
+    /// A split (tensor parallelism) the model's shapes do not allow.
+    #[error("cannot split the model (tensor parallelism): {0}")]
+    CannotSplit(String),
     #[error("a rank of the tensor-parallel group failed: {0}")]
     RankFailed(#[from] crate::parallel::GroupAborted),
 }

@@ -9,8 +9,10 @@
 //!   alone or beside another sequence in one pass (sums in rank order, kernels that never mix
 //!   rows).
 //!
-//! Splits the shapes do not allow (key-value heads that do not divide) are refused at load
-//! with an error naming why.
+//! Split four ways over two key-value heads, each head is held by the ranks that read it (and
+//! decoding still gives the reference's ids). Splits the shapes do not allow (heads that do
+//! not divide, ranks not a multiple of the key-value heads) are refused at load with an error
+//! naming why.
 
 mod common;
 
@@ -277,15 +279,51 @@ fn at_a_fixed_split_a_row_is_the_same_bits_run_to_run_and_in_any_batch() {
     }
 }
 
+/// Four ranks over two key-value heads: each head's cache held by the two ranks whose query
+/// heads read it.
+#[test]
+fn split_four_ways_over_two_key_value_heads_replicates_them() {
+    for name in ["qwen3-f32", "llama-bf16", "qwen3-hd128-bf16"] {
+        let path = golden(name);
+        let owner = BufferOwner::new();
+        let config = ModelConfig::from_dir(&path).unwrap();
+        assert_eq!(config.num_key_value_heads, 2, "{name}");
+        let shapes = config.for_shard(Shard::new(3, 4).unwrap()).unwrap();
+        assert_eq!(
+            (shapes.num_attention_heads, shapes.num_key_value_heads),
+            (1, 1)
+        );
+        let source = SafetensorsSet::open(&path, &owner).unwrap();
+        let vocab = config.vocab_size;
+        let mut whole = Rank::load(&config, &source, Shard::WHOLE, None);
+        for (case, (prompt, want)) in completions(name).into_iter().enumerate() {
+            let (_, whole_logits) = whole.greedy(&prompt, want.len());
+            let (ids, logits) = on_ranks(&config, &source, 4, |r| r.greedy(&prompt, want.len()));
+            assert_eq!(ids, want, "{name} case {case}: tokens split four ways");
+            let diff = max_relative_difference(&logits, &whole_logits, vocab);
+            assert!(
+                diff <= LOGIT_TOLERANCE,
+                "{name} case {case}: logits split four ways {diff:e} from the whole model's"
+            );
+        }
+    }
+}
+
 #[test]
 fn splits_the_shapes_do_not_allow_are_refused_at_load() {
     let owner = BufferOwner::new();
-    // Two key-value heads do not go four ways.
-    let path = golden("qwen3-f32");
+    // Two key-value heads go neither three ways (the ranks are not a multiple of them) nor
+    // do six query heads go four.
+    let path = golden("qwen2-f32");
     let config = ModelConfig::from_dir(&path).unwrap();
+    let err = config.for_shard(Shard::new(0, 3).unwrap()).unwrap_err();
+    assert!(
+        err.to_string().contains("2 key-value heads across 3 ranks"),
+        "{err}"
+    );
     let err = config.for_shard(Shard::new(0, 4).unwrap()).unwrap_err();
     assert!(
-        err.to_string().contains("2 key-value heads across 4 ranks"),
+        err.to_string().contains("6 attention heads across 4 ranks"),
         "{err}"
     );
     let source = SafetensorsSet::open(&path, &owner).unwrap();
@@ -299,9 +337,9 @@ fn splits_the_shapes_do_not_allow_are_refused_at_load() {
         Arithmetic::Transformers,
     )
     .unwrap();
-    let shard = Shard::new(1, 4).unwrap();
+    let shard = Shard::new(1, 3).unwrap();
     let err = Transformer::load_shard(&backend, &config, &source, CONTEXT, shard, &owner)
         .err()
-        .expect("four ranks of two key-value heads");
+        .expect("three ranks of two key-value heads");
     assert!(err.to_string().contains("tensor parallelism"), "{err}");
 }

@@ -68,6 +68,10 @@ pub enum ServerError {
     Load(ember_engine::Error),
     #[error("{0}")]
     Io(#[from] std::io::Error),
+    /// An error after which the engine cannot serve (a tensor-parallel rank lost): every
+    /// request then running or queued failed with it, and the server stopped.
+    #[error("the engine stopped: {0}")]
+    EngineFailed(ember_engine::Error),
 }
 
 impl From<ember_engine::Error> for ServerError {
@@ -162,6 +166,8 @@ pub async fn serve(
     let abort = Arc::new(AtomicBool::new(false));
 
     let (load_failed_tx, load_failed_rx) = tokio::sync::oneshot::channel::<ember_engine::Error>();
+    let (engine_failed_tx, engine_failed_rx) =
+        tokio::sync::oneshot::channel::<ember_engine::Error>();
     let worker = {
         let (state, abort, options) = (Arc::clone(&state), Arc::clone(&abort), options.clone());
         std::thread::Builder::new()
@@ -213,13 +219,10 @@ pub async fn serve(
                     "ready: serving {} on http://{local} (context {context}, on {device})",
                     state.model_name
                 );
-                worker::run(
-                    engine,
-                    receiver,
-                    Arc::clone(&state.metrics),
-                    keepalive,
-                    abort,
-                );
+                let metrics = Arc::clone(&state.metrics);
+                if let Some(e) = worker::run(engine, receiver, metrics, keepalive, abort) {
+                    let _ = engine_failed_tx.send(e);
+                }
             })?
     };
 
@@ -234,11 +237,29 @@ pub async fn serve(
             Err(_) => std::future::pending().await,
         }
     };
+    let engine_failed = async move {
+        match engine_failed_rx.await {
+            Ok(e) => e,
+            Err(_) => std::future::pending().await,
+        }
+    };
     tokio::select! {
         result = &mut server => return result.map_err(ServerError::Io),
         error = load_failed => {
             let _ = stop_tx.send(true);
             return Err(ServerError::Load(error.expect("a load error")));
+        }
+        error = engine_failed => {
+            // Every request has had its answer: stop listening, let the connections carry
+            // their errors out, and leave.
+            tracing::error!("stopping: the engine cannot serve any more");
+            let _ = stop_tx.send(true);
+            if let Some(keepalive) = state.ready.get().and_then(|r| r.keepalive.as_ref()) {
+                keepalive.stop();
+            }
+            let _ = tokio::time::timeout(options.shutdown_timeout, &mut server).await;
+            drop(worker);
+            return Err(ServerError::EngineFailed(error));
         }
         () = shutdown => {}
     }

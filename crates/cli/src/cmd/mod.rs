@@ -69,6 +69,8 @@ pub fn engine_options(args: &ModelArgs) -> EngineOptions {
         prompt_cache_host: CacheBudget::Off,
         draft: Default::default(),
         draft_model: None,
+        tensor_parallel: args.tensor_parallel as usize,
+        rank_fault: args.fail_rank,
     }
 }
 

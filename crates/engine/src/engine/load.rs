@@ -18,6 +18,7 @@ use ember_tensor::{BufferKind, BufferOwner, DType, ThreadPool};
 use serde_json::Value;
 
 use super::load_draft::{DraftDevice, DraftTarget, load_draft_model};
+use super::load_ranks::{RankShapes, load_cpu_ranks};
 use super::{
     DEFAULT_CONTEXT, DEFAULT_PARALLEL_CPU, DEFAULT_PARALLEL_CUDA, DEFAULT_PREFILL_CHUNK_CPU,
     DEFAULT_PREFILL_CHUNK_CUDA, Device, Engine, EngineOptions, KEEPALIVE_SCRATCH_BYTES,
@@ -100,7 +101,7 @@ impl Engine {
             None => WeightFiles::Safetensors(SafetensorsSet::open(dir, &owner)?),
         };
         let source = weights.source();
-        let cuda = choose_device(options.device, &weights, &config)?;
+        let cuda = choose_device(options, &weights, &config)?;
         let kv_dtype = options
             .kv_dtype
             .unwrap_or_else(|| default_kv_dtype(&weights, &config, cuda.is_some()));
@@ -145,8 +146,39 @@ impl Engine {
             false => parallel,
         };
         let mut drafter = draft.source();
+        let ranks = options.tensor_parallel.max(1);
+        if let Some(fault) = options.rank_fault.filter(|f| f.rank >= ranks) {
+            return Err(Error::TensorParallel(format!(
+                "--fail-rank names rank {} of a model split {ranks} way(s)",
+                fault.rank
+            )));
+        }
         let (runner, keepalive_scratch, weights, plan): (Box<dyn Runner>, _, _, PoolPlan) =
             match cuda {
+                None if ranks > 1 => {
+                    let shapes = RankShapes {
+                        max_batch,
+                        context,
+                        logit_rows,
+                        parallel,
+                        kv_dtype,
+                    };
+                    let (runner, plan, owned) =
+                        load_cpu_ranks(&config, &weights, &owner, options, threads, ranks, shapes)?;
+                    if let (DraftKind::Model, Some(path)) = (draft.kind, &options.draft_model) {
+                        let target = DraftTarget {
+                            tokenizer: &tokenizer,
+                            config: &config,
+                            device: DraftDevice::Cpu(Arc::new(ThreadPool::new(threads))),
+                            context,
+                            parallel,
+                            max_batch,
+                        };
+                        drafter = Some(Box::new(load_draft_model(path, target, &owner)?));
+                    }
+                    let scratch = host_keepalive_scratch(&owner)?;
+                    (runner, scratch, (!owned).then_some(weights), plan)
+                }
                 None => {
                     let pool = Arc::new(ThreadPool::new(threads));
                     let (backend, owned) = cpu_backend(
@@ -175,26 +207,21 @@ impl Engine {
                     }
                     let plan = PoolPlan::new(
                         options,
-                        &model.config,
-                        kv_dtype,
+                        KvLayout::new(&model.config, kv_dtype),
                         context,
                         parallel,
                         &owner,
                         None,
+                        1,
                     );
                     let kv = KvPool::new(plan.layout, plan.blocks, plan.host_blocks, &owner)?;
-                    let scratch = owner.alloc(
-                        BufferKind::Scratch,
-                        "keepalive scratch",
-                        KEEPALIVE_SCRATCH_BYTES,
-                    )?;
+                    let scratch = host_keepalive_scratch(&owner)?;
                     let runner = ModelRunner {
                         backend,
                         model,
                         kv,
                         context,
                     };
-                    let scratch = KeepaliveScratch::Host(Arc::new(Mutex::new(scratch)));
                     // Owned weights need the file's mapping no more: it goes, and with it
                     // the pages the residency set would otherwise hold twice.
                     (Box::new(runner), scratch, (!owned).then_some(weights), plan)
@@ -242,12 +269,12 @@ impl Engine {
                     }
                     let plan = PoolPlan::new(
                         options,
-                        &model.config,
-                        kv_dtype,
+                        KvLayout::new(&model.config, kv_dtype),
                         context,
                         parallel,
                         &owner,
                         Some(&device),
+                        1,
                     );
                     let kv = CudaKvPool::new(
                         &device,
@@ -294,7 +321,7 @@ impl Engine {
             batch: super::batch::Batch::new(parallel, max_batch, draft, drafter),
             cache_enabled: plan.cache_blocks > 0,
             cache_stats: Arc::new(PromptCacheStats::new(
-                plan.layout.block_bytes(),
+                plan.block_bytes(),
                 plan.cache_blocks,
                 plan.host_blocks,
             )),
@@ -308,6 +335,16 @@ impl Engine {
             _weights: weights,
         })
     }
+}
+
+/// What the keepalive's tick copies on a CPU engine.
+fn host_keepalive_scratch(owner: &BufferOwner) -> Result<KeepaliveScratch> {
+    let scratch = owner.alloc(
+        BufferKind::Scratch,
+        "keepalive scratch",
+        KEEPALIVE_SCRATCH_BYTES,
+    )?;
+    Ok(KeepaliveScratch::Host(Arc::new(Mutex::new(scratch))))
 }
 
 /// The drafting the options ask for, where a pass's rows are (`rows_exact`) or are not the bits
@@ -399,13 +436,17 @@ fn establish_residency(
 
 /// The KV pool made at load: one sequence's context of blocks plus the prompt cache's budget,
 /// and the host tier's slots, with the figures for the load line.
-struct PoolPlan {
-    layout: KvLayout,
+pub(super) struct PoolPlan {
+    /// A pool's geometry (a rank's, where the model is split).
+    pub layout: KvLayout,
     /// Blocks in the pool, and how many of them are the cache's beyond the sequence's.
-    blocks: usize,
-    cache_blocks: usize,
-    host_blocks: usize,
+    pub blocks: usize,
+    pub cache_blocks: usize,
+    pub host_blocks: usize,
     on_gpu: bool,
+    /// Pools of this plan in one memory: the ranks of a split model on the CPU, each holding
+    /// its heads' share of every block.
+    pools: usize,
 }
 
 impl PoolPlan {
@@ -413,23 +454,26 @@ impl PoolPlan {
     /// (the weights and activations) and the sequence's blocks are counted: `auto` takes the
     /// device's default share, clamped to half that room; a size asked for is taken as is
     /// (the residency load line says when it does not fit).
-    fn new(
+    /// `layout` is a pool's (a rank's, of a split model), and `pools` how many such share
+    /// the memory.
+    pub(super) fn new(
         options: &EngineOptions,
-        config: &ModelConfig,
-        kv_dtype: KvDtype,
+        layout: KvLayout,
         context: usize,
         parallel: usize,
         owner: &BufferOwner,
         device: Option<&CudaDevice>,
+        pools: usize,
     ) -> PoolPlan {
-        let layout = KvLayout::new(config, kv_dtype);
+        // What a block is in all: every pool's share of it.
+        let block_bytes = layout.block_bytes() * pools;
         // A whole context for each sequence that may run at once, or the share asked for (at
         // least one whole context: a request of the full length must fit alone).
         let seq_blocks = match options.kv_pool_tokens {
             Some(tokens) => layout.blocks_for(tokens.max(context)),
             None => layout.blocks_for(context) * parallel,
         };
-        let seq_bytes = (seq_blocks * layout.block_bytes()) as u64;
+        let seq_bytes = (seq_blocks * block_bytes) as u64;
         let bound = Bound::from_system(options.load_limit_gib);
         let (mut host_listed, mut device_listed) = (0u64, 0u64);
         for b in owner.list() {
@@ -451,7 +495,6 @@ impl PoolPlan {
                 0.0,
             ),
         };
-        let block_bytes = layout.block_bytes();
         let cache_blocks =
             budget_blocks(options.prompt_cache, cache_default, cache_room, block_bytes);
         let cache_bytes = (cache_blocks * block_bytes) as u64;
@@ -477,7 +520,13 @@ impl PoolPlan {
             cache_blocks,
             host_blocks,
             on_gpu: device.is_some(),
+            pools,
         }
+    }
+
+    /// A block's bytes in all the plan's pools.
+    fn block_bytes(&self) -> usize {
+        self.layout.block_bytes() * self.pools
     }
 
     fn caching(&self) -> bool {
@@ -486,8 +535,12 @@ impl PoolPlan {
 
     /// One line: the pool, the cache's share and the host tier, or that the cache is off.
     fn log(&self) {
-        let gib = |blocks: usize| (blocks * self.layout.block_bytes()) as f64 / (1u64 << 30) as f64;
-        let memory = if self.on_gpu { "device memory" } else { "RAM" };
+        let gib = |blocks: usize| (blocks * self.block_bytes()) as f64 / (1u64 << 30) as f64;
+        let memory = match (self.on_gpu, self.pools) {
+            (true, _) => "device memory".to_string(),
+            (false, 1) => "RAM".to_string(),
+            (false, ranks) => format!("RAM, each block's heads shared among {ranks} ranks"),
+        };
         if !self.caching() {
             tracing::info!(
                 "kv pool: {} blocks of {} positions ({:.2} GiB of {memory}); prompt cache off",
@@ -514,7 +567,7 @@ impl PoolPlan {
             gib(self.blocks),
             gib(self.cache_blocks),
             self.cache_blocks,
-            self.layout.block_bytes() / 1024
+            self.block_bytes() / 1024
         );
     }
 }
@@ -605,12 +658,17 @@ pub(super) fn default_kv_dtype(
 
 /// The CUDA device to run on, or `None` for the CPU; `auto` logs which and why.
 fn choose_device(
-    device: Device,
+    options: &EngineOptions,
     weights: &WeightFiles,
     config: &ModelConfig,
 ) -> Result<Option<CudaDevice>> {
     // What the CUDA backend cannot run yet, said before anything is uploaded.
-    let cpu_only = if matches!(weights, WeightFiles::Gguf(_)) {
+    let cpu_only = if options.tensor_parallel > 1 {
+        Some(
+            "tensor parallelism (--tensor-parallel) runs on the CPU only: CUDA ranks need \
+             NCCL, which ember does not load yet",
+        )
+    } else if matches!(weights, WeightFiles::Gguf(_)) {
         Some("GGUF (quantized) models run on the CPU; quantized CUDA kernels come later")
     } else if config.moe.as_ref().is_some_and(|m| {
         m.num_experts > cuda::MAX_EXPERTS || m.num_experts_per_tok > cuda::MAX_TOP_K
@@ -619,7 +677,7 @@ fn choose_device(
     } else {
         None
     };
-    match device {
+    match options.device {
         Device::Cpu => Ok(None),
         Device::Cuda(_) if cpu_only.is_some() => {
             Err(Error::NotOnCuda(cpu_only.unwrap_or_default()))

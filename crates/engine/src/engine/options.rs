@@ -65,6 +65,36 @@ pub struct EngineOptions {
     /// `draft`'s kind is [`crate::draft::DraftKind::Model`]: the same vocabulary, run on the
     /// CPU beside the model, its buffers listed and held with the model's.
     pub draft_model: Option<PathBuf>,
+    /// Ranks the model is split across (`--tensor-parallel`): each holds its share of the
+    /// attention heads, the MLP's columns and the vocabulary, and the ranks add their
+    /// partial sums twice a layer. 1: the model whole. The CPU only for now (its ranks are
+    /// threads); CUDA's need NCCL.
+    pub tensor_parallel: usize,
+    /// A split model's rank made to fail on purpose (`--fail-rank`, hidden): the tests of
+    /// what a lost rank does to the engine and the server.
+    pub rank_fault: Option<RankFault>,
+}
+
+/// Rank `rank` (not 0: the engine's own thread) fails its forward pass number `pass` (from
+/// 1) with an error, as a rank whose device was lost would.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RankFault {
+    pub rank: usize,
+    pub pass: usize,
+}
+
+impl std::str::FromStr for RankFault {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let parsed = s
+            .split_once(':')
+            .and_then(|(r, p)| Some((r.parse().ok()?, p.parse().ok()?)));
+        match parsed {
+            Some((rank, pass)) if rank > 0 && pass > 0 => Ok(RankFault { rank, pass }),
+            _ => Err(format!("{s:?}: expected RANK:PASS, both from 1")),
+        }
+    }
 }
 
 /// Where the model runs (`--device`).
@@ -126,6 +156,8 @@ impl Default for EngineOptions {
             batch_invariant: false,
             prompt_cache: CacheBudget::Off,
             prompt_cache_host: CacheBudget::Off,
+            tensor_parallel: 1,
+            rank_fault: None,
         }
     }
 }

@@ -41,7 +41,7 @@ impl Shard {
 
     pub fn new(rank: usize, ranks: usize) -> Result<Shard> {
         if ranks == 0 || rank >= ranks {
-            return Err(split_error(format!("rank {rank} of {ranks}")));
+            return Err(split_error(format!("there is no rank {rank} of {ranks}")));
         }
         Ok(Shard { rank, ranks })
     }
@@ -61,20 +61,36 @@ impl Shard {
     pub fn even_part(self, what: &str, count: usize, unit: usize) -> Result<Range<usize>> {
         if !count.is_multiple_of(self.ranks) {
             return Err(split_error(format!(
-                "{count} {what} across {} ranks (they must divide evenly)",
+                "{count} {what} across {} ranks: they must divide evenly",
                 self.ranks
             )));
         }
         let per = count / self.ranks;
         Ok(self.rank * per * unit..(self.rank + 1) * per * unit)
     }
+
+    /// This rank's key-value heads, of `count` of `unit` values each: a share of them as
+    /// [`Shard::even_part`] cuts it, or, where there are more ranks than heads (a multiple of
+    /// them), the one head its query heads read, held by each of those ranks alike (as vLLM
+    /// replicates them): every rank then keeps a whole head's cache.
+    pub fn kv_part(self, count: usize, unit: usize) -> Result<Range<usize>> {
+        if count >= self.ranks {
+            return self.even_part("key-value heads", count, unit);
+        }
+        if !self.ranks.is_multiple_of(count) {
+            return Err(split_error(format!(
+                "{count} key-value heads across {} ranks: the ranks must divide them or be a \
+                 multiple of them",
+                self.ranks
+            )));
+        }
+        let head = self.rank / (self.ranks / count);
+        Ok(head * unit..(head + 1) * unit)
+    }
 }
 
-fn split_error(what: String) -> Error {
-    Error::Unsupported {
-        what: format!("tensor parallelism over {what}"),
-        backend: "any",
-    }
+fn split_error(why: String) -> Error {
+    Error::CannotSplit(why)
 }
 
 impl ModelConfig {
@@ -86,7 +102,7 @@ impl ModelConfig {
             return Ok(self.clone());
         }
         let heads = shard.even_part("attention heads", self.num_attention_heads, 1)?;
-        let kv_heads = shard.even_part("key-value heads", self.num_key_value_heads, 1)?;
+        let kv_heads = shard.kv_part(self.num_key_value_heads, 1)?;
         let width = shard.even_part("MLP columns", self.intermediate_size, 1)?;
         // Every rank holds every expert, each cut like a dense MLP: its share of the
         // columns. (Experts whole on one rank each, expert parallelism, is the other way.)
@@ -140,6 +156,15 @@ mod tests {
                 .to_string()
                 .contains("2 key-value heads across 4 ranks")
         );
+        // More ranks than key-value heads: each head held by the ranks whose queries read it.
+        let kv = |rank, ranks, count| Shard::new(rank, ranks).unwrap().kv_part(count, 8);
+        assert_eq!(
+            (0..8).map(|r| kv(r, 8, 2).unwrap()).collect::<Vec<_>>(),
+            [0..8, 0..8, 0..8, 0..8, 8..16, 8..16, 8..16, 8..16]
+        );
+        assert_eq!(kv(3, 4, 8).unwrap(), 48..64);
+        let err = kv(0, 3, 2).unwrap_err().to_string();
+        assert!(err.contains("2 key-value heads across 3 ranks"), "{err}");
         assert!(Shard::new(2, 2).is_err());
         assert!(Shard::new(0, 0).is_err());
     }

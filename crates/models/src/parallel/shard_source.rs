@@ -63,7 +63,7 @@ impl<'a> ShardSource<'a> {
         let c = config;
         let d = c.head_dim;
         let q = shard.even_part("attention heads", c.num_attention_heads, d)?;
-        let kv = shard.even_part("key-value heads", c.num_key_value_heads, d)?;
+        let kv = shard.kv_part(c.num_key_value_heads, d)?;
         let width = shard.even_part("MLP columns", c.intermediate_size, 1)?;
         let vocab = shard.part(c.vocab_size);
         let mut cuts = vec![
@@ -260,13 +260,10 @@ fn col_part(
 }
 
 fn shape_error(t: &TensorRef<'_>, expected: &str) -> Error {
-    Error::Unsupported {
-        what: format!(
-            "splitting {} of shape {:?} ({}) across ranks: it needs {expected}",
-            t.name, t.shape, t.dtype
-        ),
-        backend: "any",
-    }
+    Error::CannotSplit(format!(
+        "{} of shape {:?} ({}) needs {expected}",
+        t.name, t.shape, t.dtype
+    ))
 }
 
 impl TensorSource for ShardSource<'_> {

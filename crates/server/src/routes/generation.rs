@@ -9,6 +9,7 @@ use std::time::Instant;
 use ember_engine::constraint::Grammar;
 use ember_engine::{FinishReason, GenerateParams};
 use tokio::sync::mpsc;
+use tokio::sync::mpsc::error::TrySendError;
 
 use super::AppResult;
 use crate::error::ApiError;
@@ -136,12 +137,18 @@ pub(super) async fn submit(
         queued: Instant::now(),
     };
     state.metrics.queued.fetch_add(1, Ordering::Relaxed);
-    if ready.queue.try_send(job).is_err() {
+    if let Err(e) = ready.queue.try_send(job) {
         state.metrics.queued.fetch_sub(1, Ordering::Relaxed);
-        return Err(ApiError::unavailable(
-            "the server is busy: the request queue is full; retry later",
-        )
-        .with_code("queue_full"));
+        return Err(match e {
+            TrySendError::Full(_) => {
+                ApiError::unavailable("the server is busy: the request queue is full; retry later")
+                    .with_code("queue_full")
+            }
+            // The engine thread has ended (a fatal engine error): the server is stopping.
+            TrySendError::Closed(_) => {
+                ApiError::unavailable("the engine has stopped: the server is shutting down")
+            }
+        });
     }
     let cancel = CancelOnDrop(cancel);
     // Wait until the engine takes the job, so failures before the first token are HTTP errors.

@@ -21,7 +21,7 @@ pub(super) fn run(
     metrics: Arc<Metrics>,
     keepalive: Option<Arc<Keepalive>>,
     abort: Arc<AtomicBool>,
-) {
+) -> Option<ember_engine::Error> {
     let tokenizer = engine.tokenizer().clone();
     let parallel = engine.parallel();
     let mut streams: HashMap<u64, Stream> = HashMap::new();
@@ -123,6 +123,16 @@ pub(super) fn run(
             }
         });
         if let Err(e) = result {
+            if e.is_fatal() {
+                tracing::error!("the engine cannot serve any more: {e}");
+                let message = e.to_string();
+                for (_, stream) in streams.drain() {
+                    metrics.running.fetch_sub(1, Ordering::Relaxed);
+                    stream.fail(&message, &metrics);
+                }
+                super::fail_queued(&mut queue, &message, &metrics);
+                return Some(e);
+            }
             // Its requests have failed with it (their Failed events); the rest go on.
             tracing::warn!("a batched step failed: {e}");
         }
@@ -133,6 +143,7 @@ pub(super) fn run(
         }
     }
     drop(request);
+    None
 }
 
 /// The batched loop's figures after a step: its sequences, its preemptions, and the tokens of

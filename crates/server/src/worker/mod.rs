@@ -84,19 +84,31 @@ impl Drop for CancelOnDrop {
 /// a GPU's greedy picks on the device until its passes serve several sequences). `abort`
 /// cancels the running jobs and fails queued ones (a shutdown past its grace period). Jobs run
 /// inside a keepalive request: ticking pauses and staged residency changes are committed
-/// before their first forward pass.
+/// before their first forward pass. Returns the error that stopped the engine for good, if
+/// one did ([`ember_engine::Error::is_fatal`]: a tensor-parallel rank lost); every job running
+/// or queued then has failed with it, and the queue is closed.
 pub fn run(
     engine: Engine,
     queue: mpsc::Receiver<Job>,
     metrics: Arc<Metrics>,
     keepalive: Option<Arc<Keepalive>>,
     abort: Arc<AtomicBool>,
-) {
+) -> Option<ember_engine::Error> {
     // Drafts are verified in the batched loop's passes, one sequence or many.
     if engine.parallel() > 1 || engine.drafts() {
         batched::run(engine, queue, metrics, keepalive, abort)
     } else {
         serial::run(engine, queue, metrics, keepalive, abort)
+    }
+}
+
+/// After a fatal engine error: no job is taken any more, and those waiting fail with
+/// `message`.
+fn fail_queued(queue: &mut mpsc::Receiver<Job>, message: &str, metrics: &Metrics) {
+    queue.close();
+    while let Ok(job) = queue.try_recv() {
+        metrics.queued.fetch_sub(1, Ordering::Relaxed);
+        let _ = job.events.send(Event::Failed(message.into()));
     }
 }
 

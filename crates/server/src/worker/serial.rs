@@ -19,7 +19,7 @@ pub(super) fn run(
     metrics: Arc<Metrics>,
     keepalive: Option<Arc<Keepalive>>,
     abort: Arc<AtomicBool>,
-) {
+) -> Option<ember_engine::Error> {
     let tokenizer = engine.tokenizer().clone();
     while let Some(job) = queue.blocking_recv() {
         metrics.queued.fetch_sub(1, Ordering::Relaxed);
@@ -61,10 +61,17 @@ pub(super) fn run(
             Ok(generation) => stream.finish(&generation, &metrics, &abort),
             // Stopped mid-prefill: the client left (nobody reads) or the server is stopping.
             Err(e) if e.is_cancellation() => stream.fail(Stream::cancellation(&abort), &metrics),
+            Err(e) if e.is_fatal() => {
+                tracing::error!("the engine cannot serve any more: {e}");
+                stream.fail(&e.to_string(), &metrics);
+                super::fail_queued(&mut queue, &e.to_string(), &metrics);
+                return Some(e);
+            }
             Err(e) => {
                 tracing::warn!("generation failed: {e}");
                 stream.fail(&e.to_string(), &metrics);
             }
         }
     }
+    None
 }

@@ -3,6 +3,8 @@
 //! pool a sequence holds is the engine's business ([`crate::kv`]): every pass is given its
 //! sequence's [`BlockTable`].
 
+mod tensor_parallel;
+
 use std::time::Instant;
 
 use ember_models::{
@@ -14,6 +16,8 @@ use ember_tensor::{BufferKind, BufferOwner, cpu};
 
 use crate::bench::median;
 use crate::error::Result;
+
+pub(crate) use tensor_parallel::{AbortGroup, TensorParallelRunner};
 
 pub(crate) trait Runner: Send {
     /// Runs `tokens` after `seq`'s positions (its blocks must cover them) and returns the
