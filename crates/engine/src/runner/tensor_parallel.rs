@@ -12,7 +12,7 @@
 //! collective for it; the call fails with why, and so does every call after: a group whose
 //! ranks have left their lock-step cannot be trusted again.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender, channel};
@@ -58,6 +58,11 @@ enum Command {
         block: u32,
     },
     ProfilerCapture(bool),
+    MeasureBandwidth {
+        owner: BufferOwner,
+        bytes: usize,
+        passes: usize,
+    },
 }
 
 impl Command {
@@ -73,20 +78,31 @@ impl Command {
     }
 }
 
-/// A rank's answer: the greedy pick, for the calls that make one.
-type Reply = std::result::Result<Option<u32>, String>;
+/// What a rank answers a command with.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Answer {
+    Done,
+    /// Its greedy pick.
+    Pick(u32),
+    /// Its memory's bandwidth, GB/s.
+    Rate(f64),
+}
+
+type Reply = std::result::Result<Answer, String>;
 
 /// A rank other than 0: its thread and the channels to it.
 struct RankThread {
     rank: usize,
     commands: Option<Sender<Command>>,
     replies: Receiver<Reply>,
-    /// Commands sent whose replies are not yet read (a cell: a profiler's capture is asked
-    /// for through `&self`).
+    /// Commands sent whose replies are not yet read.
     outstanding: Cell<usize>,
     thread: Option<JoinHandle<()>>,
 }
 
+/// The runner's coordination goes through `&self` (a cell for each count, one for the
+/// failure) so that the trait's `&self` calls (a bandwidth probe, a profiler's capture) reach
+/// every rank too; the runner is one thread's.
 pub(crate) struct TensorParallelRunner {
     lead: Box<dyn Runner>,
     others: Vec<RankThread>,
@@ -100,7 +116,7 @@ pub(crate) struct TensorParallelRunner {
     /// Each rank's pool's blocks and host tier's slots.
     pool_blocks: (usize, usize),
     /// Why the group stopped, once it has: every later call fails with it.
-    failure: Option<String>,
+    failure: RefCell<Option<String>>,
 }
 
 impl TensorParallelRunner {
@@ -146,7 +162,7 @@ impl TensorParallelRunner {
             weight_bytes_per_token,
             threads,
             pool_blocks,
-            failure: None,
+            failure: RefCell::new(None),
         })
     }
 
@@ -164,39 +180,55 @@ impl TensorParallelRunner {
     ) -> Result<T> {
         self.send(command)?;
         let result = lead(self.lead.as_mut());
-        if let Err(e) = &result {
-            // The others may be waiting in a collective rank 0 will never reach. Where rank
-            // 0 failed because another stopped the group, that rank's reason is the story.
-            let why = match e {
-                Error::Model(ember_models::Error::RankFailed(GroupAborted(why))) => why.clone(),
-                e => format!("rank 0: {e}"),
-            };
-            (self.abort)(&why);
-            self.failure.get_or_insert(why);
-        }
-        let picks = self.collect();
-        match (result, picks) {
-            (Err(_), _) => Err(Error::GroupFailed(self.failure.clone().expect("set above"))),
+        self.lead_done(result.as_ref().err());
+        let answers = self.collect();
+        match (result, answers) {
+            (Err(_), _) => Err(self.stopped()),
             (Ok(_), Err(e)) => Err(e),
-            (Ok(out), Ok(picks)) => {
+            (Ok(out), Ok(answers)) => {
                 let ours = pick(&out);
-                if let Some((rank, theirs)) = picks.iter().find(|(_, p)| *p != ours) {
-                    return Err(self.fail(format!(
-                        "the ranks picked different tokens (rank 0 {ours:?}, rank {rank} \
-                         {theirs:?})"
-                    )));
+                for (rank, answer) in answers {
+                    let theirs = match answer {
+                        Answer::Pick(p) => Some(p),
+                        _ => None,
+                    };
+                    if theirs != ours {
+                        return Err(self.fail(format!(
+                            "the ranks picked different tokens (rank 0 {ours:?}, rank {rank} \
+                             {theirs:?})"
+                        )));
+                    }
                 }
                 Ok(out)
             }
         }
     }
 
+    /// After rank 0's part of a call: where it failed, the others may be waiting in a
+    /// collective it will never reach, so the group stops. Where rank 0 failed because
+    /// another stopped the group, that rank's reason is the story.
+    fn lead_done(&self, error: Option<&Error>) {
+        let Some(e) = error else { return };
+        let why = match e {
+            Error::Model(ember_models::Error::RankFailed(GroupAborted(why))) => why.clone(),
+            e => format!("rank 0: {e}"),
+        };
+        (self.abort)(&why);
+        self.failure.borrow_mut().get_or_insert(why);
+    }
+
+    /// The error of a group that has stopped.
+    fn stopped(&self) -> Error {
+        let why = self.failure.borrow().clone();
+        Error::GroupFailed(why.unwrap_or_else(|| "it was stopped".into()))
+    }
+
     /// Sends `command` to every rank but 0, not waiting for them.
-    fn send(&mut self, command: impl Fn() -> Command) -> Result<()> {
-        if let Some(why) = &self.failure {
-            return Err(Error::GroupFailed(why.clone()));
+    fn send(&self, command: impl Fn() -> Command) -> Result<()> {
+        if self.failure.borrow().is_some() {
+            return Err(self.stopped());
         }
-        for other in &mut self.others {
+        for other in &self.others {
             let sent = other
                 .commands
                 .as_ref()
@@ -210,17 +242,17 @@ impl TensorParallelRunner {
         Ok(())
     }
 
-    /// Every rank's replies to the commands sent so far, the picks of the last ones; the
+    /// Every rank's replies to the commands sent so far, the answers to the last ones; the
     /// first failure (by rank) fails the group.
-    fn collect(&mut self) -> Result<Vec<(usize, Option<u32>)>> {
-        let mut picks = Vec::with_capacity(self.others.len());
+    fn collect(&self) -> Result<Vec<(usize, Answer)>> {
+        let mut answers = Vec::with_capacity(self.others.len());
         let mut first_failure = None;
-        for other in &mut self.others {
-            let mut last = None;
+        for other in &self.others {
+            let mut last = Answer::Done;
             while other.outstanding.get() > 0 {
                 other.outstanding.set(other.outstanding.get() - 1);
                 match other.replies.recv() {
-                    Ok(Ok(pick)) => last = pick,
+                    Ok(Ok(answer)) => last = answer,
                     Ok(Err(why)) => {
                         first_failure.get_or_insert(format!("rank {}: {why}", other.rank));
                     }
@@ -231,11 +263,11 @@ impl TensorParallelRunner {
                     }
                 }
             }
-            picks.push((other.rank, last));
+            answers.push((other.rank, last));
         }
         match first_failure {
             Some(why) => Err(self.fail(why)),
-            None => Ok(picks),
+            None => Ok(answers),
         }
     }
 
@@ -252,10 +284,10 @@ impl TensorParallelRunner {
     }
 
     /// Stops the group for good with `why`, and the error that says so.
-    fn fail(&mut self, why: String) -> Error {
+    fn fail(&self, why: String) -> Error {
         (self.abort)(&why);
-        let why = self.failure.get_or_insert(why).clone();
-        Error::GroupFailed(why)
+        self.failure.borrow_mut().get_or_insert(why);
+        self.stopped()
     }
 }
 
@@ -292,7 +324,7 @@ fn serve_rank(
 }
 
 fn run(runner: &mut dyn Runner, command: Command) -> Reply {
-    let done = |r: Result<()>| r.map(|()| None).map_err(|e| e.to_string());
+    let done = |r: Result<()>| r.map(|()| Answer::Done).map_err(|e| e.to_string());
     match command {
         Command::Forward {
             mut seq,
@@ -312,7 +344,7 @@ fn run(runner: &mut dyn Runner, command: Command) -> Reply {
         }
         Command::ForwardGreedy { mut seq, tokens } => runner
             .forward_greedy(&mut seq, &tokens)
-            .map(Some)
+            .map(Answer::Pick)
             .map_err(|e| e.to_string()),
         Command::ForwardAhead { mut seq, tokens } => {
             let input = match &tokens {
@@ -321,7 +353,18 @@ fn run(runner: &mut dyn Runner, command: Command) -> Reply {
             };
             done(runner.forward_ahead(&mut seq, input))
         }
-        Command::ReadPick => runner.read_pick().map(Some).map_err(|e| e.to_string()),
+        Command::ReadPick => runner
+            .read_pick()
+            .map(Answer::Pick)
+            .map_err(|e| e.to_string()),
+        Command::MeasureBandwidth {
+            owner,
+            bytes,
+            passes,
+        } => runner
+            .measure_bandwidth(&owner, bytes, passes)
+            .map(Answer::Rate)
+            .map_err(|e| e.to_string()),
         Command::SaveToHost { block, slot } => {
             done(runner.kv().save_to_host(block, slot).map_err(Error::from))
         }
@@ -476,21 +519,30 @@ impl Runner for TensorParallelRunner {
         )
     }
 
+    /// Every rank's memory measured at once, the rates added: with [`Self::weight_bytes_per_token`]
+    /// (every rank's bytes) the bound of ranks that read their shares side by side, whether
+    /// they share one memory (CPU threads) or each has its own (GPUs).
     fn measure_bandwidth(&self, owner: &BufferOwner, bytes: usize, passes: usize) -> Result<f64> {
-        self.lead.measure_bandwidth(owner, bytes, passes)
+        self.send(|| Command::MeasureBandwidth {
+            owner: owner.clone(),
+            bytes,
+            passes,
+        })?;
+        let ours = self.lead.measure_bandwidth(owner, bytes, passes);
+        self.lead_done(ours.as_ref().err());
+        let answers = self.collect();
+        let ours = ours.map_err(|_| self.stopped())?;
+        let rates = answers?.into_iter().map(|(_, answer)| match answer {
+            Answer::Rate(rate) => rate,
+            _ => 0.0,
+        });
+        Ok(ours + rates.sum::<f64>())
     }
 
     fn profiler_capture(&self, on: bool) -> Result<()> {
         // Capture is a device's: the other ranks' are asked too, not waited for.
-        self.lead.profiler_capture(on)?;
-        for other in &self.others {
-            if let Some(commands) = &other.commands
-                && commands.send(Command::ProfilerCapture(on)).is_ok()
-            {
-                other.outstanding.set(other.outstanding.get() + 1);
-            }
-        }
-        Ok(())
+        self.send(|| Command::ProfilerCapture(on))?;
+        self.lead.profiler_capture(on)
     }
 }
 

@@ -193,6 +193,12 @@ fn a_healthy_group_answers_with_rank_zeros_pick_and_sums_its_counts() {
         assert_eq!(g.runner.read_pick().unwrap(), 7);
     }
     assert_eq!(g.runner.weight_bytes_per_token(), 30);
+    // Every rank's memory, measured at once and added.
+    let rate = g
+        .runner
+        .measure_bandwidth(&BufferOwner::new(), 64, 1)
+        .unwrap();
+    assert_eq!(rate, 3.0);
     assert_eq!(g.runner.threads(), 3);
     assert_eq!(g.runner.device_label(), "fake x 3 ranks (tensor parallel)");
 }
