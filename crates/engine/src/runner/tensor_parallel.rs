@@ -88,7 +88,26 @@ enum Answer {
     Rate(f64),
 }
 
-type Reply = std::result::Result<Answer, String>;
+/// Why a rank failed a command: its own error, or the group stopped by another (whose reason,
+/// naming it, is the story).
+#[derive(Debug)]
+enum Failure {
+    Own(String),
+    Stopped(String),
+}
+
+impl Failure {
+    fn of(e: Error) -> Failure {
+        match e {
+            Error::Model(ember_models::Error::RankFailed(GroupAborted(why))) => {
+                Failure::Stopped(why)
+            }
+            e => Failure::Own(e.to_string()),
+        }
+    }
+}
+
+type Reply = std::result::Result<Answer, Failure>;
 
 /// A rank other than 0: its thread and the channels to it.
 struct RankThread {
@@ -246,26 +265,30 @@ impl TensorParallelRunner {
     /// first failure (by rank) fails the group.
     fn collect(&self) -> Result<Vec<(usize, Answer)>> {
         let mut answers = Vec::with_capacity(self.others.len());
-        let mut first_failure = None;
+        // A rank's own failure (the first, by rank) before the others', which only say the
+        // group stopped.
+        let (mut own, mut stopped) = (None, None);
         for other in &self.others {
             let mut last = Answer::Done;
             while other.outstanding.get() > 0 {
                 other.outstanding.set(other.outstanding.get() - 1);
                 match other.replies.recv() {
                     Ok(Ok(answer)) => last = answer,
-                    Ok(Err(why)) => {
-                        first_failure.get_or_insert(format!("rank {}: {why}", other.rank));
+                    Ok(Err(Failure::Own(why))) => {
+                        own.get_or_insert(format!("rank {}: {why}", other.rank));
+                    }
+                    Ok(Err(Failure::Stopped(why))) => {
+                        stopped.get_or_insert(why);
                     }
                     Err(_) => {
-                        first_failure
-                            .get_or_insert(format!("rank {}: its thread has stopped", other.rank));
+                        own.get_or_insert(format!("rank {}: its thread has stopped", other.rank));
                         other.outstanding.set(0);
                     }
                 }
             }
             answers.push((other.rank, last));
         }
-        match first_failure {
+        match own.or(stopped) {
             Some(why) => Err(self.fail(why)),
             None => Ok(answers),
         }
@@ -308,13 +331,20 @@ fn serve_rank(
             passes += 1;
         }
         let reply = if fail_at == Some(passes) && command.is_pass() {
-            Err(format!("a fault injected for a test (pass {passes})"))
+            let why = format!("a fault injected for a test (pass {passes})");
+            Err(Failure::Own(why))
         } else {
-            catch_unwind(AssertUnwindSafe(|| run(runner.as_mut(), command)))
-                .unwrap_or_else(|panic| Err(format!("panicked: {}", panic_message(&*panic))))
+            catch_unwind(AssertUnwindSafe(|| run(runner.as_mut(), command))).unwrap_or_else(
+                |panic| {
+                    Err(Failure::Own(format!(
+                        "panicked: {}",
+                        panic_message(&*panic)
+                    )))
+                },
+            )
         };
         let failed = reply.is_err();
-        if let Err(why) = &reply {
+        if let Err(Failure::Own(why)) = &reply {
             abort(&format!("rank {rank}: {why}"));
         }
         if replies.send(reply).is_err() || failed {
@@ -324,7 +354,7 @@ fn serve_rank(
 }
 
 fn run(runner: &mut dyn Runner, command: Command) -> Reply {
-    let done = |r: Result<()>| r.map(|()| Answer::Done).map_err(|e| e.to_string());
+    let done = |r: Result<()>| r.map(|()| Answer::Done).map_err(Failure::of);
     match command {
         Command::Forward {
             mut seq,
@@ -345,7 +375,7 @@ fn run(runner: &mut dyn Runner, command: Command) -> Reply {
         Command::ForwardGreedy { mut seq, tokens } => runner
             .forward_greedy(&mut seq, &tokens)
             .map(Answer::Pick)
-            .map_err(|e| e.to_string()),
+            .map_err(Failure::of),
         Command::ForwardAhead { mut seq, tokens } => {
             let input = match &tokens {
                 Some(tokens) => PassInput::Tokens(tokens),
@@ -353,10 +383,7 @@ fn run(runner: &mut dyn Runner, command: Command) -> Reply {
             };
             done(runner.forward_ahead(&mut seq, input))
         }
-        Command::ReadPick => runner
-            .read_pick()
-            .map(Answer::Pick)
-            .map_err(|e| e.to_string()),
+        Command::ReadPick => runner.read_pick().map(Answer::Pick).map_err(Failure::of),
         Command::MeasureBandwidth {
             owner,
             bytes,
@@ -364,7 +391,7 @@ fn run(runner: &mut dyn Runner, command: Command) -> Reply {
         } => runner
             .measure_bandwidth(&owner, bytes, passes)
             .map(Answer::Rate)
-            .map_err(|e| e.to_string()),
+            .map_err(Failure::of),
         Command::SaveToHost { block, slot } => {
             done(runner.kv().save_to_host(block, slot).map_err(Error::from))
         }

@@ -236,8 +236,9 @@ fn check_fails(ranks: &[(Fault, u32)], failing: usize, why: &str) {
         started.elapsed()
     );
     let message = e.to_string();
+    // The failing rank's own reason, not another's report that the group stopped.
     assert!(
-        message.contains(&format!("rank {failing}")) && message.contains(why),
+        message.contains(&format!("(rank {failing}: {why}")),
         "{message}"
     );
     for _ in 0..3 {
