@@ -80,6 +80,10 @@ pub struct ModelArgs {
     /// and key-value heads must divide by N.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64), env = "EMBER_TENSOR_PARALLEL")]
     pub tensor_parallel: u32,
+    /// With --tensor-parallel, a mixture of experts' experts shared out whole among the ranks
+    /// (expert parallelism) instead of each rank holding its share of every expert.
+    #[arg(long, env = "EMBER_EXPERT_PARALLEL", value_parser = clap::builder::FalseyValueParser::new())]
+    pub expert_parallel: bool,
     /// RANK:PASS: that rank of a split model fails its PASSth forward pass on purpose (tests
     /// of what a lost rank does).
     #[arg(long, hide = true)]

@@ -70,8 +70,10 @@ fn device() -> Device {
 struct Run {
     max_batch: usize,
     kv_dtype: Option<KvDtype>,
-    /// Ranks the model is split across (`--tensor-parallel`).
+    /// Ranks the model is split across (`--tensor-parallel`), and whether they share a
+    /// mixture of experts' experts out whole (`--expert-parallel`).
     ranks: usize,
+    expert_parallel: bool,
 }
 
 fn runs(name: &str) -> Vec<Run> {
@@ -81,6 +83,7 @@ fn runs(name: &str) -> Vec<Run> {
             max_batch,
             kv_dtype: Some(KvDtype::F32),
             ranks: 1,
+            expert_parallel: false,
         })
         .to_vec();
     if device() != Device::Cpu && name.ends_with("bf16") {
@@ -88,6 +91,7 @@ fn runs(name: &str) -> Vec<Run> {
             max_batch: 3,
             kv_dtype: None,
             ranks: 1,
+            expert_parallel: false,
         });
     }
     runs
@@ -132,6 +136,7 @@ fn load(name: &str, run: Run) -> (Engine, Value) {
         // `EMBER_TEST_BATCH_INVARIANT=1`: the batch-invariant products.
         batch_invariant: batch_invariant(),
         tensor_parallel: run.ranks,
+        expert_parallel: run.expert_parallel,
         ..EngineOptions::default()
     };
     (
@@ -416,7 +421,8 @@ fn llama_bf16() {
 
 /// Every fixture split two ways (tensor parallelism: ranks as threads on the CPU, each with its
 /// share of the heads, MLP columns and vocabulary), and four where its four query heads allow
-/// (each of the two key-value heads then held by two ranks): transformers' ids and
+/// (each of the two key-value heads then held by two ranks), the mixtures of experts also by
+/// experts (each rank four of the eight whole): transformers' ids and
 /// log-probabilities, held to the same tolerance (the ranks' partial sums are added in another
 /// order than one product's: f32 differences far below it). CUDA ranks need NCCL, not loaded
 /// yet.
@@ -446,6 +452,14 @@ fn every_fixture_split_two_and_four_ways() {
         for ranks in [2, 4].into_iter().filter(|&r| heads.is_multiple_of(r)) {
             let split = runs(name).into_iter().map(|run| Run { ranks, ..run });
             check_runs(name, &split.collect::<Vec<_>>());
+        }
+        if name.starts_with("qwen3moe") {
+            let by_experts = runs(name).into_iter().map(|run| Run {
+                ranks: 2,
+                expert_parallel: true,
+                ..run
+            });
+            check_runs(name, &by_experts.collect::<Vec<_>>());
         }
     }
 }

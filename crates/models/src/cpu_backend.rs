@@ -467,11 +467,7 @@ impl Backend for CpuBackend {
         let logits = self.ws.logits.as_mut_slice::<f32>();
         let mine = logits[..rows * shard.part(vocab).len()].to_vec();
         group.all_gather(shard.rank, &mine, |rank, theirs| {
-            let cols = Shard {
-                rank,
-                ranks: shard.ranks,
-            }
-            .part(vocab);
+            let cols = Shard { rank, ..shard }.part(vocab);
             for row in 0..rows {
                 let at = row * vocab + cols.start;
                 logits[at..at + cols.len()]
@@ -586,7 +582,8 @@ impl CpuBackend {
     /// `Normed`.
     fn moe_into_block_out(&mut self, moe: &Moe<Self>, n: usize) {
         let pool = &self.pool;
-        let n_experts = moe.experts.len();
+        // Routing is over every expert; this rank runs those it holds.
+        let n_experts = moe.router.rows;
         let Workspace {
             slots,
             matmul_scratch,
@@ -642,7 +639,7 @@ impl CpuBackend {
             matmul: matmul_scratch.as_mut_slice(),
         };
         let (rows, out) = (rows.as_mut_slice::<f32>(), out.as_mut_slice::<f32>());
-        for (expert, tokens) in moe.experts.iter().zip(&assigned) {
+        for (expert, tokens) in moe.experts.iter().zip(&assigned[moe.first_expert..]) {
             if tokens.is_empty() {
                 continue;
             }

@@ -20,10 +20,10 @@ use std::sync::Arc;
 
 use common::{bits, fresh_table, golden, tokens};
 use ember_checkpoint::SafetensorsSet;
-use ember_models::parallel::{HostGroup, Shard};
+use ember_models::parallel::{ExpertSplit, HostGroup, Shard};
 use ember_models::{
-    Arithmetic, BlockTable, CpuBackend, KV_BLOCK_SIZE, KvDtype, KvLayout, KvPool, Logits,
-    ModelConfig, SequencePass, Transformer,
+    Arithmetic, BlockTable, CpuBackend, FeedForward, KV_BLOCK_SIZE, KvDtype, KvLayout, KvPool,
+    Logits, ModelConfig, SequencePass, Transformer,
 };
 use ember_tensor::{BufferOwner, ThreadPool};
 use serde_json::Value;
@@ -88,6 +88,18 @@ impl Rank {
             kv,
             next_block: 0,
         }
+    }
+
+    /// Experts the first sparse layer holds.
+    fn held_experts(&self) -> usize {
+        self.model
+            .layers
+            .iter()
+            .find_map(|l| match &l.feed_forward {
+                FeedForward::Sparse(moe) => Some(moe.experts.len()),
+                FeedForward::Dense(_) => None,
+            })
+            .expect("a sparse layer")
     }
 
     fn sequence(&mut self) -> BlockTable {
@@ -178,13 +190,24 @@ fn on_ranks<T: Send>(
     ranks: usize,
     f: impl Fn(&mut Rank) -> T + Sync,
 ) -> T {
+    on_ranks_split(config, source, ranks, ExpertSplit::Columns, f)
+}
+
+/// [`on_ranks`] with the experts shared out as `experts` says.
+fn on_ranks_split<T: Send>(
+    config: &ModelConfig,
+    source: &SafetensorsSet,
+    ranks: usize,
+    experts: ExpertSplit,
+    f: impl Fn(&mut Rank) -> T + Sync,
+) -> T {
     let group = Arc::new(HostGroup::new(ranks));
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..ranks)
             .map(|rank| {
                 let (group, f) = (Arc::clone(&group), &f);
                 s.spawn(move || {
-                    let shard = Shard::new(rank, ranks).unwrap();
+                    let shard = Shard::new(rank, ranks).unwrap().with_experts(experts);
                     f(&mut Rank::load(config, source, shard, Some(group)))
                 })
             })
@@ -276,6 +299,40 @@ fn at_a_fixed_split_a_row_is_the_same_bits_run_to_run_and_in_any_batch() {
             bits(&pair),
             "{name}: a second run ≠ the first"
         );
+    }
+}
+
+/// The mixture-of-experts fixtures split by experts (each rank holds four of the eight whole,
+/// attention still split by heads): the reference's tokens, logits within the tolerance of the
+/// whole model's, and a row the same bits alone or beside another.
+#[test]
+fn split_by_experts_gives_the_references_tokens_and_batch_invariant_rows() {
+    for name in ["qwen3moe-bf16", "qwen3moe-f32"] {
+        let path = golden(name);
+        let owner = BufferOwner::new();
+        let config = ModelConfig::from_dir(&path).unwrap();
+        let source = SafetensorsSet::open(&path, &owner).unwrap();
+        let vocab = config.vocab_size;
+        let mut whole = Rank::load(&config, &source, Shard::WHOLE, None);
+        for (case, (prompt, want)) in completions(name).into_iter().enumerate() {
+            let (_, whole_logits) = whole.greedy(&prompt, want.len());
+            let (ids, logits) = on_ranks_split(&config, &source, 2, ExpertSplit::Experts, |r| {
+                assert_eq!(r.held_experts(), 4, "{name}: experts a rank holds");
+                r.greedy(&prompt, want.len())
+            });
+            assert_eq!(ids, want, "{name} case {case}: tokens split by experts");
+            let diff = max_relative_difference(&logits, &whole_logits, vocab);
+            assert!(
+                diff <= LOGIT_TOLERANCE,
+                "{name} case {case}: logits split by experts {diff:e} from the whole model's"
+            );
+        }
+        let (a, b) = (tokens(11, 1, vocab), tokens(5, 2, vocab));
+        let (pair, alone) = on_ranks_split(&config, &source, 2, ExpertSplit::Experts, |r| {
+            let pair = r.pair(&a, &b);
+            (pair, [r.alone(&a), r.alone(&b)].concat())
+        });
+        assert_eq!(bits(&pair), bits(&alone), "{name}: a pair ≠ alone");
     }
 }
 

@@ -147,6 +147,16 @@ impl Engine {
         };
         let mut drafter = draft.source();
         let ranks = options.tensor_parallel.max(1);
+        if options.expert_parallel {
+            let refused = match (ranks, &config.moe) {
+                (1, _) => Some("--expert-parallel shares the experts among ranks: it needs N > 1"),
+                (_, None) => Some("--expert-parallel: the model has no experts (it is dense)"),
+                _ => None,
+            };
+            if let Some(why) = refused {
+                return Err(Error::TensorParallel(why.into()));
+            }
+        }
         if let Some(fault) = options.rank_fault.filter(|f| f.rank >= ranks) {
             return Err(Error::TensorParallel(format!(
                 "--fail-rank names rank {} of a model split {ranks} way(s)",

@@ -9,13 +9,13 @@
 use std::sync::Arc;
 
 use ember_checkpoint::TensorSource;
-use ember_models::parallel::{HostGroup, Shard};
+use ember_models::parallel::{ExpertSplit, HostGroup, Shard};
 use ember_models::{KvDtype, KvLayout, KvPool, ModelConfig, Transformer};
 use ember_tensor::{BufferOwner, ThreadPool, cpu};
 
 use super::EngineOptions;
 use super::load::{PoolPlan, WeightFiles, cpu_backend};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::runner::{AbortGroup, ModelRunner, Runner, TensorParallelRunner};
 
 /// What every rank is made for: the same on each.
@@ -38,16 +38,21 @@ pub(super) fn load_cpu_ranks(
     ranks: usize,
     shapes: RankShapes,
 ) -> Result<(Box<dyn Runner>, PoolPlan, bool)> {
+    let experts = match options.expert_parallel {
+        true => ExpertSplit::Experts,
+        false => ExpertSplit::Columns,
+    };
+    let shard = |rank| Ok::<_, Error>(Shard::new(rank, ranks)?.with_experts(experts));
     // Shapes that do not split are refused before anything is loaded.
     for rank in 0..ranks {
-        config.for_shard(Shard::new(rank, ranks)?)?;
+        config.for_shard(shard(rank)?)?;
     }
     let source: &dyn TensorSource = weights.source();
     let group = Arc::new(HostGroup::new(ranks));
     let mut loaded = Vec::with_capacity(ranks);
     let mut owned = false;
     for rank in 0..ranks {
-        let shard = Shard::new(rank, ranks)?;
+        let shard = shard(rank)?;
         // The cores shared out, each rank's pool its own (a pool's threads wait for its
         // rank's work only).
         let pool = Arc::new(ThreadPool::new((threads / ranks).max(1)));
@@ -90,9 +95,25 @@ pub(super) fn load_cpu_ranks(
     }
     let abort: AbortGroup = Arc::new(move |why: &str| group.abort(why));
     let runner = TensorParallelRunner::new(runners, config.clone(), abort, options.rank_fault)?;
+    let experts = match (&config.moe, experts) {
+        (Some(moe), ExpertSplit::Experts) => format!(
+            ", {} of the {} experts whole",
+            Shard::new(0, ranks)?
+                .with_experts(experts)
+                .held_experts(moe.num_experts)
+                .len(),
+            moe.num_experts
+        ),
+        (Some(moe), ExpertSplit::Columns) => format!(
+            ", every expert's {} of {} columns",
+            moe.moe_intermediate_size / ranks,
+            moe.moe_intermediate_size
+        ),
+        (None, _) => String::new(),
+    };
     tracing::info!(
-        "tensor parallel: {ranks} ranks of {} threads each, {} attention heads and {} of the \
-         MLP's {} columns a rank",
+        "tensor parallel: {ranks} ranks of {} threads each; a rank holds {} attention heads, \
+         {} of the MLP's {} columns{experts}",
         (threads / ranks).max(1),
         config.num_attention_heads / ranks,
         config.intermediate_size / ranks,

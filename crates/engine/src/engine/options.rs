@@ -70,6 +70,10 @@ pub struct EngineOptions {
     /// partial sums twice a layer. 1: the model whole. The CPU only for now (its ranks are
     /// threads); CUDA's need NCCL.
     pub tensor_parallel: usize,
+    /// With `tensor_parallel` above 1, a mixture of experts' experts shared out whole, each
+    /// rank holding a share of them (`--expert-parallel`), instead of every rank holding its
+    /// share of every expert's columns.
+    pub expert_parallel: bool,
     /// A split model's rank made to fail on purpose (`--fail-rank`, hidden): the tests of
     /// what a lost rank does to the engine and the server.
     pub rank_fault: Option<RankFault>,
@@ -157,6 +161,7 @@ impl Default for EngineOptions {
             prompt_cache: CacheBudget::Off,
             prompt_cache_host: CacheBudget::Off,
             tensor_parallel: 1,
+            expert_parallel: false,
             rank_fault: None,
         }
     }

@@ -644,6 +644,12 @@ impl Backend for CudaBackend {
         norm: &CudaVector,
         eps: f32,
     ) -> Result<()> {
+        if moe.experts.len() != moe.router.rows {
+            return Err(Error::Unsupported {
+                what: "expert parallelism (a share of the experts on each rank)".into(),
+                backend: "CUDA",
+            });
+        }
         self.moe_layer(moe, rows, norm, eps)
     }
 

@@ -28,22 +28,56 @@ pub use shard_source::ShardSource;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 
+/// How the ranks share a mixture of experts' experts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ExpertSplit {
+    /// Every rank holds every expert, each cut like a dense MLP (its share of the columns):
+    /// tensor parallelism's way, every rank busy for every token.
+    #[default]
+    Columns,
+    /// Each rank holds a share of the experts whole (expert parallelism): a token's experts
+    /// run on the ranks that hold them, the others adding nothing for it.
+    Experts,
+}
+
 /// One rank of a model split `ranks` ways.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Shard {
     pub rank: usize,
     pub ranks: usize,
+    pub experts: ExpertSplit,
 }
 
 impl Shard {
     /// The whole model on one rank.
-    pub const WHOLE: Shard = Shard { rank: 0, ranks: 1 };
+    pub const WHOLE: Shard = Shard {
+        rank: 0,
+        ranks: 1,
+        experts: ExpertSplit::Columns,
+    };
 
     pub fn new(rank: usize, ranks: usize) -> Result<Shard> {
         if ranks == 0 || rank >= ranks {
             return Err(split_error(format!("there is no rank {rank} of {ranks}")));
         }
-        Ok(Shard { rank, ranks })
+        Ok(Shard {
+            rank,
+            ranks,
+            experts: ExpertSplit::Columns,
+        })
+    }
+
+    pub fn with_experts(self, experts: ExpertSplit) -> Shard {
+        Shard { experts, ..self }
+    }
+
+    /// The experts (of `count`) this rank holds: all of them cut by columns, or its share
+    /// whole (as evenly as they go).
+    pub fn held_experts(self, count: usize) -> Range<usize> {
+        match self.experts {
+            ExpertSplit::Columns => 0..count,
+            ExpertSplit::Experts => self.part(count),
+        }
     }
 
     pub fn is_whole(self) -> bool {
@@ -105,8 +139,9 @@ impl ModelConfig {
         let kv_heads = shard.kv_part(self.num_key_value_heads, 1)?;
         let width = shard.even_part("MLP columns", self.intermediate_size, 1)?;
         // Every rank holds every expert, each cut like a dense MLP: its share of the
-        // columns. (Experts whole on one rank each, expert parallelism, is the other way.)
+        // columns; or a share of the experts whole (the router stays whole either way).
         let moe = match &self.moe {
+            Some(moe) if shard.experts == ExpertSplit::Experts => Some(moe.clone()),
             Some(moe) => {
                 let part = shard.even_part("expert MLP columns", moe.moe_intermediate_size, 1)?;
                 Some(crate::config::MoeConfig {

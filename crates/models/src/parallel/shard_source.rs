@@ -8,7 +8,7 @@ use std::sync::Arc;
 use ember_checkpoint::{TensorRef, TensorSource};
 use ember_tensor::{Buffer, BufferKind, BufferOwner, DType};
 
-use super::Shard;
+use super::{ExpertSplit, Shard};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 
@@ -34,6 +34,8 @@ enum Cut {
     /// `[experts, share, cols]`.
     RowRuns(Vec<Range<usize>>),
     Cols(Range<usize>),
+    /// Matrices `experts` of a stacked `[experts, rows, cols]` tensor, whole: a view.
+    Stack(Range<usize>),
 }
 
 /// `inner` as `shard` holds it: every tensor the split cuts (q/k/v by heads, gate/up by
@@ -87,12 +89,13 @@ impl<'a> ShardSource<'a> {
             }
             cuts.push((mlp("down_proj.weight"), Cut::Cols(width.clone())));
             if let Some(moe) = c.moe.as_ref().filter(|_| c.is_sparse_layer(i)) {
-                cuts.extend(expert_cuts(
-                    i,
-                    moe.num_experts,
-                    moe.moe_intermediate_size,
-                    shard,
-                )?);
+                cuts.extend(match shard.experts {
+                    ExpertSplit::Columns => {
+                        expert_cuts(i, moe.num_experts, moe.moe_intermediate_size, shard)?
+                    }
+                    // A tensor per expert is read whole, for the experts held only.
+                    ExpertSplit::Experts => stack_cuts(i, shard.held_experts(moe.num_experts)),
+                });
             }
         }
         for (name, cut) in cuts {
@@ -104,6 +107,7 @@ impl<'a> ShardSource<'a> {
                 Cut::Rows(rows) => row_part(&t, rows)?,
                 Cut::RowRuns(runs) => row_runs_part(&t, &runs, shard, owner)?,
                 Cut::Cols(cols) => col_part(&t, cols, shard, owner)?,
+                Cut::Stack(experts) => stack_part(&t, experts)?,
             };
             source.parts.insert(name, part);
         }
@@ -144,6 +148,38 @@ fn expert_cuts(
     }
     cuts.push((name("down_proj.weight"), Cut::Cols(part)));
     Ok(cuts)
+}
+
+/// Layer `layer`'s stacked experts (fused or apart, GGUF's names mapped) cut to the
+/// experts `held`, each whole.
+fn stack_cuts(layer: usize, held: Range<usize>) -> Vec<(String, Cut)> {
+    let name = |n: &str| format!("model.layers.{layer}.mlp.experts.{n}");
+    ["gate_up_proj", "down_proj"]
+        .map(name)
+        .into_iter()
+        .chain(["gate_proj", "up_proj", "down_proj"].map(|n| name(&format!("{n}.weight"))))
+        .map(|n| (n, Cut::Stack(held.clone())))
+        .collect()
+}
+
+/// Matrices `experts` of a stack: a view.
+fn stack_part(t: &TensorRef<'_>, experts: Range<usize>) -> Result<Part> {
+    let &[count, rows, cols] = t.shape else {
+        return Err(shape_error(t, "a stack of matrices"));
+    };
+    if experts.end > count {
+        return Err(shape_error(t, &format!("at least {} experts", experts.end)));
+    }
+    let matrix_bytes = rows * t.dtype.row_bytes(cols);
+    Ok(Part {
+        name: t.name.to_string(),
+        dtype: t.dtype,
+        shape: vec![experts.len(), rows, cols],
+        buffer: Arc::clone(t.buffer),
+        offset: t.offset + experts.start * matrix_bytes,
+        len: experts.len() * matrix_bytes,
+        path: t.path.to_path_buf(),
+    })
 }
 
 /// Rows `rows` of a matrix, or elements `rows` of a vector: a view.
@@ -379,6 +415,55 @@ mod tests {
         (t.shape.to_vec(), bytemuck::cast_slice(t.bytes).to_vec())
     }
 
+    /// `memory` with `cuts` made as [`ShardSource::new`] makes them.
+    fn cut_source<'a>(
+        memory: &'a Memory,
+        cuts: Vec<(String, Cut)>,
+        shard: Shard,
+        owner: &BufferOwner,
+    ) -> ShardSource<'a> {
+        let mut source = ShardSource {
+            inner: memory,
+            parts: HashMap::new(),
+        };
+        for (name, cut) in cuts {
+            if memory.contains(&name) {
+                let t = memory.get(&name).unwrap();
+                let part = match cut {
+                    Cut::Rows(rows) => row_part(&t, rows).unwrap(),
+                    Cut::RowRuns(runs) => row_runs_part(&t, &runs, shard, owner).unwrap(),
+                    Cut::Cols(cols) => col_part(&t, cols, shard, owner).unwrap(),
+                    Cut::Stack(experts) => stack_part(&t, experts).unwrap(),
+                };
+                source.parts.insert(name, part);
+            }
+        }
+        source
+    }
+
+    /// Split by experts, a stack (fused or apart) gives a rank its experts whole, as a view.
+    #[test]
+    fn stacked_experts_split_by_experts_give_each_rank_its_experts_whole() {
+        let owner = BufferOwner::new();
+        let (e, i, h) = (5, 4, 3);
+        let gate_up = "model.layers.0.mlp.experts.gate_up_proj";
+        let gate = "model.layers.0.mlp.experts.gate_proj.weight";
+        let memory = Memory::new(&owner, &[(gate_up, &[e, 2 * i, h]), (gate, &[e, i, h])]);
+        // Rank 1 of 2 holds experts 2..5 (five go 2 and 3).
+        let shard = Shard::new(1, 2).unwrap().with_experts(ExpertSplit::Experts);
+        assert_eq!(shard.held_experts(e), 2..5);
+        let source = cut_source(&memory, stack_cuts(0, shard.held_experts(e)), shard, &owner);
+        for (name, rows) in [(gate_up, 2 * i), (gate, i)] {
+            let (shape, got) = values(&source, name);
+            assert_eq!(shape, [3, rows, h], "{name}");
+            let first = 2 * rows * h;
+            let want: Vec<f32> = (first..first + 3 * rows * h).map(|v| v as f32).collect();
+            assert_eq!(got, want, "{name}");
+            // A view of the mapping, not a copy.
+            assert!(source.parts[name].len < memory.get(name).unwrap().bytes.len());
+        }
+    }
+
     /// Stacked experts (gate and up fused, `[E, 2I, H]`; down `[E, H, I]`) give each rank
     /// every expert's share: its rows of gate and of up, its columns of down.
     #[test]
@@ -390,21 +475,7 @@ mod tests {
         let memory = Memory::new(&owner, &[(gate_up, &[e, 2 * i, h]), (down, &[e, h, i])]);
         let shard = Shard::new(1, 2).unwrap();
         let cuts = expert_cuts(0, e, i, shard).unwrap();
-        let mut source = ShardSource {
-            inner: &memory,
-            parts: HashMap::new(),
-        };
-        for (name, cut) in cuts {
-            if memory.contains(&name) {
-                let t = memory.get(&name).unwrap();
-                let part = match cut {
-                    Cut::Rows(rows) => row_part(&t, rows).unwrap(),
-                    Cut::RowRuns(runs) => row_runs_part(&t, &runs, shard, &owner).unwrap(),
-                    Cut::Cols(cols) => col_part(&t, cols, shard, &owner).unwrap(),
-                };
-                source.parts.insert(name, part);
-            }
-        }
+        let source = cut_source(&memory, cuts, shard, &owner);
         // Rank 1 of 2: rows 2..4 of gate and of up (rows 2, 3 and 6, 7 of each expert's 8).
         let (shape, got) = values(&source, gate_up);
         assert_eq!(shape, [e, i, h]);

@@ -133,7 +133,7 @@ impl<B: Backend> Transformer<B> {
                 k_norm: head_norm("k_norm")?,
             };
             let feed_forward = if c.is_sparse_layer(i) {
-                FeedForward::Sparse(load_moe(b, source, c, &p)?)
+                FeedForward::Sparse(load_moe(b, source, c, &p, shard)?)
             } else {
                 FeedForward::Dense(load_mlp(
                     b,
@@ -209,20 +209,29 @@ fn load_mlp<B: Backend>(
 /// Hub), stacked with gate and up fused (`experts.gate_up_proj` `[E, 2·I, H]` and
 /// `experts.down_proj` `[E, H, I]`, as transformers 5 keeps them in memory), or stacked apart
 /// (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps` in GGUF). All become per-expert views
-/// without copying.
+/// without copying. A rank of expert parallelism loads the experts it holds (a stack then
+/// comes as theirs only); the router stays whole.
 fn load_moe<B: Backend>(
     b: &B,
     source: &dyn TensorSource,
     c: &ModelConfig,
     layer_prefix: &str,
+    shard: Shard,
 ) -> Result<Moe<B>> {
     let moe = c
         .moe
         .as_ref()
         .expect("sparse layers exist only with a MoE config");
-    let (e_count, width, hidden) = (moe.num_experts, moe.moe_intermediate_size, c.hidden_size);
+    let (width, hidden) = (moe.moe_intermediate_size, c.hidden_size);
+    let held = shard.held_experts(moe.num_experts);
+    let e_count = held.len();
     let prefix = format!("{layer_prefix}.mlp");
-    let router = b.load_matrix(source, &format!("{prefix}.gate.weight"), e_count, hidden)?;
+    let router = b.load_matrix(
+        source,
+        &format!("{prefix}.gate.weight"),
+        moe.num_experts,
+        hidden,
+    )?;
     let stacked = format!("{prefix}.experts.gate_up_proj");
     let experts = if source.contains(&stacked) {
         let gate_up = b.load_stacked(source, &stacked, e_count, 2 * width, hidden)?;
@@ -279,7 +288,7 @@ fn load_moe<B: Backend>(
             })
             .collect()
     } else {
-        (0..e_count)
+        held.clone()
             .map(|e| {
                 let prefix = format!("{prefix}.experts.{e}");
                 load_mlp(b, source, &prefix, width, hidden, false, false)
@@ -290,6 +299,7 @@ fn load_moe<B: Backend>(
     Ok(Moe {
         router,
         experts,
+        first_expert: held.start,
         prepared,
         top_k: moe.num_experts_per_tok,
         norm_topk_prob: moe.norm_topk_prob,

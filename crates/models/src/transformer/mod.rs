@@ -107,8 +107,13 @@ impl<B: Backend> Mlp<B> {
 
 /// A mixture of experts: a router picks `top_k` experts per token.
 pub struct Moe<B: Backend> {
+    /// Every expert's row, held whole by every rank.
     pub router: B::Matrix,
+    /// The experts this rank holds: all of them, unless the model is split by experts
+    /// ([`crate::parallel::ExpertSplit::Experts`]).
     pub experts: Vec<Mlp<B>>,
+    /// The router's index of `experts[0]`.
+    pub first_expert: usize,
     /// The backend's own form of `experts` ([`Backend::prepare_experts`]).
     pub prepared: B::Experts,
     pub top_k: usize,
