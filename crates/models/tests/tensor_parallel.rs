@@ -327,6 +327,22 @@ fn split_by_experts_gives_the_references_tokens_and_batch_invariant_rows() {
                 "{name} case {case}: logits split by experts {diff:e} from the whole model's"
             );
         }
+        // The bytes a token reads, every rank's added: the same however the experts are
+        // shared (a token's experts are on one rank or cut across both).
+        let total = |experts| -> usize {
+            (0..2)
+                .map(|rank| {
+                    let shard = Shard::new(rank, 2).unwrap().with_experts(experts);
+                    let rank = Rank::load(&config, &source, shard, None);
+                    rank.model.weight_bytes_per_token()
+                })
+                .sum()
+        };
+        assert_eq!(
+            total(ExpertSplit::Experts),
+            total(ExpertSplit::Columns),
+            "{name}"
+        );
         let (a, b) = (tokens(11, 1, vocab), tokens(5, 2, vocab));
         let (pair, alone) = on_ranks_split(&config, &source, 2, ExpertSplit::Experts, |r| {
             let pair = r.pair(&a, &b);

@@ -285,7 +285,11 @@ impl<B: Backend> Transformer<B> {
             bytes += match &layer.feed_forward {
                 FeedForward::Dense(mlp) => mlp.weight_bytes(),
                 FeedForward::Sparse(moe) => {
-                    moe.router.size_in_bytes() + moe.top_k * moe.experts[0].weight_bytes()
+                    // A token's top-k experts; where the ranks share the experts out, this
+                    // rank's share of them (with routing spread evenly).
+                    let expert = moe.experts.first().map_or(0, Mlp::weight_bytes);
+                    let held = moe.experts.len();
+                    moe.router.size_in_bytes() + moe.top_k * expert * held / moe.router.rows()
                 }
             };
         }
