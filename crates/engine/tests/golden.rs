@@ -419,6 +419,19 @@ fn llama_bf16() {
     check_fixture("llama-bf16");
 }
 
+/// Whether the device under test runs split models (the CPU only: CUDA ranks need NCCL, not
+/// loaded yet); says so where it does not.
+fn splits_run_here() -> bool {
+    let cpu = device() == Device::Cpu;
+    if !cpu {
+        eprintln!(
+            "tensor parallelism runs on the CPU only: not checked on {:?}",
+            device()
+        );
+    }
+    cpu
+}
+
 /// Every fixture split two ways (tensor parallelism: ranks as threads on the CPU, each with its
 /// share of the heads, MLP columns and vocabulary), and four where its four query heads allow
 /// (each of the two key-value heads then held by two ranks), the mixtures of experts also by
@@ -428,11 +441,7 @@ fn llama_bf16() {
 /// yet.
 #[test]
 fn every_fixture_split_two_and_four_ways() {
-    if device() != Device::Cpu {
-        eprintln!(
-            "tensor parallelism runs on the CPU only: not checked on {:?}",
-            device()
-        );
+    if !splits_run_here() {
         return;
     }
     for name in [
@@ -473,11 +482,7 @@ const SPLIT_LOGIT_TOLERANCE: f32 = 1e-5;
 /// every step's logits within [`SPLIT_LOGIT_TOLERANCE`].
 #[test]
 fn split_two_ways_agrees_with_whole_for_32_tokens() {
-    if device() != Device::Cpu {
-        eprintln!(
-            "tensor parallelism runs on the CPU only: not checked on {:?}",
-            device()
-        );
+    if !splits_run_here() {
         return;
     }
     let mut worst = 0f32;

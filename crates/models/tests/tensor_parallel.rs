@@ -248,26 +248,36 @@ fn max_relative_difference(got: &[f32], want: &[f32], vocab: usize) -> f32 {
         .fold(0.0, f32::max)
 }
 
+/// Greedy decoding of `name`'s golden cases whole and split `ranks` ways (the experts shared
+/// as `experts` says): the reference's ids both ways, the split's logits within
+/// `LOGIT_TOLERANCE` of the whole model's.
+fn check_split_decoding(name: &str, ranks: usize, experts: ExpertSplit) {
+    let path = golden(name);
+    let owner = BufferOwner::new();
+    let config = ModelConfig::from_dir(&path).unwrap();
+    let source = SafetensorsSet::open(&path, &owner).unwrap();
+    let vocab = config.vocab_size;
+    let mut whole = Rank::load(&config, &source, Shard::WHOLE, None);
+    let how = format!("split {ranks} ways ({experts:?})");
+    for (case, (prompt, want)) in completions(name).into_iter().enumerate() {
+        let (whole_ids, whole_logits) = whole.greedy(&prompt, want.len());
+        let (ids, logits) = on_ranks_split(&config, &source, ranks, experts, |r| {
+            r.greedy(&prompt, want.len())
+        });
+        assert_eq!(ids, want, "{name} case {case}: tokens {how}");
+        assert_eq!(whole_ids, want, "{name} case {case}: tokens whole");
+        let diff = max_relative_difference(&logits, &whole_logits, vocab);
+        assert!(
+            diff <= LOGIT_TOLERANCE,
+            "{name} case {case}: logits {how} {diff:e} from the whole model's"
+        );
+    }
+}
+
 #[test]
 fn split_two_ways_greedy_decoding_gives_the_references_tokens() {
     for name in FIXTURES {
-        let path = golden(name);
-        let owner = BufferOwner::new();
-        let config = ModelConfig::from_dir(&path).unwrap();
-        let source = SafetensorsSet::open(&path, &owner).unwrap();
-        let vocab = config.vocab_size;
-        let mut whole = Rank::load(&config, &source, Shard::WHOLE, None);
-        for (case, (prompt, want)) in completions(name).into_iter().enumerate() {
-            let (whole_ids, whole_logits) = whole.greedy(&prompt, want.len());
-            let (ids, logits) = on_ranks(&config, &source, 2, |r| r.greedy(&prompt, want.len()));
-            assert_eq!(ids, want, "{name} case {case}: tokens split two ways");
-            assert_eq!(whole_ids, want, "{name} case {case}: tokens whole");
-            let diff = max_relative_difference(&logits, &whole_logits, vocab);
-            assert!(
-                diff <= LOGIT_TOLERANCE,
-                "{name} case {case}: logits split two ways {diff:e} from the whole model's"
-            );
-        }
+        check_split_decoding(name, 2, ExpertSplit::Columns);
     }
 }
 
@@ -313,20 +323,11 @@ fn split_by_experts_gives_the_references_tokens_and_batch_invariant_rows() {
         let config = ModelConfig::from_dir(&path).unwrap();
         let source = SafetensorsSet::open(&path, &owner).unwrap();
         let vocab = config.vocab_size;
-        let mut whole = Rank::load(&config, &source, Shard::WHOLE, None);
-        for (case, (prompt, want)) in completions(name).into_iter().enumerate() {
-            let (_, whole_logits) = whole.greedy(&prompt, want.len());
-            let (ids, logits) = on_ranks_split(&config, &source, 2, ExpertSplit::Experts, |r| {
-                assert_eq!(r.held_experts(), 4, "{name}: experts a rank holds");
-                r.greedy(&prompt, want.len())
-            });
-            assert_eq!(ids, want, "{name} case {case}: tokens split by experts");
-            let diff = max_relative_difference(&logits, &whole_logits, vocab);
-            assert!(
-                diff <= LOGIT_TOLERANCE,
-                "{name} case {case}: logits split by experts {diff:e} from the whole model's"
-            );
-        }
+        let held = on_ranks_split(&config, &source, 2, ExpertSplit::Experts, |r| {
+            r.held_experts()
+        });
+        assert_eq!(held, 4, "{name}: experts a rank holds");
+        check_split_decoding(name, 2, ExpertSplit::Experts);
         // The bytes a token reads, every rank's added: the same however the experts are
         // shared (a token's experts are on one rank or cut across both).
         let total = |experts| -> usize {
@@ -357,28 +358,14 @@ fn split_by_experts_gives_the_references_tokens_and_batch_invariant_rows() {
 #[test]
 fn split_four_ways_over_two_key_value_heads_replicates_them() {
     for name in ["qwen3-f32", "llama-bf16", "qwen3-hd128-bf16"] {
-        let path = golden(name);
-        let owner = BufferOwner::new();
-        let config = ModelConfig::from_dir(&path).unwrap();
+        let config = ModelConfig::from_dir(&golden(name)).unwrap();
         assert_eq!(config.num_key_value_heads, 2, "{name}");
         let shapes = config.for_shard(Shard::new(3, 4).unwrap()).unwrap();
         assert_eq!(
             (shapes.num_attention_heads, shapes.num_key_value_heads),
             (1, 1)
         );
-        let source = SafetensorsSet::open(&path, &owner).unwrap();
-        let vocab = config.vocab_size;
-        let mut whole = Rank::load(&config, &source, Shard::WHOLE, None);
-        for (case, (prompt, want)) in completions(name).into_iter().enumerate() {
-            let (_, whole_logits) = whole.greedy(&prompt, want.len());
-            let (ids, logits) = on_ranks(&config, &source, 4, |r| r.greedy(&prompt, want.len()));
-            assert_eq!(ids, want, "{name} case {case}: tokens split four ways");
-            let diff = max_relative_difference(&logits, &whole_logits, vocab);
-            assert!(
-                diff <= LOGIT_TOLERANCE,
-                "{name} case {case}: logits split four ways {diff:e} from the whole model's"
-            );
-        }
+        check_split_decoding(name, 4, ExpertSplit::Columns);
     }
 }
 

@@ -19,6 +19,7 @@ use serde_json::Value;
 
 use super::load_draft::{DraftDevice, DraftTarget, load_draft_model};
 use super::load_ranks::{RankShapes, load_cpu_ranks};
+use super::pool_plan::PoolPlan;
 use super::{
     DEFAULT_CONTEXT, DEFAULT_PARALLEL_CPU, DEFAULT_PARALLEL_CUDA, DEFAULT_PREFILL_CHUNK_CPU,
     DEFAULT_PREFILL_CHUNK_CUDA, Device, Engine, EngineOptions, KEEPALIVE_SCRATCH_BYTES,
@@ -29,10 +30,7 @@ use crate::draft::{DraftKind, DraftOptions};
 use crate::error::{Error, Result};
 use crate::gguf_tokenizer::tokenizer_from_gguf;
 use crate::kv::BlockManager;
-use crate::prompt_cache::{
-    DEFAULT_CACHE_GIB_CPU, DEFAULT_CACHE_GIB_GPU, DEFAULT_HOST_TIER_GIB_GPU, PromptCacheStats,
-    budget_blocks,
-};
+use crate::prompt_cache::PromptCacheStats;
 use crate::runner::{ModelRunner, Runner};
 use crate::tokenizer::Tokenizer;
 
@@ -444,150 +442,6 @@ fn establish_residency(
     Ok(set)
 }
 
-/// The KV pool made at load: one sequence's context of blocks plus the prompt cache's budget,
-/// and the host tier's slots, with the figures for the load line.
-pub(super) struct PoolPlan {
-    /// A pool's geometry (a rank's, where the model is split).
-    pub layout: KvLayout,
-    /// Blocks in the pool, and how many of them are the cache's beyond the sequence's.
-    pub blocks: usize,
-    pub cache_blocks: usize,
-    pub host_blocks: usize,
-    on_gpu: bool,
-    /// Pools of this plan in one memory: the ranks of a split model on the CPU, each holding
-    /// its heads' share of every block.
-    pools: usize,
-}
-
-impl PoolPlan {
-    /// Sizes the budgets against the room the residency bound leaves once what `owner` lists
-    /// (the weights and activations) and the sequence's blocks are counted: `auto` takes the
-    /// device's default share, clamped to half that room; a size asked for is taken as is
-    /// (the residency load line says when it does not fit).
-    /// `layout` is a pool's (a rank's, of a split model), and `pools` how many such share
-    /// the memory.
-    pub(super) fn new(
-        options: &EngineOptions,
-        layout: KvLayout,
-        context: usize,
-        parallel: usize,
-        owner: &BufferOwner,
-        device: Option<&CudaDevice>,
-        pools: usize,
-    ) -> PoolPlan {
-        // What a block is in all: every pool's share of it.
-        let block_bytes = layout.block_bytes() * pools;
-        // A whole context for each sequence that may run at once, or the share asked for (at
-        // least one whole context: a request of the full length must fit alone).
-        let seq_blocks = match options.kv_pool_tokens {
-            Some(tokens) => layout.blocks_for(tokens.max(context)),
-            None => layout.blocks_for(context) * parallel,
-        };
-        let seq_bytes = (seq_blocks * block_bytes) as u64;
-        let bound = Bound::from_system(options.load_limit_gib);
-        let (mut host_listed, mut device_listed) = (0u64, 0u64);
-        for b in owner.list() {
-            match b.location {
-                ember_tensor::Location::Host => host_listed += b.bytes as u64,
-                _ => device_listed += b.bytes as u64,
-            }
-        }
-        let host_room = bound.host_bytes().saturating_sub(host_listed);
-        let (cache_room, cache_default, host_default) = match device {
-            Some(d) => (
-                (d.info().memory_bytes as u64).saturating_sub(device_listed + seq_bytes),
-                DEFAULT_CACHE_GIB_GPU,
-                DEFAULT_HOST_TIER_GIB_GPU,
-            ),
-            None => (
-                host_room.saturating_sub(seq_bytes),
-                DEFAULT_CACHE_GIB_CPU,
-                0.0,
-            ),
-        };
-        let cache_blocks =
-            budget_blocks(options.prompt_cache, cache_default, cache_room, block_bytes);
-        let cache_bytes = (cache_blocks * block_bytes) as u64;
-        // On the CPU the host tier shares the RAM the cache already took.
-        let host_room = match device {
-            Some(_) => host_room,
-            None => host_room.saturating_sub(seq_bytes + cache_bytes),
-        };
-        // Without a cache there is nothing to keep on the host either.
-        let host_blocks = if cache_blocks == 0 {
-            0
-        } else {
-            budget_blocks(
-                options.prompt_cache_host,
-                host_default,
-                host_room,
-                block_bytes,
-            )
-        };
-        PoolPlan {
-            layout,
-            blocks: seq_blocks + cache_blocks,
-            cache_blocks,
-            host_blocks,
-            on_gpu: device.is_some(),
-            pools,
-        }
-    }
-
-    /// A block's bytes in all the plan's pools.
-    fn block_bytes(&self) -> usize {
-        self.layout.block_bytes() * self.pools
-    }
-
-    fn caching(&self) -> bool {
-        self.cache_blocks > 0
-    }
-
-    /// One line: the pool, the cache's share and the host tier, or that the cache is off.
-    fn log(&self) {
-        let gib = |blocks: usize| (blocks * self.block_bytes()) as f64 / (1u64 << 30) as f64;
-        let memory = match (self.on_gpu, self.pools) {
-            (true, _) => "device memory".to_string(),
-            (false, 1) => "RAM".to_string(),
-            (false, ranks) => format!("RAM, each block's heads shared among {ranks} ranks"),
-        };
-        if !self.caching() {
-            tracing::info!(
-                "kv pool: {} blocks of {} positions ({:.2} GiB of {memory}); prompt cache off",
-                self.blocks,
-                self.layout.block_size,
-                gib(self.blocks)
-            );
-            return;
-        }
-        let host = if self.host_blocks > 0 {
-            format!(
-                ", host tier {:.2} GiB ({} blocks)",
-                gib(self.host_blocks),
-                self.host_blocks
-            )
-        } else {
-            String::new()
-        };
-        tracing::info!(
-            "kv pool: {} blocks of {} positions ({:.2} GiB of {memory}); prompt cache {:.2} GiB \
-             ({} blocks, {} KiB each){host}",
-            self.blocks,
-            self.layout.block_size,
-            gib(self.blocks),
-            gib(self.cache_blocks),
-            self.cache_blocks,
-            self.block_bytes() / 1024
-        );
-    }
-}
-
-/// Prompt passes of a whole chunk, a quarter of it, and so on down to a few tokens, then a
-/// decode step, each forgotten. A CUDA engine's first pass of a size loads the cuBLASLt kernels
-/// that size picks (the driver loads kernels lazily, on first use) and its GEMM plans, and the
-/// first step records the decode graph: H200, the first 2048-token prompt of qwen3-8b after
-/// load took 223 ms against 59 ms for the next, and a 512-token prompt after a warm-up of
-/// 2048 alone still paid 14 ms more on qwen3-0.6b. Paid at load, not by the first request.
 /// A CPU backend for `config` over `[max_batch, context, logit_rows]`, and whether it copies
 /// the weights out of `weights` into its own buffers (the files' mapping then goes).
 pub(super) fn cpu_backend(
@@ -616,6 +470,12 @@ pub(super) fn cpu_backend(
     Ok((backend, owned))
 }
 
+/// Prompt passes of a whole chunk, a quarter of it, and so on down to a few tokens, then a
+/// decode step, each forgotten. A CUDA engine's first pass of a size loads the cuBLASLt kernels
+/// that size picks (the driver loads kernels lazily, on first use) and its GEMM plans, and the
+/// first step records the decode graph: H200, the first 2048-token prompt of qwen3-8b after
+/// load took 223 ms against 59 ms for the next, and a 512-token prompt after a warm-up of
+/// 2048 alone still paid 14 ms more on qwen3-0.6b. Paid at load, not by the first request.
 pub(super) fn warm_up(runner: &mut dyn Runner) -> Result<()> {
     let started = std::time::Instant::now();
     let capacity = runner.context();

@@ -14,7 +14,8 @@ use ember_models::{KvDtype, KvLayout, KvPool, ModelConfig, Transformer};
 use ember_tensor::{BufferOwner, ThreadPool, cpu};
 
 use super::EngineOptions;
-use super::load::{PoolPlan, WeightFiles, cpu_backend};
+use super::load::{WeightFiles, cpu_backend};
+use super::pool_plan::PoolPlan;
 use crate::error::{Error, Result};
 use crate::runner::{AbortGroup, ModelRunner, Runner, TensorParallelRunner};
 

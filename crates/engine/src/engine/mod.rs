@@ -1,7 +1,8 @@
 //! A loaded model ready to generate: weights, tokenizer, template, KV cache and activations.
 //!
 //! By job: [`options`] says how to load; [`load`] loads (the device, the KV pool and prompt
-//! cache, the residency set); [`generate`] runs prompts and decode steps through the prompt
+//! cache, the residency set), [`load_ranks`] a model split across ranks, [`pool_plan`] sizes
+//! the KV pool and cache; [`generate`] runs prompts and decode steps through the prompt
 //! cache; this file holds the engine and what it tells about itself.
 
 mod batch;
@@ -12,6 +13,7 @@ mod load_draft;
 mod load_ranks;
 mod options;
 mod picker;
+mod pool_plan;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
