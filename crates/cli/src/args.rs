@@ -76,10 +76,16 @@ pub struct ModelArgs {
     pub batch_invariant: bool,
     /// Split the model across N ranks (tensor parallelism: each holds its share of the
     /// attention heads, MLP columns and vocabulary, and the ranks add their partial sums
-    /// twice a layer). The CPU only for now, its ranks threads sharing --threads; the heads
-    /// and key-value heads must divide by N.
+    /// twice a layer). On the CPU the ranks are threads sharing --threads; on CUDA each is a
+    /// GPU (from the one --device names). The attention heads must divide by N, and N by the
+    /// key-value heads or they by N.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64), env = "EMBER_TENSOR_PARALLEL")]
     pub tensor_parallel: u32,
+    /// How the GPUs of --tensor-parallel meet: nccl (a GPU for each rank), host (through host
+    /// memory: slow, but ranks may share GPUs, e.g. to check a split on one) or auto (NCCL
+    /// where it loads, else host).
+    #[arg(long, default_value = "auto", env = "EMBER_COLLECTIVES")]
+    pub collectives: ember_engine::Collectives,
     /// With --tensor-parallel, a mixture of experts' experts shared out whole among the ranks
     /// (expert parallelism) instead of each rank holding its share of every expert.
     #[arg(long, env = "EMBER_EXPERT_PARALLEL", value_parser = clap::builder::FalseyValueParser::new())]

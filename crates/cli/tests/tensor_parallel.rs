@@ -152,9 +152,14 @@ fn splits_run_or_say_why_not() {
             "rank 2",
         ),
         (
+            "qwen3moe-f32",
+            &["--tensor-parallel", "2", "--expert-parallel", "--device", "cuda"],
+            "expert parallelism (--expert-parallel) runs on the CPU only",
+        ),
+        (
             "qwen3-f32",
-            &["--tensor-parallel", "2", "--device", "cuda"],
-            "CUDA ranks need NCCL",
+            &["--tensor-parallel", "2", "--collectives", "gloo"],
+            "expected auto, nccl or host",
         ),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_ember"))

@@ -23,7 +23,7 @@ pub mod tokenizer;
 
 pub use ember_models::KvDtype;
 pub use engine::{
-    BatchEvent, DEFAULT_CONTEXT, DEFAULT_PARALLEL_CPU, DEFAULT_PARALLEL_CUDA,
+    BatchEvent, Collectives, DEFAULT_CONTEXT, DEFAULT_PARALLEL_CPU, DEFAULT_PARALLEL_CUDA,
     DEFAULT_PREFILL_CHUNK_CPU, DEFAULT_PREFILL_CHUNK_CUDA, DefaultsSource, Device, DraftStats,
     Engine, EngineOptions, FinishReason, GenerateParams, Generation, LLAMA_SERVER_DEFAULTS,
     OPENAI_DEFAULTS, PromptEncoder, RankFault, ResidencyMode, SamplingDefaults, Step, StepTiming,

@@ -213,13 +213,10 @@ fn concurrent_equals_alone_on_every_golden_fixture() {
     }
 }
 
-/// Split two ways (ranks as threads on the CPU): still the bits of the same split alone.
+/// Split two ways (ranks as threads on the CPU, GPUs on CUDA): still the bits of the same
+/// split alone.
 #[test]
 fn split_models_give_concurrent_requests_the_bits_they_get_alone() {
-    if on_test_device(EngineOptions::default()).device != ember_engine::Device::Cpu {
-        eprintln!("tensor parallelism runs on the CPU only: not checked on this device");
-        return;
-    }
     for name in ["qwen3-f32", "qwen3moe-f32", "llama-bf16"] {
         check_split(name, 2);
     }

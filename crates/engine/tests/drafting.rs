@@ -251,14 +251,10 @@ fn drafted_equals_undrafted_on_every_golden_fixture() {
     }
 }
 
-/// Split two ways (ranks as threads on the CPU): drafts verified across the ranks change
-/// nothing either.
+/// Split two ways (ranks as threads on the CPU, GPUs on CUDA): drafts verified across the
+/// ranks change nothing either.
 #[test]
 fn drafted_equals_undrafted_on_split_models() {
-    if on_test_device(EngineOptions::default()).device != Device::Cpu {
-        eprintln!("tensor parallelism runs on the CPU only: not checked on this device");
-        return;
-    }
     for name in ["qwen3-f32", "qwen3moe-f32"] {
         check_split(&golden(name), name, 2);
     }

@@ -26,11 +26,12 @@ use ember_engine::prompt_cache::CacheBudget;
 use ember_engine::sampler::SamplingParams;
 use ember_engine::{Device, Engine, EngineOptions, Error, GenerateParams};
 
-fn device() -> Device {
-    std::env::var("EMBER_TEST_DEVICE")
-        .map(|d| d.parse().expect("EMBER_TEST_DEVICE: cpu, cuda or cuda:N"))
-        .unwrap_or(Device::Cpu)
-}
+// The device under test, and how a split model's GPUs meet there.
+#[path = "common/replies.rs"]
+#[allow(dead_code)]
+mod replies;
+use replies::{collectives, device};
+
 
 /// Tokens a prompt chunk takes: `EMBER_TEST_PREFILL_CHUNK`, 5 by default.
 fn prefill_chunk() -> usize {
@@ -70,6 +71,7 @@ fn load_split(path: &Path, cache: CacheBudget, host: CacheBudget, ranks: usize) 
         device: device(),
         cuda_graphs: std::env::var("EMBER_TEST_CUDA_GRAPHS").map_or(true, |v| v != "0"),
         batch_invariant: batch_invariant(),
+        collectives: collectives(),
         prompt_cache: cache,
         prompt_cache_host: host,
         ..EngineOptions::default()
@@ -292,16 +294,9 @@ fn tiny_budget(engine: &Engine) -> f64 {
     (8 * 16 * bytes_per_position) as f64 / (1u64 << 30) as f64
 }
 
-/// Split two ways (ranks as threads on the CPU).
+/// Split two ways (ranks as threads on the CPU, GPUs on CUDA).
 #[test]
 fn resumed_equals_cold_on_split_models() {
-    if device() != Device::Cpu {
-        eprintln!(
-            "tensor parallelism runs on the CPU only: not checked on {:?}",
-            device()
-        );
-        return;
-    }
     for name in ["qwen3-f32", "qwen3moe-bf16", "llama-f32"] {
         check_split(&golden(name), name, 2);
     }

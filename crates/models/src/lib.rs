@@ -24,7 +24,7 @@ mod workspace;
 pub use backend::{Backend, KvStore, PICKS_AHEAD, PassSegment, PassShape, Slot, TunedProduct};
 pub use config::{Architecture, ModelConfig, MoeConfig};
 pub use cpu_backend::{Arithmetic, CpuBackend};
-pub use cuda_backend::{CudaBackend, CudaKvPool, CudaOptions};
+pub use cuda_backend::{CudaBackend, CudaCollectives, CudaKvPool, CudaOptions, NcclRanks};
 pub use error::{Error, Result};
 pub use kv_cache::{BlockTable, KV_BLOCK_SIZE, KvDtype, KvLayout, KvPool};
 pub use transformer::{

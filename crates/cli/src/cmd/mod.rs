@@ -70,6 +70,7 @@ pub fn engine_options(args: &ModelArgs) -> EngineOptions {
         draft: Default::default(),
         draft_model: None,
         tensor_parallel: args.tensor_parallel as usize,
+        collectives: args.collectives,
         expert_parallel: args.expert_parallel,
         rank_fault: args.fail_rank,
     }

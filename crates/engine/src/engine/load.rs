@@ -18,7 +18,9 @@ use ember_tensor::{BufferKind, BufferOwner, DType, ThreadPool};
 use serde_json::Value;
 
 use super::load_draft::{DraftDevice, DraftTarget, load_draft_model};
-use super::load_ranks::{RankShapes, load_cpu_ranks};
+use super::load_ranks::{
+    EXPERT_PARALLEL_ON_CPU, RankDevices, RankShapes, load_cpu_ranks, load_cuda_ranks,
+};
 use super::pool_plan::PoolPlan;
 use super::{
     DEFAULT_CONTEXT, DEFAULT_PARALLEL_CPU, DEFAULT_PARALLEL_CUDA, DEFAULT_PREFILL_CHUNK_CPU,
@@ -103,7 +105,6 @@ impl Engine {
         let kv_dtype = options
             .kv_dtype
             .unwrap_or_else(|| default_kv_dtype(&weights, &config, cuda.is_some()));
-        let residency_device = cuda.clone();
         let default_chunk = match cuda {
             Some(_) => DEFAULT_PREFILL_CHUNK_CUDA,
             None => DEFAULT_PREFILL_CHUNK_CPU,
@@ -161,6 +162,9 @@ impl Engine {
                 fault.rank
             )));
         }
+        // The device the residency set registers staging memory with, and the device memory it
+        // bounds (every rank's GPU's).
+        let mut residency_device = None;
         let (runner, keepalive_scratch, weights, plan): (Box<dyn Runner>, _, _, PoolPlan) =
             match cuda {
                 None if ranks > 1 => {
@@ -243,54 +247,22 @@ impl Engine {
                         "cuda kernels ready in {:.2} s",
                         started.elapsed().as_secs_f64()
                     );
-                    let mut backend = CudaBackend::new(
-                        device.clone(),
-                        &config,
-                        &owner,
-                        max_batch,
-                        context.div_ceil(KV_BLOCK_SIZE),
-                        parallel,
-                        CudaOptions {
+                    let cuda_options = CudaOptions {
+                        graphs: options.cuda_graphs,
+                        batch_invariant: options.batch_invariant,
+                        draft_rows: if drafting { draft.max } else { 0 },
+                    };
+                    let draft_target = |config| DraftTarget {
+                        tokenizer: &tokenizer,
+                        config,
+                        device: DraftDevice::Cuda {
+                            device: device.clone(),
                             graphs: options.cuda_graphs,
-                            batch_invariant: options.batch_invariant,
-                            draft_rows: if drafting { draft.max } else { 0 },
                         },
-                    )?;
-                    let model = Transformer::load(&backend, config, source, context)?;
-                    // Its outputs' scratch comes and goes before the pool's plan below.
-                    model.tune_products(&mut backend)?;
-                    // Before the pool's plan, which sizes the cache from the device memory
-                    // left.
-                    if let (DraftKind::Model, Some(path)) = (draft.kind, &options.draft_model) {
-                        let target = DraftTarget {
-                            tokenizer: &tokenizer,
-                            config: &model.config,
-                            device: DraftDevice::Cuda {
-                                device: device.clone(),
-                                graphs: options.cuda_graphs,
-                            },
-                            context,
-                            parallel,
-                            max_batch,
-                        };
-                        drafter = Some(Box::new(load_draft_model(path, target, &owner)?));
-                    }
-                    let plan = PoolPlan::new(
-                        options,
-                        KvLayout::new(&model.config, kv_dtype),
                         context,
                         parallel,
-                        &owner,
-                        Some(&device),
-                        1,
-                    );
-                    let kv = CudaKvPool::new(
-                        &device,
-                        &owner,
-                        plan.layout,
-                        plan.blocks,
-                        plan.host_blocks,
-                    )?;
+                        max_batch,
+                    };
                     let scratch = owner
                         .alloc_device(
                             BufferKind::Scratch,
@@ -299,17 +271,82 @@ impl Engine {
                             KEEPALIVE_SCRATCH_BYTES,
                         )
                         .map_err(Error::Cuda)?;
-                    let mut runner = ModelRunner {
-                        backend,
-                        model,
-                        kv,
-                        context,
-                    };
-                    warm_up(&mut runner)?;
-                    let scratch = KeepaliveScratch::Device(device, Arc::new(Mutex::new(scratch)));
-                    // The weights live on the device now: unmap the files.
-                    drop(weights);
-                    (Box::new(runner), scratch, None, plan)
+                    let scratch =
+                        KeepaliveScratch::Device(device.clone(), Arc::new(Mutex::new(scratch)));
+                    if ranks > 1 {
+                        let gpus = RankDevices::open(options, &device, ranks)?;
+                        // The draft model on rank 0's GPU, listed before the pools' plan.
+                        if let (DraftKind::Model, Some(path)) = (draft.kind, &options.draft_model) {
+                            let target = draft_target(&config);
+                            drafter = Some(Box::new(load_draft_model(path, target, &owner)?));
+                        }
+                        let shapes = RankShapes {
+                            max_batch,
+                            context,
+                            logit_rows,
+                            parallel,
+                            kv_dtype,
+                        };
+                        let (runner, plan) = load_cuda_ranks(
+                            &config,
+                            source,
+                            &owner,
+                            options,
+                            &gpus,
+                            cuda_options,
+                            shapes,
+                        )?;
+                        residency_device = Some((device, gpus.memory_bytes));
+                        drop(weights);
+                        (runner, scratch, None, plan)
+                    } else {
+                        let mut backend = CudaBackend::new(
+                            device.clone(),
+                            &config,
+                            &owner,
+                            max_batch,
+                            context.div_ceil(KV_BLOCK_SIZE),
+                            parallel,
+                            cuda_options,
+                        )?;
+                        let model = Transformer::load(&backend, config, source, context)?;
+                        // Its outputs' scratch comes and goes before the pool's plan below.
+                        model.tune_products(&mut backend)?;
+                        // Before the pool's plan, which sizes the cache from the device memory
+                        // left.
+                        if let (DraftKind::Model, Some(path)) = (draft.kind, &options.draft_model) {
+                            let target = draft_target(&model.config);
+                            drafter = Some(Box::new(load_draft_model(path, target, &owner)?));
+                        }
+                        let memory_bytes = device.info().memory_bytes as u64;
+                        let plan = PoolPlan::new(
+                            options,
+                            KvLayout::new(&model.config, kv_dtype),
+                            context,
+                            parallel,
+                            &owner,
+                            Some(memory_bytes),
+                            1,
+                        );
+                        let kv = CudaKvPool::new(
+                            &device,
+                            &owner,
+                            plan.layout,
+                            plan.blocks,
+                            plan.host_blocks,
+                        )?;
+                        let mut runner = ModelRunner {
+                            backend,
+                            model,
+                            kv,
+                            context,
+                        };
+                        warm_up(&mut runner)?;
+                        residency_device = Some((device, memory_bytes));
+                        // The weights live on the device now: unmap the files.
+                        drop(weights);
+                        (Box::new(runner), scratch, None, plan)
+                    }
                 }
             };
         plan.log();
@@ -382,7 +419,7 @@ fn draft_options(options: &EngineOptions, rows_exact: bool) -> Result<DraftOptio
 fn establish_residency(
     owner: &BufferOwner,
     options: &EngineOptions,
-    cuda: Option<CudaDevice>,
+    cuda: Option<(CudaDevice, u64)>,
     caching: bool,
     parallel: usize,
 ) -> Result<Arc<ResidencySet>> {
@@ -422,9 +459,10 @@ fn establish_residency(
             match cuda {
                 // Device buffers are resident by nature; the bound keeps later joins (KV
                 // growth, caches) inside the GPU's memory. Staging buffers are page-locked
-                // with the driver.
-                Some(device) => {
-                    let bound = bound.with_device_limit(device.info().memory_bytes as u64);
+                // with the driver. A split model's GPUs are bounded together (its ranks
+                // are alike).
+                Some((device, memory_bytes)) => {
+                    let bound = bound.with_device_limit(memory_bytes);
                     let backend = Arc::new(CudaResidency::new(device));
                     ResidencySet::establish(backend, bound, regions)
                 }
@@ -533,11 +571,8 @@ fn choose_device(
     config: &ModelConfig,
 ) -> Result<Option<CudaDevice>> {
     // What the CUDA backend cannot run yet, said before anything is uploaded.
-    let cpu_only = if options.tensor_parallel > 1 {
-        Some(
-            "tensor parallelism (--tensor-parallel) runs on the CPU only: CUDA ranks need \
-             NCCL, which ember does not load yet",
-        )
+    let cpu_only = if options.tensor_parallel > 1 && options.expert_parallel {
+        Some(EXPERT_PARALLEL_ON_CPU)
     } else if matches!(weights, WeightFiles::Gguf(_)) {
         Some("GGUF (quantized) models run on the CPU; quantized CUDA kernels come later")
     } else if config.moe.as_ref().is_some_and(|m| {

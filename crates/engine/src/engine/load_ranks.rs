@@ -2,20 +2,25 @@
 //! holding its share of the weights ([`Transformer::load_shard`]) and a KV pool of its heads,
 //! met in a group's collectives, driven as one runner ([`TensorParallelRunner`]).
 //!
-//! On the CPU the ranks are threads sharing the host's memory: one buffer owner lists every
-//! rank's buffers, and one residency set holds them, bounded by the RAM they share. (GPUs,
-//! each with its own memory and bound, come with NCCL.)
+//! On the CPU the ranks are threads sharing the host's memory. On CUDA each rank is a GPU
+//! (its thread drives it), meeting the others through NCCL or host memory
+//! ([`Collectives`]). Either way one buffer owner lists every rank's buffers and one residency
+//! set holds them: the ranks are alike, so their GPUs' memory is counted together.
 
 use std::sync::Arc;
 
 use ember_checkpoint::TensorSource;
 use ember_models::parallel::{ExpertSplit, HostGroup, Shard};
-use ember_models::{KvDtype, KvLayout, KvPool, ModelConfig, Transformer};
+use ember_models::{
+    CudaBackend, CudaCollectives, CudaKvPool, CudaOptions, KV_BLOCK_SIZE, KvDtype, KvLayout,
+    KvPool, ModelConfig, NcclRanks, Transformer,
+};
+use ember_tensor::cuda::{CudaDevice, nccl_version};
 use ember_tensor::{BufferOwner, ThreadPool, cpu};
 
-use super::EngineOptions;
-use super::load::{WeightFiles, cpu_backend};
+use super::load::{WeightFiles, cpu_backend, warm_up};
 use super::pool_plan::PoolPlan;
+use super::{Collectives, EngineOptions};
 use crate::error::{Error, Result};
 use crate::runner::{AbortGroup, ModelRunner, Runner, TensorParallelRunner};
 
@@ -39,15 +44,9 @@ pub(super) fn load_cpu_ranks(
     ranks: usize,
     shapes: RankShapes,
 ) -> Result<(Box<dyn Runner>, PoolPlan, bool)> {
-    let experts = match options.expert_parallel {
-        true => ExpertSplit::Experts,
-        false => ExpertSplit::Columns,
-    };
+    let experts = expert_split(options);
     let shard = |rank| Ok::<_, Error>(Shard::new(rank, ranks)?.with_experts(experts));
-    // Shapes that do not split are refused before anything is loaded.
-    for rank in 0..ranks {
-        config.for_shard(shard(rank)?)?;
-    }
+    check_splits(config, ranks, experts)?;
     let source: &dyn TensorSource = weights.source();
     let group = Arc::new(HostGroup::new(ranks));
     let mut loaded = Vec::with_capacity(ranks);
@@ -96,6 +95,32 @@ pub(super) fn load_cpu_ranks(
     }
     let abort: AbortGroup = Arc::new(move |why: &str| group.abort(why));
     let runner = TensorParallelRunner::new(runners, config.clone(), abort, options.rank_fault)?;
+    tracing::info!(
+        "tensor parallel: {ranks} ranks of {} threads each; {}",
+        (threads / ranks).max(1),
+        split_summary(config, ranks, experts)?
+    );
+    Ok((Box::new(runner), plan, owned))
+}
+
+fn expert_split(options: &EngineOptions) -> ExpertSplit {
+    match options.expert_parallel {
+        true => ExpertSplit::Experts,
+        false => ExpertSplit::Columns,
+    }
+}
+
+/// Refuses shapes that do not split before anything is loaded.
+fn check_splits(config: &ModelConfig, ranks: usize, experts: ExpertSplit) -> Result<()> {
+    for rank in 0..ranks {
+        config.for_shard(Shard::new(rank, ranks)?.with_experts(experts))?;
+    }
+    Ok(())
+}
+
+/// What a rank holds, for the load line: "a rank holds 4 attention heads, 1536 of the MLP's
+/// 6144 columns, every expert's 384 of 768 columns".
+fn split_summary(config: &ModelConfig, ranks: usize, experts: ExpertSplit) -> Result<String> {
     let experts = match (&config.moe, experts) {
         (Some(moe), ExpertSplit::Experts) => format!(
             ", {} of the {} experts whole",
@@ -112,13 +137,152 @@ pub(super) fn load_cpu_ranks(
         ),
         (None, _) => String::new(),
     };
-    tracing::info!(
-        "tensor parallel: {ranks} ranks of {} threads each; a rank holds {} attention heads, \
-         {} of the MLP's {} columns{experts}",
-        (threads / ranks).max(1),
+    Ok(format!(
+        "a rank holds {} attention heads, {} of the MLP's {} columns{experts}",
         config.num_attention_heads / ranks,
         config.intermediate_size / ranks,
         config.intermediate_size,
-    );
-    Ok((Box::new(runner), plan, owned))
+    ))
 }
+
+/// The GPUs of a split model's ranks, from `lead` (rank 0's, open) on, and how they meet.
+pub(super) struct RankDevices {
+    pub devices: Vec<CudaDevice>,
+    pub collectives: CudaCollectives,
+    /// The memory of the GPUs they take, together (each counted once).
+    pub memory_bytes: u64,
+    /// How they meet, for the load line.
+    how: String,
+}
+
+impl RankDevices {
+    /// Rank `r` on GPU `lead + r`: a GPU each, or, with `--collectives host`, in turn over the
+    /// GPUs there are. Fewer GPUs than ranks is refused otherwise, saying so.
+    pub(super) fn open(options: &EngineOptions, lead: &CudaDevice, ranks: usize) -> Result<Self> {
+        let (first, count) = (lead.ordinal(), lead.info().count);
+        let own_gpus = first + ranks <= count;
+        if !own_gpus && options.collectives != Collectives::Host {
+            return Err(Error::TensorParallel(format!(
+                "--tensor-parallel {ranks} needs {ranks} GPUs from cuda:{first}, and this                  machine has {count} (--collectives host lets ranks share GPUs, slowly: for                  checking a split)"
+            )));
+        }
+        let nccl = match options.collectives {
+            Collectives::Host => None,
+            Collectives::Nccl => Some(nccl_version().map_err(Error::Cuda)?),
+            Collectives::Auto => match nccl_version() {
+                Ok(version) => Some(version),
+                Err(e) => {
+                    tracing::warn!(
+                        "tensor parallel: {e}; the ranks meet through host memory (slow)"
+                    );
+                    None
+                }
+            },
+        };
+        let mut devices = vec![lead.clone()];
+        for rank in 1..ranks {
+            let device = CudaDevice::open((first + rank) % count).map_err(Error::Cuda)?;
+            // The kernels come from the disk cache rank 0's compiled into.
+            device.load_all().map_err(Error::Cuda)?;
+            devices.push(device);
+        }
+        let mut ordinals: Vec<usize> = devices.iter().map(CudaDevice::ordinal).collect();
+        let gpus = ordinals
+            .iter()
+            .map(|o| o.to_string())
+            .collect::<Vec<_>>()
+            .join(", ");
+        ordinals.dedup();
+        let memory_bytes = devices[..ordinals.len()]
+            .iter()
+            .map(|d| d.info().memory_bytes as u64)
+            .sum();
+        let (collectives, how) = match nccl {
+            Some(version) => (
+                CudaCollectives::Nccl(Arc::new(NcclRanks::new(&devices)?)),
+                format!("on GPUs {gpus} through NCCL {version}"),
+            ),
+            None => (
+                CudaCollectives::Host(Arc::new(HostGroup::new(ranks))),
+                format!("on GPUs {gpus} through host memory"),
+            ),
+        };
+        Ok(RankDevices {
+            devices,
+            collectives,
+            memory_bytes,
+            how,
+        })
+    }
+}
+
+/// A split model's ranks on their GPUs, joined to their collectives, each with a KV pool of
+/// its heads, driven as one runner and warmed up; and the pools' plan. What is listed before
+/// (a draft model) is counted in the plan.
+pub(super) fn load_cuda_ranks(
+    config: &ModelConfig,
+    source: &dyn TensorSource,
+    owner: &BufferOwner,
+    options: &EngineOptions,
+    gpus: &RankDevices,
+    cuda_options: CudaOptions,
+    shapes: RankShapes,
+) -> Result<(Box<dyn Runner>, PoolPlan)> {
+    let ranks = gpus.devices.len();
+    let experts = expert_split(options);
+    if experts == ExpertSplit::Experts {
+        return Err(Error::NotOnCuda(EXPERT_PARALLEL_ON_CPU));
+    }
+    check_splits(config, ranks, experts)?;
+    let mut loaded = Vec::with_capacity(ranks);
+    for (rank, device) in gpus.devices.iter().enumerate() {
+        let shard = Shard::new(rank, ranks)?.with_experts(experts);
+        let backend = CudaBackend::new(
+            device.clone(),
+            &config.for_shard(shard)?,
+            owner,
+            shapes.max_batch,
+            shapes.context.div_ceil(KV_BLOCK_SIZE),
+            shapes.parallel,
+            cuda_options,
+        )?;
+        let mut backend = backend.join_group(gpus.collectives.clone(), shard, config)?;
+        let model =
+            Transformer::load_shard(&backend, config, source, shapes.context, shard, owner)?;
+        model.tune_products(&mut backend)?;
+        loaded.push((backend, model));
+    }
+    let plan = PoolPlan::new(
+        options,
+        KvLayout::new(&loaded[0].1.config, shapes.kv_dtype),
+        shapes.context,
+        shapes.parallel,
+        owner,
+        Some(gpus.memory_bytes),
+        ranks,
+    );
+    let mut runners: Vec<Box<dyn Runner>> = Vec::with_capacity(ranks);
+    for ((backend, model), device) in loaded.into_iter().zip(&gpus.devices) {
+        let kv = CudaKvPool::new(device, owner, plan.layout, plan.blocks, plan.host_blocks)?;
+        runners.push(Box::new(ModelRunner {
+            backend,
+            model,
+            kv,
+            context: shapes.context,
+        }));
+    }
+    let collectives = gpus.collectives.clone();
+    let abort: AbortGroup = Arc::new(move |why: &str| collectives.abort(why));
+    let mut runner = TensorParallelRunner::new(runners, config.clone(), abort, options.rank_fault)?;
+    tracing::info!(
+        "tensor parallel: {ranks} ranks {}; {}",
+        gpus.how,
+        split_summary(config, ranks, experts)?
+    );
+    warm_up(&mut runner)?;
+    Ok((Box::new(runner), plan))
+}
+
+/// Why `--expert-parallel` does not run on CUDA.
+pub(super) const EXPERT_PARALLEL_ON_CPU: &str = "expert parallelism (--expert-parallel) runs \
+     on the CPU only: CUDA's expert kernels route among every expert";

@@ -35,7 +35,7 @@ pub use batch::{BatchEvent, DraftStats, StepTiming};
 pub use defaults::{DefaultsSource, LLAMA_SERVER_DEFAULTS, OPENAI_DEFAULTS, SamplingDefaults};
 pub use generate::{FinishReason, GenerateParams, Generation, Step};
 use load::WeightFiles;
-pub use options::{Device, EngineOptions, RankFault, ResidencyMode};
+pub use options::{Collectives, Device, EngineOptions, RankFault, ResidencyMode};
 
 /// The context when none is asked for: enough for real chats, without preallocating a model's
 /// whole trained length (often 32k-128k positions, gigabytes of KV cache).

@@ -67,9 +67,11 @@ pub struct EngineOptions {
     pub draft_model: Option<PathBuf>,
     /// Ranks the model is split across (`--tensor-parallel`): each holds its share of the
     /// attention heads, the MLP's columns and the vocabulary, and the ranks add their
-    /// partial sums twice a layer. 1: the model whole. The CPU only for now (its ranks are
-    /// threads); CUDA's need NCCL.
+    /// partial sums twice a layer. 1: the model whole. On the CPU the ranks are threads; on
+    /// CUDA each is a GPU ([`Collectives`] says how they meet).
     pub tensor_parallel: usize,
+    /// How the GPUs of a split model meet (`--collectives`).
+    pub collectives: Collectives,
     /// With `tensor_parallel` above 1, a mixture of experts' experts shared out whole, each
     /// rank holding a share of them (`--expert-parallel`), instead of every rank holding its
     /// share of every expert's columns.
@@ -77,6 +79,35 @@ pub struct EngineOptions {
     /// A split model's rank made to fail on purpose (`--fail-rank`, hidden): the tests of
     /// what a lost rank does to the engine and the server.
     pub rank_fault: Option<RankFault>,
+}
+
+/// How the ranks of a model split across GPUs add up their partial sums.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Collectives {
+    /// NCCL where it loads, else through host memory (the log says which and why); a rank
+    /// for each GPU.
+    #[default]
+    Auto,
+    /// NCCL, each rank on a GPU of its own: the collectives run on the GPUs' streams and are
+    /// recorded with the decode steps.
+    Nccl,
+    /// Through host memory: every collective waits for its GPU, and the decode steps are not
+    /// recorded (slow). Ranks may share a GPU, taken in turn: a split checked on one GPU, or
+    /// a machine without NCCL.
+    Host,
+}
+
+impl std::str::FromStr for Collectives {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "auto" => Ok(Collectives::Auto),
+            "nccl" => Ok(Collectives::Nccl),
+            "host" => Ok(Collectives::Host),
+            _ => Err(format!("{s:?}: expected auto, nccl or host")),
+        }
+    }
 }
 
 /// Rank `rank` (not 0: the engine's own thread) fails its forward pass number `pass` (from
@@ -161,6 +192,7 @@ impl Default for EngineOptions {
             prompt_cache: CacheBudget::Off,
             prompt_cache_host: CacheBudget::Off,
             tensor_parallel: 1,
+            collectives: Collectives::Auto,
             expert_parallel: false,
             rank_fault: None,
         }

@@ -4,7 +4,6 @@
 use ember_models::KvLayout;
 use ember_residency::Bound;
 use ember_tensor::BufferOwner;
-use ember_tensor::cuda::CudaDevice;
 
 use super::EngineOptions;
 use crate::prompt_cache::{
@@ -21,8 +20,8 @@ pub(super) struct PoolPlan {
     pub cache_blocks: usize,
     pub host_blocks: usize,
     on_gpu: bool,
-    /// Pools of this plan in one memory: the ranks of a split model on the CPU, each holding
-    /// its heads' share of every block.
+    /// Pools of this plan: the ranks of a split model, each holding its heads' share of
+    /// every block (in one memory, or on GPUs counted together).
     pools: usize,
 }
 
@@ -32,14 +31,14 @@ impl PoolPlan {
     /// device's default share, clamped to half that room; a size asked for is taken as is
     /// (the residency load line says when it does not fit).
     /// `layout` is a pool's (a rank's, of a split model), and `pools` how many such share
-    /// the memory.
+    /// the memory: the host's, or `device_memory` (a split model's GPUs', together).
     pub(super) fn new(
         options: &EngineOptions,
         layout: KvLayout,
         context: usize,
         parallel: usize,
         owner: &BufferOwner,
-        device: Option<&CudaDevice>,
+        device_memory: Option<u64>,
         pools: usize,
     ) -> PoolPlan {
         // What a block is in all: every pool's share of it.
@@ -60,9 +59,9 @@ impl PoolPlan {
             }
         }
         let host_room = bound.host_bytes().saturating_sub(host_listed);
-        let (cache_room, cache_default, host_default) = match device {
-            Some(d) => (
-                (d.info().memory_bytes as u64).saturating_sub(device_listed + seq_bytes),
+        let (cache_room, cache_default, host_default) = match device_memory {
+            Some(memory) => (
+                memory.saturating_sub(device_listed + seq_bytes),
                 DEFAULT_CACHE_GIB_GPU,
                 DEFAULT_HOST_TIER_GIB_GPU,
             ),
@@ -76,7 +75,7 @@ impl PoolPlan {
             budget_blocks(options.prompt_cache, cache_default, cache_room, block_bytes);
         let cache_bytes = (cache_blocks * block_bytes) as u64;
         // On the CPU the host tier shares the RAM the cache already took.
-        let host_room = match device {
+        let host_room = match device_memory {
             Some(_) => host_room,
             None => host_room.saturating_sub(seq_bytes + cache_bytes),
         };
@@ -96,7 +95,7 @@ impl PoolPlan {
             blocks: seq_blocks + cache_blocks,
             cache_blocks,
             host_blocks,
-            on_gpu: device.is_some(),
+            on_gpu: device_memory.is_some(),
             pools,
         }
     }
@@ -114,8 +113,11 @@ impl PoolPlan {
     pub(super) fn log(&self) {
         let gib = |blocks: usize| (blocks * self.block_bytes()) as f64 / (1u64 << 30) as f64;
         let memory = match (self.on_gpu, self.pools) {
-            (true, _) => "device memory".to_string(),
+            (true, 1) => "device memory".to_string(),
             (false, 1) => "RAM".to_string(),
+            (true, ranks) => {
+                format!("device memory, each block's heads shared among {ranks} ranks")
+            }
             (false, ranks) => format!("RAM, each block's heads shared among {ranks} ranks"),
         };
         if !self.caching() {

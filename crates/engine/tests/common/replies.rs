@@ -4,7 +4,7 @@
 use std::ops::ControlFlow;
 use std::path::PathBuf;
 
-use ember_engine::{Device, Engine, EngineOptions, GenerateParams};
+use ember_engine::{Collectives, Device, Engine, EngineOptions, GenerateParams};
 
 pub fn golden(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -19,6 +19,14 @@ pub fn device() -> Device {
         .unwrap_or(Device::Cpu)
 }
 
+/// How a split model's GPUs meet in the tests: `EMBER_TEST_COLLECTIVES` (auto, nccl, host),
+/// through host memory by default, so that one GPU holds every rank.
+pub fn collectives() -> Collectives {
+    std::env::var("EMBER_TEST_COLLECTIVES")
+        .map(|c| c.parse().expect("EMBER_TEST_COLLECTIVES: auto, nccl or host"))
+        .unwrap_or(Collectives::Host)
+}
+
 /// `options` on the device under test. On CUDA with the batch-invariant kernels, the only ones
 /// that promise a row the same bits in any pass (and graphs unless `EMBER_TEST_CUDA_GRAPHS=0`).
 pub fn on_test_device(options: EngineOptions) -> EngineOptions {
@@ -26,6 +34,7 @@ pub fn on_test_device(options: EngineOptions) -> EngineOptions {
         device: device(),
         batch_invariant: device() != Device::Cpu,
         cuda_graphs: std::env::var("EMBER_TEST_CUDA_GRAPHS").map_or(true, |v| v != "0"),
+        collectives: collectives(),
         ..options
     }
 }

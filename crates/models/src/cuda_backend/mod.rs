@@ -11,6 +11,7 @@
 //! layers), [`pass`] (a pass's inputs on the device, picks ahead of the host, graphs); this
 //! file holds the activations and the [`Backend`] implementation that dispatches to them.
 
+mod group;
 mod kv;
 mod moe;
 mod pass;
@@ -28,12 +29,14 @@ use ember_tensor::quant::dequantize_row;
 use ember_tensor::{Buffer, BufferKind, BufferOwner, DType};
 use half::{bf16, f16};
 
+pub use group::{CudaCollectives, NcclRanks};
 pub use kv::CudaKvPool;
 pub use moe::CudaExperts;
 pub use weights::{CudaMatrix, CudaRope, CudaVector};
 
+use self::group::RankGroup;
 use self::kv::{PromptAttention, rope_norm};
-use self::moe::MoeWorkspace;
+use self::moe::{MoeSum, MoeWorkspace};
 use self::pass::{GraphKey, PassInputs, PicksAhead, Recording};
 use self::products::Gemms;
 use crate::backend::{
@@ -118,6 +121,8 @@ pub struct CudaBackend {
     /// decode over a 16-bit cache): for 16-bit checkpoints, whose products already run in 16
     /// bits; f32 checkpoints keep f32 attention.
     attention_precision: AttentionPrecision,
+    /// The tensor-parallel group this backend is a rank of ([`CudaBackend::join_group`]).
+    group: Option<RankGroup>,
 }
 
 impl Drop for CudaBackend {
@@ -245,12 +250,43 @@ impl CudaBackend {
                 Some("bfloat16" | "float16") => AttentionPrecision::Bf16,
                 _ => AttentionPrecision::F32,
             },
+            group: None,
             device,
         })
     }
 
     pub fn device(&self) -> &CudaDevice {
         &self.device
+    }
+
+    /// The pass's tokens' rows of `table` into the residual stream: of the whole vocabulary,
+    /// or (`first`) of a rank's part of it, zeros for the tokens it does not hold.
+    fn embed_rows(&mut self, table: &CudaMatrix, n: usize, first: Option<usize>) -> Result<()> {
+        let ids = self.inputs.tokens(n);
+        let hidden = table.cols;
+        let mut out = self.slots[Slot::Residual.index()].as_mut_slice::<f32>();
+        let mut out = out.slice_mut(0..n * hidden);
+        let bytes = table.buffer.as_slice::<u8>().slice(table.bytes());
+        let dev = &self.device;
+        fn lookup<T: cuda::FloatElem>(
+            dev: &CudaDevice,
+            table: cuda::DevSlice<'_, T>,
+            hidden: usize,
+            ids: cuda::DevSlice<'_, u32>,
+            first: Option<usize>,
+            out: &mut cuda::DevSliceMut<'_, f32>,
+        ) -> Result<()> {
+            match first {
+                None => cuda::embedding(dev, table, hidden, ids, out)?,
+                Some(first) => cuda::embedding_part(dev, table, hidden, ids, first, out)?,
+            }
+            Ok(())
+        }
+        match table.dtype {
+            DType::BF16 => lookup(dev, bytes.cast::<bf16>(), hidden, ids, first, &mut out),
+            DType::F16 => lookup(dev, bytes.cast::<f16>(), hidden, ids, first, &mut out),
+            _ => lookup(dev, bytes.cast::<f32>(), hidden, ids, first, &mut out),
+        }
     }
 }
 
@@ -363,18 +399,19 @@ impl Backend for CudaBackend {
     }
 
     fn embed(&mut self, table: &CudaMatrix, n: usize) -> Result<()> {
-        let ids = self.inputs.tokens(n);
-        let hidden = table.cols;
-        let mut out = self.slots[Slot::Residual.index()].as_mut_slice::<f32>();
-        let mut out = out.slice_mut(0..n * hidden);
-        let bytes = table.buffer.as_slice::<u8>().slice(table.bytes());
-        let dev = &self.device;
-        match table.dtype {
-            DType::BF16 => cuda::embedding(dev, bytes.cast::<bf16>(), hidden, ids, &mut out)?,
-            DType::F16 => cuda::embedding(dev, bytes.cast::<f16>(), hidden, ids, &mut out)?,
-            _ => cuda::embedding(dev, bytes.cast::<f32>(), hidden, ids, &mut out)?,
-        }
-        Ok(())
+        self.embed_rows(table, n, None)
+    }
+
+    fn embed_part(&mut self, table: &CudaMatrix, n: usize, first: usize) -> Result<()> {
+        self.embed_rows(table, n, Some(first))
+    }
+
+    fn all_reduce(&mut self, slot: Slot, offset: usize, len: usize) -> Result<()> {
+        self.reduce_across_ranks(slot, offset, len)
+    }
+
+    fn gather_logits(&mut self, rows: usize, vocab: usize) -> Result<()> {
+        self.gather_logit_parts(rows, vocab)
     }
 
     fn rms_norm(
@@ -650,7 +687,18 @@ impl Backend for CudaBackend {
                 backend: "CUDA",
             });
         }
-        self.moe_layer(moe, rows, norm, eps)
+        if !self.in_group() {
+            return self.moe_layer(moe, rows, norm, eps, MoeSum::ToResidual);
+        }
+        // A rank's experts hold its share of their columns: its weighted sum is a partial
+        // one, added up across the ranks before the residual takes it.
+        let len = rows.len() * moe.router.cols;
+        let offset = rows.start * moe.router.cols;
+        let mut partial = self.slots[Slot::BlockOut.index()].as_mut_slice::<f32>();
+        self.device.fill_bytes(&mut partial.slice_mut(0..len), 0)?;
+        self.moe_layer(moe, rows, norm, eps, MoeSum::Partial)?;
+        self.reduce_across_ranks(Slot::BlockOut, 0, len)?;
+        self.add(Slot::Residual, offset, Slot::BlockOut, len)
     }
 
     fn logits(&mut self, len: usize) -> Result<&[f32]> {

@@ -74,6 +74,15 @@ impl MoeWorkspace {
     }
 }
 
+/// Where a MoE layer's weighted sum of its experts' outputs goes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum MoeSum {
+    /// Added to the layer's rows of the residual stream.
+    ToResidual,
+    /// Added to the first rows of `BlockOut`, zeroed by the caller: a rank's partial sum.
+    Partial,
+}
+
 impl CudaBackend {
     /// [`crate::Backend::prepare_experts`].
     pub(super) fn experts_from(&self, experts: &[Mlp<Self>]) -> Result<CudaExperts> {
@@ -115,7 +124,7 @@ impl CudaBackend {
         })
     }
 
-    /// Routed on the device: router logits in f32 from the f32 normed rows (normalised inside
+    /// Routed on the device (the weighted sum going where `sum` says): router logits in f32 from the f32 normed rows (normalised inside
     /// the router's and gate/up's products off the tensor cores), top-k and grouping by expert
     /// in one block, each routed pair's SwiGLU and down products in one launch each (tensor
     /// cores for the prompts of bf16 experts), and the weighted sum added to the residual.
@@ -125,6 +134,7 @@ impl CudaBackend {
         rows: Range<usize>,
         norm: &CudaVector,
         eps: f32,
+        sum: MoeSum,
     ) -> Result<()> {
         let (offset, n) = (rows.start, rows.len());
         let experts = &moe.prepared;
@@ -166,9 +176,13 @@ impl CudaBackend {
             .as_mut()
             .expect("a MoE model's backend has MoE buffers");
         let dev = &self.device;
-        let [normed, residual] = self
+        let [normed, residual, block_out] = self
             .slots
-            .get_disjoint_mut([Slot::Normed.index(), Slot::Residual.index()])
+            .get_disjoint_mut([
+                Slot::Normed.index(),
+                Slot::Residual.index(),
+                Slot::BlockOut.index(),
+            ])
             .expect("distinct slots");
         let x = if norm_inside {
             residual
@@ -222,8 +236,11 @@ impl CudaBackend {
             )?;
         }
         let weights = routes.weights.as_slice().slice(0..pairs);
-        let mut out = residual.as_mut_slice::<f32>();
-        let mut out = out.slice_mut(offset * hidden..(offset + n) * hidden);
+        let (mut out, out_rows) = match sum {
+            MoeSum::ToResidual => (residual.as_mut_slice::<f32>(), offset..offset + n),
+            MoeSum::Partial => (block_out.as_mut_slice::<f32>(), 0..n),
+        };
+        let mut out = out.slice_mut(out_rows.start * hidden..out_rows.end * hidden);
         cuda::moe_combine(
             dev,
             expert_out.as_slice(),

@@ -601,6 +601,51 @@ impl CudaDevice {
         .map_err(CudaError::driver("cuMemcpyDtoDAsync"))
     }
 
+    /// Enqueues a copy of `rows` rows of `width` elements from `src`, whose rows start
+    /// `src_pitch` elements apart, into `dst`, whose rows start `dst_pitch` apart: a block of
+    /// columns moved between matrices of different widths (a rank's part of the logits into
+    /// whole rows).
+    pub fn copy_rows<T: DeviceElem>(
+        &self,
+        src: DevSlice<'_, T>,
+        src_pitch: usize,
+        dst: &mut DevSliceMut<'_, T>,
+        dst_pitch: usize,
+        [rows, width]: [usize; 2],
+    ) -> Result<(), CudaError> {
+        if rows == 0 || width == 0 {
+            return Ok(());
+        }
+        let span = |pitch: usize| (rows - 1) * pitch + width;
+        ensure!(
+            width <= src_pitch.min(dst_pitch)
+                && src.len() >= span(src_pitch)
+                && dst.len() >= span(dst_pitch),
+            "copy_rows",
+            "{rows} rows of {width} from {} elements {src_pitch} a row into {} {dst_pitch} a row",
+            src.len(),
+            dst.len()
+        );
+        self.bind()?;
+        let t = size_of::<T>();
+        let copy = drv_sys::CUDA_MEMCPY2D {
+            srcMemoryType: drv_sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            srcDevice: src.device_ptr(),
+            srcPitch: src_pitch * t,
+            dstMemoryType: drv_sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            dstDevice: dst.device_ptr(),
+            dstPitch: dst_pitch * t,
+            WidthInBytes: width * t,
+            Height: rows,
+            // SAFETY: an all-zero CUDA_MEMCPY2D is valid (no host or array pointers, offset 0).
+            ..unsafe { std::mem::zeroed() }
+        };
+        // SAFETY: both spans were checked against live device ranges above.
+        unsafe { drv_sys::cuMemcpy2DAsync_v2(&copy, self.inner.stream.cu_stream()) }
+            .result()
+            .map_err(CudaError::driver("cuMemcpy2DAsync"))
+    }
+
     /// Enqueues setting every byte of `dst` to `byte` (tests poison outputs with it).
     pub fn fill_bytes<T: DeviceElem>(
         &self,

@@ -15,6 +15,32 @@ pub fn embedding<T: FloatElem>(
     tokens: DevSlice<'_, u32>,
     out: &mut DevSliceMut<'_, f32>,
 ) -> Result<(), CudaError> {
+    lookup(device, table, hidden, tokens, 0, false, out)
+}
+
+/// [`embedding`] on a rank of a tensor-parallel group whose `table` holds rows
+/// `first..first + table rows` of the vocabulary: a token outside them gets a row of zeros
+/// (the rank holding it gives its row, and the ranks' rows are summed).
+pub fn embedding_part<T: FloatElem>(
+    device: &CudaDevice,
+    table: DevSlice<'_, T>,
+    hidden: usize,
+    tokens: DevSlice<'_, u32>,
+    first: usize,
+    out: &mut DevSliceMut<'_, f32>,
+) -> Result<(), CudaError> {
+    lookup(device, table, hidden, tokens, first, true, out)
+}
+
+fn lookup<T: FloatElem>(
+    device: &CudaDevice,
+    table: DevSlice<'_, T>,
+    hidden: usize,
+    tokens: DevSlice<'_, u32>,
+    first: usize,
+    zero_outside: bool,
+    out: &mut DevSliceMut<'_, f32>,
+) -> Result<(), CudaError> {
     const OP: &str = "embedding";
     ensure!(
         hidden > 0 && table.len().is_multiple_of(hidden) && out.len() == tokens.len() * hidden,
@@ -32,6 +58,9 @@ pub fn embedding<T: FloatElem>(
         int(OP, "hidden", hidden)?,
         int(OP, "vocab", table.len() / hidden)?,
     );
+    let first = u32::try_from(first)
+        .map_err(|_| CudaError::invalid(OP, format!("first row {first} past u32")))?;
+    let zero_outside = i32::from(zero_outside);
     let blocks = int(OP, "tokens", tokens.len())? as u32;
-    launch!(device, Kernel::Embedding { table: T::FLOAT }, config((blocks, 1), THREADS, 0); tp, kp, op, h, vocab)
+    launch!(device, Kernel::Embedding { table: T::FLOAT }, config((blocks, 1), THREADS, 0); tp, kp, op, h, vocab, first, zero_outside)
 }

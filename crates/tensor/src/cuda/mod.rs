@@ -40,6 +40,7 @@ mod embedding;
 mod gemm;
 mod matvec;
 mod moe;
+mod nccl;
 mod residency;
 mod rms_norm;
 mod rope;
@@ -57,7 +58,7 @@ pub use device::{CudaDevice, DeviceInfo, StreamEvent};
 pub use elementwise::{
     SPLIT_MAX_OUTPUTS, add, convert, silu_mul, silu_mul_in_place, split_columns,
 };
-pub use embedding::embedding;
+pub use embedding::{embedding, embedding_part};
 pub use error::CudaError;
 pub use gemm::Gemm;
 pub use graph::Graph;
@@ -71,6 +72,7 @@ pub use moe::{
     EXPERT_MMA_PAIRS, ExpertRoad, ExpertTable, ExpertTiles, MAX_EXPERTS, MAX_TOP_K, Routes,
     Routing, experts_mma, moe_combine, moe_route,
 };
+pub use nccl::{NcclGroup, nccl_version};
 pub use residency::CudaResidency;
 pub use rms_norm::{add_rms_norm, rms_norm, rms_norm_in_place};
 pub use rope::{RopeHeads, RopeNorm, rope, rope_qk};

@@ -60,9 +60,12 @@ impl Backend for CudaResidency {
                 self.device
                     .bind()
                     .map_err(|e| self.refused(BackendOp::Hold, call, r, e))?;
+                // Portable: page-locked for every context, so each GPU of a split model copies
+                // straight from it.
+                let portable = sys::CU_MEMHOSTREGISTER_PORTABLE;
                 // SAFETY: a staging region is whole pages of a live heap buffer of its own (the
                 // owner makes it so), registered once here and unregistered before it is freed.
-                unsafe { sys::cuMemHostRegister_v2(r.addr as *mut _, r.len, 0) }
+                unsafe { sys::cuMemHostRegister_v2(r.addr as *mut _, r.len, portable) }
                     .result()
                     .map_err(|e| self.refused(BackendOp::Hold, call, r, e))
             }

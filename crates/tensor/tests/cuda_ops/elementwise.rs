@@ -411,6 +411,41 @@ fn embedding_gathers_rows_and_marks_bad_ids() {
     check::<f16>(&ctx, &table_f, &tokens, &tbuf, hidden);
 }
 
+/// A rank's part of the table (rows 40..70): its rows for the tokens it holds, zeros for the
+/// rest (another rank's, or past the vocabulary), never NaN.
+#[test]
+fn embedding_part_gives_its_rows_and_zeros_elsewhere() {
+    let Some(ctx) = Ctx::new() else { return };
+    let mut rng = Rng(12);
+    let (hidden, first, rows) = (96, 40, 30);
+    let table: Vec<bf16> = round(&rng.vec(rows * hidden));
+    let table_buf = ctx.upload(&table);
+    let tokens: Vec<u32> = vec![0, 39, 40, 55, 69, 70, 99, 100_000];
+    let tbuf = ctx.upload(&tokens);
+    let mut out = ctx.poisoned::<f32>(tokens.len() * hidden);
+    cuda::embedding_part(
+        &ctx.device,
+        table_buf.as_slice::<bf16>(),
+        hidden,
+        tbuf.as_slice(),
+        first,
+        &mut out.as_mut_slice(),
+    )
+    .unwrap();
+    let got = ctx.download::<f32>(&out);
+    for (i, &t) in tokens.iter().enumerate() {
+        let row = &got[i * hidden..(i + 1) * hidden];
+        match (t as usize).checked_sub(first).filter(|&r| r < rows) {
+            Some(r) => assert_eq!(
+                row,
+                widen(&table[r * hidden..(r + 1) * hidden]),
+                "token {t}"
+            ),
+            None => assert!(row.iter().all(|&v| v == 0.0), "token {t} is another rank's"),
+        }
+    }
+}
+
 #[test]
 fn argmax_takes_the_lowest_index_on_ties_and_never_nan() {
     let Some(ctx) = Ctx::new() else { return };

@@ -21,6 +21,7 @@ use ember_tensor::{BufferKind, BufferOwner, Location, ThreadPool};
 use half::{bf16, f16};
 
 mod attention;
+mod collectives;
 mod elementwise;
 mod moe;
 mod products;

@@ -1,0 +1,76 @@
+//! What a tensor-parallel group's GPUs use to meet: NCCL's all-gather, and the pitched copy
+//! that places a rank's part of the logits in whole rows.
+
+use super::*;
+
+/// A group of one GPU (the most one GPU can hold: NCCL gives each rank a GPU of its own)
+/// checks the library's loading and the call's arguments; the gathered values are the rank's.
+#[test]
+fn nccl_gathers_a_group_of_one() {
+    let Some(ctx) = Ctx::new() else { return };
+    let group = match cuda::NcclGroup::new(std::slice::from_ref(&ctx.device)) {
+        Ok(group) => group,
+        Err(e @ CudaError::Unavailable { .. }) => {
+            eprintln!("skipped: {e}");
+            return;
+        }
+        Err(e) => panic!("{e}"),
+    };
+    eprintln!("NCCL {}", cuda::nccl_version().unwrap());
+    let send: Vec<f32> = (0..1000).map(|i| i as f32 * 0.5).collect();
+    let sbuf = ctx.upload(&send);
+    let mut recv = ctx.poisoned::<f32>(1000);
+    group
+        .all_gather(0, &ctx.device, sbuf.as_slice(), &mut recv.as_mut_slice())
+        .unwrap();
+    assert_eq!(ctx.download::<f32>(&recv), send);
+    let mut wrong = ctx.poisoned::<f32>(999);
+    let refused = group.all_gather(0, &ctx.device, sbuf.as_slice(), &mut wrong.as_mut_slice());
+    assert!(
+        refused.is_err(),
+        "a receive buffer of the wrong length is refused"
+    );
+    group.abort();
+    let stopped = group.all_gather(0, &ctx.device, sbuf.as_slice(), &mut recv.as_mut_slice());
+    assert!(stopped.unwrap_err().to_string().contains("stopped"));
+}
+
+/// Three rows of a part 5 wide land in rows 12 wide at column 4; the rest stays.
+#[test]
+fn copy_rows_moves_a_block_of_columns() {
+    let Some(ctx) = Ctx::new() else { return };
+    let (rows, width, src_pitch, dst_pitch, at) = (3, 5, 5, 12, 4);
+    let src: Vec<f32> = (0..rows * src_pitch).map(|i| i as f32).collect();
+    let sbuf = ctx.upload(&src);
+    let mut dst = ctx.upload(&vec![-1f32; rows * dst_pitch]);
+    let mut whole = dst.as_mut_slice::<f32>();
+    let mut tail = whole.slice_mut(at..rows * dst_pitch);
+    ctx.device
+        .copy_rows(
+            sbuf.as_slice(),
+            src_pitch,
+            &mut tail,
+            dst_pitch,
+            [rows, width],
+        )
+        .unwrap();
+    let got = ctx.download::<f32>(&dst);
+    for r in 0..rows {
+        for c in 0..dst_pitch {
+            let want = match c.checked_sub(at).filter(|&k| k < width) {
+                Some(k) => src[r * src_pitch + k],
+                None => -1.0,
+            };
+            assert_eq!(got[r * dst_pitch + c], want, "row {r} column {c}");
+        }
+    }
+    let mut short = ctx.poisoned::<f32>(10);
+    let refused = ctx.device.copy_rows(
+        sbuf.as_slice::<f32>(),
+        src_pitch,
+        &mut short.as_mut_slice(),
+        dst_pitch,
+        [rows, width],
+    );
+    assert!(refused.is_err(), "a destination too short is refused");
+}
