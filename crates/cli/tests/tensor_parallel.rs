@@ -153,7 +153,13 @@ fn splits_run_or_say_why_not() {
         ),
         (
             "qwen3moe-f32",
-            &["--tensor-parallel", "2", "--expert-parallel", "--device", "cuda"],
+            &[
+                "--tensor-parallel",
+                "2",
+                "--expert-parallel",
+                "--device",
+                "cuda",
+            ],
             "expert parallelism (--expert-parallel) runs on the CPU only",
         ),
         (

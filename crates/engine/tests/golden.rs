@@ -63,7 +63,6 @@ const CUDA_MATVEC_BATCH: usize = 8;
 /// elsewhere); every checked step with a gap from 0.015 up stayed within the tolerance.
 const BF16_ROUTER_GAP: f64 = 0.02;
 
-
 /// A run of a fixture: the longest prompt chunk, and the KV cache's type (`None`: the
 /// engine's default for the device and checkpoint).
 #[derive(Clone, Copy)]
@@ -471,7 +470,10 @@ fn split_two_ways_agrees_with_whole_for_32_tokens() {
     // On CUDA a product cut by rows may take another cuBLASLt kernel than the whole one, and
     // its bf16 outputs round apart: held to transformers' tolerance instead (above).
     if device() != Device::Cpu {
-        eprintln!("split against whole: the CPU's check, not run on {:?}", device());
+        eprintln!(
+            "split against whole: the CPU's check, not run on {:?}",
+            device()
+        );
         return;
     }
     let mut worst = 0f32;

@@ -32,7 +32,6 @@ use ember_engine::{Device, Engine, EngineOptions, Error, GenerateParams};
 mod replies;
 use replies::{collectives, device};
 
-
 /// Tokens a prompt chunk takes: `EMBER_TEST_PREFILL_CHUNK`, 5 by default.
 fn prefill_chunk() -> usize {
     std::env::var("EMBER_TEST_PREFILL_CHUNK").map_or(5, |v| v.parse().expect("a chunk size"))

@@ -47,6 +47,9 @@ pub struct Region {
     /// memory calls.
     pub len: usize,
     pub kind: RegionKind,
+    /// The GPU a device region is on (its ordinal; [`Region::on_gpu`]): each GPU's regions
+    /// count against its own bound. 0 for host memory.
+    pub gpu: u8,
 }
 
 impl Region {
@@ -56,6 +59,7 @@ impl Region {
             addr,
             len,
             kind: RegionKind::Host,
+            gpu: 0,
         }
     }
 
@@ -65,6 +69,16 @@ impl Region {
             addr,
             len,
             kind: RegionKind::Device,
+            gpu: 0,
+        }
+    }
+
+    /// This device region on GPU `ordinal` (GPU 0 unless said). Ordinals past
+    /// [`crate::MAX_GPUS`] share the count of the one `MAX_GPUS` below (bounded no less).
+    pub fn on_gpu(self, ordinal: usize) -> Self {
+        Region {
+            gpu: (ordinal % crate::MAX_GPUS) as u8,
+            ..self
         }
     }
 
@@ -74,6 +88,7 @@ impl Region {
             addr,
             len,
             kind: RegionKind::Staging,
+            gpu: 0,
         }
     }
 

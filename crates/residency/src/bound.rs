@@ -155,8 +155,9 @@ impl Bound {
         }
     }
 
-    /// Also bounds device regions, by `bytes` (e.g. the GPU's memory less what the engine
-    /// leaves free). Without it device regions are counted but unbounded.
+    /// Also bounds device regions, each GPU's by `bytes` (e.g. the GPU's memory less what
+    /// the engine leaves free; the smallest GPU's where they differ). Without it device
+    /// regions are counted but unbounded.
     pub fn with_device_limit(mut self, bytes: u64) -> Bound {
         self.device = Some(bytes);
         self

@@ -8,7 +8,8 @@
 //! 1. **All or none.** [`ResidencySet::establish`] holds every region in one step, or none: a
 //!    partial set measured worse than no set.
 //! 2. **Bounded.** The whole set stays inside [`Bound`]: 70% of RAM (or the load limit) less a
-//!    2 GiB margin. Over it, nothing is held and the [`LoadReport`] line says why.
+//!    2 GiB margin, and each GPU's regions inside its device bound. Over it, nothing is held
+//!    and the [`LoadReport`] line says why.
 //! 3. **Staged.** Buffers made later [`join`](ResidencySet::join) as staged changes, committed
 //!    by the [`Keepalive`]'s idle tick and at request start, never one by one mid-request.
 //! 4. **Leave before free.** [`leave`](ResidencySet::leave) releases a held buffer at once.
@@ -36,6 +37,6 @@ pub use bound::{Bound, DEFAULT_PERCENT, GIB, MARGIN_BYTES, fmt_bytes, fmt_gib};
 pub use keepalive::{DEFAULT_KEEP_WARM, Keepalive, MAX_INTERVAL, RequestGuard};
 pub use maps::{CODE_ID_BASE, executable_regions};
 pub use set::{
-    CommitReport, JoinError, Left, LoadReport, Membership, NoSet, ResidencySet, ResidencyState,
-    Stats,
+    CommitReport, JoinError, Left, LoadReport, MAX_GPUS, Membership, NoSet, ResidencySet,
+    ResidencyState, Stats,
 };

@@ -46,8 +46,8 @@ pub enum NoSet {
     Disabled,
     /// The host regions plus the margin pass the gross bound (figures in the report).
     OverBound,
-    /// The device regions pass the device bound.
-    OverDeviceBound { limit: u64 },
+    /// A GPU's device regions (`bytes` of them) pass the device bound, `limit` a GPU.
+    OverDeviceBound { gpu: usize, bytes: u64, limit: u64 },
     /// The backend refused `prepare` or a `hold`; everything held before it was released.
     Refused {
         backend: &'static str,
@@ -70,6 +70,8 @@ pub struct LoadReport {
     pub bytes: u64,
     pub host_bytes: u64,
     pub device_bytes: u64,
+    /// `device_bytes` by GPU, for the GPUs that have any: `(ordinal, bytes)`.
+    pub gpu_bytes: Vec<(usize, u64)>,
     /// The bound the set was checked against (`None` when disabled).
     pub bound: Option<Bound>,
     /// Why nothing is held; `None` when held.
@@ -80,20 +82,27 @@ impl LoadReport {
     /// The load line, e.g.
     /// `residency: 412 buffers (1.23 GiB) held between requests, inside 70% of 23.4 GiB RAM less 2 GiB (14.4 GiB)`
     /// (with device memory in the set, `(17.1 GiB: 0.58 GiB host, 16.5 GiB device)` and the
-    /// device bound after the host's) or
+    /// device bound after the host's; over several GPUs, `8.25 GiB on GPU 0, 8.25 GiB on GPU
+    /// 1` and each GPU's bound) or
     /// `residency: none: engine 1.23 GiB + 2 GiB margin pass the 1.00 GiB load limit; raise --load-limit-gib or lower --context`.
     pub fn line(&self) -> String {
         let bound = self.bound.as_ref();
         let mut bound_text = bound.map(Bound::describe).unwrap_or_default();
         let mut size = fmt_gib(self.bytes);
         if self.device_bytes > 0 {
-            size = format!(
-                "{size}: {} host, {} device",
-                fmt_gib(self.host_bytes),
-                fmt_gib(self.device_bytes)
-            );
+            let (device, each) = match self.gpu_bytes.as_slice() {
+                [_, _, ..] => {
+                    let per_gpu = self
+                        .gpu_bytes
+                        .iter()
+                        .map(|&(gpu, bytes)| format!("{} on GPU {gpu}", fmt_gib(bytes)));
+                    (per_gpu.collect::<Vec<_>>().join(", "), " a GPU")
+                }
+                _ => (format!("{} device", fmt_gib(self.device_bytes)), ""),
+            };
+            size = format!("{size}: {} host, {device}", fmt_gib(self.host_bytes));
             if let Some(limit) = bound.and_then(Bound::device_bytes) {
-                bound_text = format!("{bound_text} and {} of device memory", fmt_gib(limit));
+                bound_text = format!("{bound_text} and {} of device memory{each}", fmt_gib(limit));
             }
         }
         let advice = bound.map(Bound::advice).unwrap_or_default();
@@ -127,9 +136,13 @@ impl LoadReport {
                     )
                 }
             }
-            Some(NoSet::OverDeviceBound { limit }) => format!(
-                "residency: none: engine device buffers {} pass the {} device bound; {}",
-                fmt_gib(self.device_bytes),
+            Some(NoSet::OverDeviceBound { gpu, bytes, limit }) => format!(
+                "residency: none: engine device buffers {}{} pass the {} device bound; {}",
+                fmt_gib(*bytes),
+                match self.gpu_bytes.len() {
+                    0 | 1 => String::new(),
+                    _ => format!(" on GPU {gpu}"),
+                },
                 fmt_gib(*limit),
                 bound.map_or_else(|| "lower --context".into(), Bound::device_advice)
             ),
@@ -251,42 +264,54 @@ pub struct Stats {
     pub ticks: u64,
 }
 
-/// Bytes by kind; host and device count against different bounds.
+/// GPUs whose device regions a set counts apart ([`Region::on_gpu`]): more than a host holds.
+pub const MAX_GPUS: usize = 16;
+
+/// Bytes by kind; host memory and each GPU's count against different bounds.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct Bytes {
     host: u64,
-    device: u64,
+    /// By GPU ordinal.
+    device: [u64; MAX_GPUS],
 }
 
 impl Bytes {
     fn of(r: &Region) -> Bytes {
+        let mut bytes = Bytes::default();
         if r.kind.is_host() {
-            Bytes {
-                host: r.len as u64,
-                device: 0,
-            }
+            bytes.host = r.len as u64;
         } else {
-            Bytes {
-                host: 0,
-                device: r.len as u64,
-            }
+            bytes.device[r.gpu as usize] = r.len as u64;
         }
+        bytes
     }
 
     fn add(&mut self, r: &Region) {
         let b = Bytes::of(r);
         self.host += b.host;
-        self.device += b.device;
+        self.device[r.gpu as usize] += b.device[r.gpu as usize];
     }
 
     fn sub(&mut self, r: &Region) {
         let b = Bytes::of(r);
         self.host -= b.host;
-        self.device -= b.device;
+        self.device[r.gpu as usize] -= b.device[r.gpu as usize];
+    }
+
+    fn device_total(&self) -> u64 {
+        self.device.iter().sum()
     }
 
     fn total(&self) -> u64 {
-        self.host + self.device
+        self.host + self.device_total()
+    }
+
+    /// `(ordinal, bytes)` of the GPUs holding any.
+    fn by_gpu(&self) -> Vec<(usize, u64)> {
+        let gpus = self.device.iter().enumerate();
+        gpus.filter(|&(_, &b)| b > 0)
+            .map(|(g, &b)| (g, b))
+            .collect()
     }
 }
 
@@ -383,7 +408,8 @@ impl ResidencySet {
             buffers: regions.len(),
             bytes: total.total(),
             host_bytes: total.host,
-            device_bytes: total.device,
+            device_bytes: total.device_total(),
+            gpu_bytes: total.by_gpu(),
             bound: Some(bound.clone()),
             reason: None,
         };
@@ -405,8 +431,10 @@ impl ResidencySet {
         if total.host > bound.host_bytes() {
             return refuse(report, NoSet::OverBound);
         }
-        if let Some(limit) = bound.device_bytes().filter(|&l| total.device > l) {
-            return refuse(report, NoSet::OverDeviceBound { limit });
+        if let Some(limit) = bound.device_bytes()
+            && let Some((gpu, bytes)) = total.by_gpu().into_iter().find(|&(_, b)| b > limit)
+        {
+            return refuse(report, NoSet::OverDeviceBound { gpu, bytes, limit });
         }
 
         // All bookkeeping before the first hold, so a hold is never followed by a failure
@@ -471,6 +499,7 @@ impl ResidencySet {
             bytes: 0,
             host_bytes: 0,
             device_bytes: 0,
+            gpu_bytes: Vec::new(),
             bound: None,
             reason: Some(NoSet::Disabled),
         };
@@ -572,8 +601,8 @@ impl ResidencySet {
             ),
             RegionKind::Device => (
                 "device",
-                inner.held_bytes.device,
-                inner.staged_bytes.device,
+                inner.held_bytes.device[region.gpu as usize],
+                inner.staged_bytes.device[region.gpu as usize],
                 self.bound
                     .as_ref()
                     .and_then(Bound::device_bytes)
@@ -749,7 +778,7 @@ impl ResidencySet {
         Stats {
             state: self.state,
             bytes: inner.held_bytes.total(),
-            device_bytes: inner.held_bytes.device,
+            device_bytes: inner.held_bytes.device_total(),
             buffers: inner.held.len(),
             staged: inner.staged.len(),
             staged_bytes: inner.staged_bytes.total(),

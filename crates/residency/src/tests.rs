@@ -186,7 +186,56 @@ fn device_regions_are_counted_against_their_own_bound() {
         bound,
         vec![(1, Region::device(0xd000_0000, 6000))],
     );
-    assert_eq!(over.reason, Some(NoSet::OverDeviceBound { limit: 5000 }));
+    assert_eq!(
+        over.reason,
+        Some(NoSet::OverDeviceBound {
+            gpu: 0,
+            bytes: 6000,
+            limit: 5000
+        })
+    );
+}
+
+/// Each GPU's regions against the device bound alone: two GPUs of a split model hold twice
+/// what one may, and a join is refused by its own GPU's count only.
+#[test]
+fn each_gpu_is_bounded_apart() {
+    let backend = TestBackend::new();
+    let bound = Bound::fixed(1000, "1000 B").with_device_limit(5 * GIB);
+    let on = |gpu, addr, gib: f64| Region::device(addr, (gib * GIB as f64) as usize).on_gpu(gpu);
+    let (gpu0, gpu1) = (0x10_0000_0000, 0x20_0000_0000);
+    let regions = vec![(1, on(0, gpu0, 4.0)), (2, on(1, gpu1, 4.5))];
+    let (set, report) = establish(&backend, bound.clone(), regions);
+    assert!(report.held, "{}", report.line());
+    assert_eq!(report.gpu_bytes, vec![(0, 4 * GIB), (1, 9 * GIB / 2)]);
+    assert_eq!(set.stats().device_bytes, 17 * GIB / 2);
+    assert_eq!(
+        report.line(),
+        "residency: 2 buffers (8.50 GiB: 0.00 GiB host, 4.00 GiB on GPU 0, 4.50 GiB on GPU 1) \
+         held between requests, inside 1000 B and 5.00 GiB of device memory a GPU"
+    );
+    assert!(
+        set.join(3, on(0, gpu0 + 8 * GIB as usize, 1.0)).is_ok(),
+        "GPU 0 has room"
+    );
+    assert!(matches!(
+        set.join(4, on(1, gpu1 + 8 * GIB as usize, 0.6)),
+        Err(JoinError::OverBound { kind: "device", .. })
+    ));
+    let (_, over) = establish(
+        &TestBackend::new(),
+        bound,
+        vec![(1, on(0, gpu0, 0.5)), (2, on(1, gpu1, 6.0))],
+    );
+    assert_eq!(
+        over.reason,
+        Some(NoSet::OverDeviceBound {
+            gpu: 1,
+            bytes: 6 * GIB,
+            limit: 5 * GIB
+        })
+    );
+    assert!(over.line().contains("on GPU 1 pass the"), "{}", over.line());
 }
 
 #[test]
@@ -250,6 +299,7 @@ fn load_lines_read_as_specified() {
         bytes: GIB,
         host_bytes: GIB,
         device_bytes: 0,
+        gpu_bytes: Vec::new(),
         bound: Some(Bound::from_figures(Some(ram), None, None)),
         reason: Some(NoSet::Refused {
             backend: "mlock",

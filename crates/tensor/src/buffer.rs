@@ -110,7 +110,7 @@ impl BufferInfo {
     pub fn region(&self) -> Region {
         match self.location {
             Location::Host => Region::host(self.addr, self.bytes),
-            Location::Device { .. } => Region::device(self.addr, self.bytes),
+            Location::Device { ordinal } => Region::device(self.addr, self.bytes).on_gpu(ordinal),
             Location::Staging => Region::staging(self.addr, self.bytes),
         }
     }

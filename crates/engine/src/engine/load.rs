@@ -162,8 +162,8 @@ impl Engine {
                 fault.rank
             )));
         }
-        // The device the residency set registers staging memory with, and the device memory it
-        // bounds (every rank's GPU's).
+        // The device the residency set registers staging memory with, and the memory it
+        // bounds each GPU's buffers by.
         let mut residency_device = None;
         let (runner, keepalive_scratch, weights, plan): (Box<dyn Runner>, _, _, PoolPlan) =
             match cuda {
@@ -296,7 +296,7 @@ impl Engine {
                             cuda_options,
                             shapes,
                         )?;
-                        residency_device = Some((device, gpus.memory_bytes));
+                        residency_device = Some((device, gpus.gpu_memory_bytes));
                         drop(weights);
                         (runner, scratch, None, plan)
                     } else {
@@ -459,8 +459,7 @@ fn establish_residency(
             match cuda {
                 // Device buffers are resident by nature; the bound keeps later joins (KV
                 // growth, caches) inside the GPU's memory. Staging buffers are page-locked
-                // with the driver. A split model's GPUs are bounded together (its ranks
-                // are alike).
+                // with the driver. Each GPU of a split model is bounded apart.
                 Some((device, memory_bytes)) => {
                     let bound = bound.with_device_limit(memory_bytes);
                     let backend = Arc::new(CudaResidency::new(device));

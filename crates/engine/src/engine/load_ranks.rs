@@ -5,7 +5,7 @@
 //! On the CPU the ranks are threads sharing the host's memory. On CUDA each rank is a GPU
 //! (its thread drives it), meeting the others through NCCL or host memory
 //! ([`Collectives`]). Either way one buffer owner lists every rank's buffers and one residency
-//! set holds them: the ranks are alike, so their GPUs' memory is counted together.
+//! set holds them, each GPU's bounded by its memory (the set counts them apart).
 
 use std::sync::Arc;
 
@@ -149,8 +149,11 @@ fn split_summary(config: &ModelConfig, ranks: usize, experts: ExpertSplit) -> Re
 pub(super) struct RankDevices {
     pub devices: Vec<CudaDevice>,
     pub collectives: CudaCollectives,
-    /// The memory of the GPUs they take, together (each counted once).
+    /// The memory of the GPUs they take, together (each counted once): the pools' plan
+    /// shares it among ranks that are alike.
     pub memory_bytes: u64,
+    /// The smallest of those GPUs' memory: the residency set's bound for each.
+    pub gpu_memory_bytes: u64,
     /// How they meet, for the load line.
     how: String,
 }
@@ -186,17 +189,15 @@ impl RankDevices {
             device.load_all().map_err(Error::Cuda)?;
             devices.push(device);
         }
-        let mut ordinals: Vec<usize> = devices.iter().map(CudaDevice::ordinal).collect();
-        let gpus = ordinals
+        let gpus = devices
             .iter()
-            .map(|o| o.to_string())
+            .map(|d| d.ordinal().to_string())
             .collect::<Vec<_>>()
             .join(", ");
-        ordinals.dedup();
-        let memory_bytes = devices[..ordinals.len()]
-            .iter()
-            .map(|d| d.info().memory_bytes as u64)
-            .sum();
+        // Taken in turn from `first`: the first `min(ranks, count)` are the distinct ones.
+        let memory = |d: &CudaDevice| d.info().memory_bytes as u64;
+        let memory_bytes = devices[..ranks.min(count)].iter().map(memory).sum();
+        let gpu_memory_bytes = devices.iter().map(memory).min().unwrap_or(0);
         let (collectives, how) = match nccl {
             Some(version) => (
                 CudaCollectives::Nccl(Arc::new(NcclRanks::new(&devices)?)),
@@ -211,6 +212,7 @@ impl RankDevices {
             devices,
             collectives,
             memory_bytes,
+            gpu_memory_bytes,
             how,
         })
     }
