@@ -10,6 +10,13 @@ use std::process::ExitCode;
 use clap::Parser;
 
 fn main() -> ExitCode {
+    // NVLink multicast (NVLS) stays off in NCCL unless the environment asks for it: a program
+    // using it can take a shared host's GPUs out of service, and tensor parallelism's
+    // all-gathers do not need it. Set before any thread starts.
+    if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
+        // SAFETY: no other thread exists yet to read the environment.
+        unsafe { std::env::set_var("NCCL_NVLS_ENABLE", "0") };
+    }
     let args = args::Cli::parse();
     init_logging();
     let result = match args.command {
