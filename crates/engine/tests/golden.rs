@@ -462,18 +462,20 @@ fn every_fixture_split_two_and_four_ways() {
 /// row's largest logit: the o and down products' sums cut in two and added (f32 sums in
 /// another order; the models crate's test measured 1.5e-6 on these fixtures).
 const SPLIT_LOGIT_TOLERANCE: f32 = 1e-5;
+/// The same on CUDA for bf16 checkpoints: the products' inputs are rounded to bf16, so an f32
+/// difference in a partial sum may move an activation by a bf16 step (2^-8) and every logit
+/// after it by a few of them.
+const SPLIT_LOGIT_TOLERANCE_CUDA_BF16: f32 = 2e-2;
 
 /// Split two ways against whole, 32 greedy tokens from every golden prompt: the same tokens,
-/// every step's logits within [`SPLIT_LOGIT_TOLERANCE`].
+/// every step's logits within [`SPLIT_LOGIT_TOLERANCE`] (CUDA's bf16 checkpoints within
+/// [`SPLIT_LOGIT_TOLERANCE_CUDA_BF16`]).
 #[test]
 fn split_two_ways_agrees_with_whole_for_32_tokens() {
-    // On CUDA a product cut by rows may take another cuBLASLt kernel than the whole one, and
-    // its bf16 outputs round apart: held to transformers' tolerance instead (above).
-    if device() != Device::Cpu {
-        eprintln!(
-            "split against whole: the CPU's check, not run on {:?}",
-            device()
-        );
+    // On CUDA the batch-invariant kernels only: the default's products cut by rows may take
+    // other cuBLASLt kernels than the whole ones, whose sums differ past any stated bound.
+    if device() != Device::Cpu && !batch_invariant() {
+        eprintln!("split against whole on CUDA: run with EMBER_TEST_BATCH_INVARIANT=1");
         return;
     }
     let mut worst = 0f32;
@@ -519,8 +521,12 @@ fn split_two_ways_agrees_with_whole_for_32_tokens() {
                         .zip(want)
                         .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
                     worst = worst.max(off / scale);
+                    let tolerance = match device() != Device::Cpu && name.ends_with("bf16") {
+                        true => SPLIT_LOGIT_TOLERANCE_CUDA_BF16,
+                        false => SPLIT_LOGIT_TOLERANCE,
+                    };
                     assert!(
-                        off <= SPLIT_LOGIT_TOLERANCE * scale,
+                        off <= tolerance * scale,
                         "{name} case {case} step {step}: logits {off} apart (largest {scale})"
                     );
                     step += 1;

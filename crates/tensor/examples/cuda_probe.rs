@@ -8,6 +8,10 @@
 //! attention bandwidth, and cuBLASLt GEMM TFLOP/s: medians of several timed runs after a
 //! warm-up. Weights rotate over enough copies to pass ~1 GiB per run, so the 60 MB L2 cannot
 //! serve them.
+//!
+//! `cuda_probe products [BATCHES…]`: the batch-invariant GEMM's tiles against cuBLASLt.
+//! `cuda_probe collectives`: tensor parallelism's all-reduce (NCCL's all-gather and the sums
+//! in rank order) among every GPU of the machine, µs a call by message size.
 
 use std::process::ExitCode;
 
@@ -524,6 +528,9 @@ fn run() -> Result<(), CudaError> {
     let copy = probe.copy_bandwidth()?;
     println!("device-to-device copy: {copy:.0} GB/s (read + write)");
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some("collectives") {
+        return collectives(&probe.device);
+    }
     if args.first().map(String::as_str) == Some("products") {
         let batches: Vec<usize> = args[1..].iter().filter_map(|a| a.parse().ok()).collect();
         let batches = if batches.is_empty() {
@@ -651,6 +658,73 @@ fn run() -> Result<(), CudaError> {
         let bf = probe.gemm(&gemm, m, n, k, false)?;
         let f = probe.gemm(&gemm, m, n, k, true)?;
         println!("{m}×{n}×{k}: {bf:.0} TFLOP/s bf16 out, {f:.0} TFLOP/s f32 out");
+    }
+    Ok(())
+}
+
+/// Microseconds a call of the rank-order all-reduce takes among every GPU of the machine, for
+/// a decode step's messages (a hidden row of qwen3-8b, 4096 f32, for 1 to 64 sequences) and a
+/// prompt chunk's: each rank's thread enqueues the calls back to back, timed on its stream.
+fn collectives(lead: &CudaDevice) -> Result<(), CudaError> {
+    const CALLS: usize = 200;
+    let gpus = lead.info().count;
+    let mut devices = vec![lead.clone()];
+    for ordinal in 1..gpus {
+        let device = CudaDevice::open(ordinal)?;
+        device.load_all()?;
+        devices.push(device);
+    }
+    lead.load_all()?;
+    let group = cuda::NcclGroup::new(&devices)?;
+    println!(
+        "\nall-reduce in rank order among {gpus} GPU(s), NCCL {}{}:",
+        cuda::nccl_version()?,
+        if gpus == 1 {
+            " (one rank: the all-gather is a copy; no link is crossed)"
+        } else {
+            ""
+        }
+    );
+    println!("{:>10} {:>10} {:>12}", "values", "bytes", "µs a call");
+    let owner = BufferOwner::new();
+    let ranks = devices.len();
+    for rows in [1usize, 8, 64, 512] {
+        let len = rows * 4096;
+        let per_rank: Vec<Result<f64, CudaError>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = devices
+                .iter()
+                .enumerate()
+                .map(|(rank, device)| {
+                    let (group, owner) = (&group, &owner);
+                    scope.spawn(move || -> Result<f64, CudaError> {
+                        let f32s = |label: &str, n: usize| {
+                            owner.alloc_device(BufferKind::Scratch, label, device, n * 4)
+                        };
+                        let mut values = f32s("values", len)?;
+                        let mut gathered = f32s("gathered", len * ranks)?;
+                        let mut call = || {
+                            group.all_reduce_in_rank_order(
+                                rank,
+                                device,
+                                &mut values.as_mut_slice(),
+                                &mut gathered.as_mut_slice(),
+                            )
+                        };
+                        call()?;
+                        device.synchronize()?;
+                        let ms = device.time_ms(|| (0..CALLS).try_for_each(|_| call()))?;
+                        Ok(ms as f64 * 1000.0 / CALLS as f64)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+        });
+        let worst = per_rank
+            .into_iter()
+            .collect::<Result<Vec<f64>, _>>()?
+            .into_iter()
+            .fold(0f64, f64::max);
+        println!("{len:>10} {:>10} {worst:>12.1}", len * 4);
     }
     Ok(())
 }

@@ -2,15 +2,14 @@
 //! meets the other ranks in, through NCCL among GPUs of their own or through host memory,
 //! and the buffers they pass through.
 //!
-//! The all-reduce is an all-gather and then a sum in rank order, `((p0 + p1) + p2) + …`, on
-//! every rank: the same bits whatever the batch (NCCL's own all-reduce picks its algorithm,
-//! and with it the order of the sums, by the message's size) and the same bits as the host
-//! group's ([`HostGroup`], the CPU's). For two ranks it moves what NCCL's all-reduce would.
+//! The all-reduce sums in rank order, `((p0 + p1) + p2) + …`, on every rank
+//! ([`NcclGroup::all_reduce_in_rank_order`]): the same bits whatever the batch, and the same
+//! bits as the host group's ([`HostGroup`], the CPU's).
 
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
-use ember_tensor::cuda::{self, CudaDevice, DeviceBuffer, NcclGroup};
+use ember_tensor::cuda::{CudaDevice, DeviceBuffer, NcclGroup};
 use ember_tensor::{Buffer, BufferKind};
 
 use super::CudaBackend;
@@ -170,15 +169,9 @@ impl CudaBackend {
         match (collectives, scratch) {
             (CudaCollectives::Nccl(nccl), Scratch::Gathered(gathered)) => {
                 nccl.check()?;
-                let mut all = gathered.as_mut_slice::<f32>();
-                let mut all = all.slice_mut(0..shard.ranks * len);
+                let mut gathered = gathered.as_mut_slice::<f32>();
                 nccl.group
-                    .all_gather(shard.rank, device, values.as_slice(), &mut all)?;
-                let all = all.as_slice();
-                device.copy(all.slice(0..len), &mut values)?;
-                for rank in 1..shard.ranks {
-                    cuda::add(device, &mut values, all.slice(rank * len..(rank + 1) * len))?;
-                }
+                    .all_reduce_in_rank_order(shard.rank, device, &mut values, &mut gathered)?;
             }
             (CudaCollectives::Host(host), Scratch::Staging(staging)) => {
                 let through = &mut staging.as_mut_slice::<f32>()[..len];

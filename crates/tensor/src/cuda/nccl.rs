@@ -222,6 +222,36 @@ impl NcclGroup {
         })
     }
 
+    /// Enqueues `values` (rank `rank`'s, on `device`) becoming every rank's summed in rank
+    /// order, `((v0 + v1) + v2) + …`, on every rank: an all-gather into `gathered` (room for
+    /// `ranks ×` the values), then the sums. The same bits whatever the length, unlike NCCL's
+    /// own all-reduce, whose algorithm (and so the order of its sums) follows the message's
+    /// size; for two ranks it moves what that one would.
+    pub fn all_reduce_in_rank_order(
+        &self,
+        rank: usize,
+        device: &CudaDevice,
+        values: &mut DevSliceMut<'_, f32>,
+        gathered: &mut DevSliceMut<'_, f32>,
+    ) -> Result<(), CudaError> {
+        let len = values.len();
+        ensure!(
+            gathered.len() >= self.ranks() * len,
+            "all_reduce_in_rank_order",
+            "room for {} values gathered from {} ranks of {len}",
+            gathered.len(),
+            self.ranks()
+        );
+        let mut all = gathered.slice_mut(0..self.ranks() * len);
+        self.all_gather(rank, device, values.as_slice(), &mut all)?;
+        let all = all.as_slice();
+        device.copy(all.slice(0..len), values)?;
+        for r in 1..self.ranks() {
+            super::add(device, values, all.slice(r * len..(r + 1) * len))?;
+        }
+        Ok(())
+    }
+
     /// Stops the group: collectives in flight are abandoned (the ranks waiting on their
     /// streams are freed) and later ones fail.
     pub fn abort(&self) {

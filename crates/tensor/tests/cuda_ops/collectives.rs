@@ -24,6 +24,18 @@ fn nccl_gathers_a_group_of_one() {
         .all_gather(0, &ctx.device, sbuf.as_slice(), &mut recv.as_mut_slice())
         .unwrap();
     assert_eq!(ctx.download::<f32>(&recv), send);
+    // Rank order over one rank: the values come back as they were.
+    let mut values = ctx.upload(&send);
+    let mut room = ctx.poisoned::<f32>(1000);
+    group
+        .all_reduce_in_rank_order(
+            0,
+            &ctx.device,
+            &mut values.as_mut_slice(),
+            &mut room.as_mut_slice(),
+        )
+        .unwrap();
+    assert_eq!(ctx.download::<f32>(&values), send);
     let mut wrong = ctx.poisoned::<f32>(999);
     let refused = group.all_gather(0, &ctx.device, sbuf.as_slice(), &mut wrong.as_mut_slice());
     assert!(
