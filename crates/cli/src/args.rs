@@ -81,10 +81,10 @@ pub struct ModelArgs {
     /// key-value heads or they by N.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64), env = "EMBER_TENSOR_PARALLEL")]
     pub tensor_parallel: u32,
-    /// How the GPUs of --tensor-parallel meet: nccl (a GPU for each rank), host (through host
-    /// memory: slow, but ranks may share GPUs, e.g. to check a split on one) or auto (NCCL
-    /// where it loads, else host).
-    #[arg(long, default_value = "auto", env = "EMBER_COLLECTIVES")]
+    /// How the GPUs of --tensor-parallel meet: nccl (a GPU for each rank; libnccl.so.2 on the
+    /// loader's path or EMBER_NCCL_LIBRARY) or host (through host memory: slow, but ranks may
+    /// share GPUs, e.g. to check a split on one).
+    #[arg(long, default_value = "nccl", env = "EMBER_COLLECTIVES")]
     pub collectives: ember_engine::Collectives,
     /// With --tensor-parallel, a mixture of experts' experts shared out whole among the ranks
     /// (expert parallelism) instead of each rank holding its share of every expert.

@@ -165,7 +165,7 @@ fn splits_run_or_say_why_not() {
         (
             "qwen3-f32",
             &["--tensor-parallel", "2", "--collectives", "gloo"],
-            "expected auto, nccl or host",
+            "expected nccl or host",
         ),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_ember"))

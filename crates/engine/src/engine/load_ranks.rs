@@ -171,16 +171,12 @@ impl RankDevices {
         }
         let nccl = match options.collectives {
             Collectives::Host => None,
-            Collectives::Nccl => Some(nccl_version().map_err(Error::Cuda)?),
-            Collectives::Auto => match nccl_version() {
-                Ok(version) => Some(version),
-                Err(e) => {
-                    tracing::warn!(
-                        "tensor parallel: {e}; the ranks meet through host memory (slow)"
-                    );
-                    None
-                }
-            },
+            Collectives::Nccl => Some(nccl_version().map_err(|e| {
+                Error::TensorParallel(format!(
+                    "GPU ranks meet through NCCL: {e} (--collectives host runs without it, \
+                     slowly)"
+                ))
+            })?),
         };
         let mut devices = vec![lead.clone()];
         for rank in 1..ranks {

@@ -84,12 +84,10 @@ pub struct EngineOptions {
 /// How the ranks of a model split across GPUs add up their partial sums.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Collectives {
-    /// NCCL where it loads, else through host memory (the log says which and why); a rank
-    /// for each GPU.
-    #[default]
-    Auto,
     /// NCCL, each rank on a GPU of its own: the collectives run on the GPUs' streams and are
-    /// recorded with the decode steps.
+    /// recorded with the decode steps. Without NCCL, or with fewer GPUs than ranks, the load
+    /// fails saying so.
+    #[default]
     Nccl,
     /// Through host memory: every collective waits for its GPU, and the decode steps are not
     /// recorded (slow). Ranks may share a GPU, taken in turn: a split checked on one GPU, or
@@ -102,10 +100,9 @@ impl std::str::FromStr for Collectives {
 
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         match s {
-            "auto" => Ok(Collectives::Auto),
             "nccl" => Ok(Collectives::Nccl),
             "host" => Ok(Collectives::Host),
-            _ => Err(format!("{s:?}: expected auto, nccl or host")),
+            _ => Err(format!("{s:?}: expected nccl or host")),
         }
     }
 }
@@ -192,7 +189,7 @@ impl Default for EngineOptions {
             prompt_cache: CacheBudget::Off,
             prompt_cache_host: CacheBudget::Off,
             tensor_parallel: 1,
-            collectives: Collectives::Auto,
+            collectives: Collectives::Nccl,
             expert_parallel: false,
             rank_fault: None,
         }

@@ -19,13 +19,13 @@ pub fn device() -> Device {
         .unwrap_or(Device::Cpu)
 }
 
-/// How a split model's GPUs meet in the tests: `EMBER_TEST_COLLECTIVES` (auto, nccl, host),
+/// How a split model's GPUs meet in the tests: `EMBER_TEST_COLLECTIVES` (nccl, host),
 /// through host memory by default, so that one GPU holds every rank.
 pub fn collectives() -> Collectives {
     std::env::var("EMBER_TEST_COLLECTIVES")
         .map(|c| {
             c.parse()
-                .expect("EMBER_TEST_COLLECTIVES: auto, nccl or host")
+                .expect("EMBER_TEST_COLLECTIVES: nccl or host")
         })
         .unwrap_or(Collectives::Host)
 }
