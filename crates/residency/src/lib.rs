@@ -25,6 +25,7 @@ mod backend;
 mod bound;
 mod keepalive;
 mod maps;
+mod report;
 mod set;
 #[cfg(test)]
 mod tests;

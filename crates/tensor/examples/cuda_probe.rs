@@ -717,7 +717,10 @@ fn collectives(lead: &CudaDevice) -> Result<(), CudaError> {
                     })
                 })
                 .collect();
-            handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("rank thread"))
+                .collect()
         });
         let worst = per_rank
             .into_iter()

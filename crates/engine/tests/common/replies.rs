@@ -23,10 +23,7 @@ pub fn device() -> Device {
 /// through host memory by default, so that one GPU holds every rank.
 pub fn collectives() -> Collectives {
     std::env::var("EMBER_TEST_COLLECTIVES")
-        .map(|c| {
-            c.parse()
-                .expect("EMBER_TEST_COLLECTIVES: nccl or host")
-        })
+        .map(|c| c.parse().expect("EMBER_TEST_COLLECTIVES: nccl or host"))
         .unwrap_or(Collectives::Host)
 }
 

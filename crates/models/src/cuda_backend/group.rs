@@ -170,8 +170,12 @@ impl CudaBackend {
             (CudaCollectives::Nccl(nccl), Scratch::Gathered(gathered)) => {
                 nccl.check()?;
                 let mut gathered = gathered.as_mut_slice::<f32>();
-                nccl.group
-                    .all_reduce_in_rank_order(shard.rank, device, &mut values, &mut gathered)?;
+                nccl.group.all_reduce_in_rank_order(
+                    shard.rank,
+                    device,
+                    &mut values,
+                    &mut gathered,
+                )?;
             }
             (CudaCollectives::Host(host), Scratch::Staging(staging)) => {
                 let through = &mut staging.as_mut_slice::<f32>()[..len];
