@@ -166,7 +166,9 @@ impl RankDevices {
         let own_gpus = first + ranks <= count;
         if !own_gpus && options.collectives != Collectives::Host {
             return Err(Error::TensorParallel(format!(
-                "--tensor-parallel {ranks} needs {ranks} GPUs from cuda:{first}, and this                  machine has {count} (--collectives host lets ranks share GPUs, slowly: for                  checking a split)"
+                "--tensor-parallel {ranks} needs {ranks} GPUs from cuda:{first}, and this \
+                 machine has {count} (--collectives host lets ranks share GPUs, slowly: for \
+                 checking a split)"
             )));
         }
         let nccl = match options.collectives {
