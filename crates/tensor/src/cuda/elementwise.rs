@@ -166,6 +166,28 @@ pub fn add(
     launch!(device, Kernel::Add, cfg; xp, yp, n)
 }
 
+/// `out[i] = ((parts[i] + parts[n + i]) + parts[2n + i]) + …` for `n = out.len()`: the
+/// partial sums of `parts.len() / n` ranks gathered end to end, added in rank order (so the
+/// same bits as adding them one after another, in one launch).
+pub fn sum_parts(
+    device: &CudaDevice,
+    parts: DevSlice<'_, f32>,
+    out: &mut DevSliceMut<'_, f32>,
+) -> Result<(), CudaError> {
+    const OP: &str = "sum_parts";
+    let n = out.len();
+    ensure!(
+        n > 0 && parts.len().is_multiple_of(n) && parts.len() >= n,
+        OP,
+        "{} values gathered into sums of {n}",
+        parts.len()
+    );
+    let (pp, op, len) = (parts.device_ptr(), out.device_ptr(), n as i64);
+    let ranks = super::int(OP, "ranks", parts.len() / n)?;
+    let cfg = config((stride_blocks(device, n), 1), THREADS, 0);
+    launch!(device, Kernel::SumParts, cfg; pp, op, len, ranks)
+}
+
 /// `out = src` converted: f32 to f32/bf16/f16 (activations for a GEMM, keys and values into
 /// a 16-bit cache, rounded to nearest even), or bf16/f16 to f32.
 pub fn convert<I: FloatElem, O: FloatElem>(

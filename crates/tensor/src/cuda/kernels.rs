@@ -284,6 +284,8 @@ pub enum Kernel {
         out: Float,
     },
     Add,
+    /// Ranks' partial sums gathered end to end, added in rank order.
+    SumParts,
     /// Rows of a product of matrices laid end to end cut into their outputs by columns.
     SplitColumns,
     Convert {
@@ -358,6 +360,7 @@ impl Kernel {
             Kernel::Rope => Module::Rope,
             Kernel::SiluMul { .. }
             | Kernel::Add
+            | Kernel::SumParts
             | Kernel::Convert { .. }
             | Kernel::SplitColumns => Module::Elementwise,
             Kernel::Embedding { .. } => Module::Embedding,
@@ -405,6 +408,7 @@ impl Kernel {
         let mut kernels = vec![
             Kernel::Rope,
             Kernel::Add,
+            Kernel::SumParts,
             Kernel::SplitColumns,
             Kernel::Argmax,
             Kernel::AttentionPrefillCombine,
@@ -519,6 +523,7 @@ impl Kernel {
             Kernel::Rope => "rope".into(),
             Kernel::SiluMul { input, out } => format!("silu_mul_{input}_{out}"),
             Kernel::Add => "add_f32".into(),
+            Kernel::SumParts => "sum_parts_f32".into(),
             Kernel::SplitColumns => "split_columns_f32".into(),
             Kernel::Convert { from, to } => format!("convert_{from}_{to}"),
             Kernel::Embedding { table } => format!("embedding_{table}"),

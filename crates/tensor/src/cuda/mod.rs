@@ -56,7 +56,7 @@ pub use attention::{
 };
 pub use device::{CudaDevice, DeviceInfo, StreamEvent};
 pub use elementwise::{
-    SPLIT_MAX_OUTPUTS, add, convert, silu_mul, silu_mul_in_place, split_columns,
+    SPLIT_MAX_OUTPUTS, add, convert, silu_mul, silu_mul_in_place, split_columns, sum_parts,
 };
 pub use embedding::{embedding, embedding_part};
 pub use error::CudaError;

@@ -242,14 +242,12 @@ impl NcclGroup {
             gathered.len(),
             self.ranks()
         );
+        if len == 0 {
+            return Ok(());
+        }
         let mut all = gathered.slice_mut(0..self.ranks() * len);
         self.all_gather(rank, device, values.as_slice(), &mut all)?;
-        let all = all.as_slice();
-        device.copy(all.slice(0..len), values)?;
-        for r in 1..self.ranks() {
-            super::add(device, values, all.slice(r * len..(r + 1) * len))?;
-        }
-        Ok(())
+        super::sum_parts(device, all.as_slice(), values)
     }
 
     /// Stops the group: collectives in flight are abandoned (the ranks waiting on their

@@ -86,3 +86,20 @@ fn copy_rows_moves_a_block_of_columns() {
     );
     assert!(refused.is_err(), "a destination too short is refused");
 }
+
+/// Three ranks' partial sums of an odd length, added in rank order: the host's bits.
+#[test]
+fn sum_parts_adds_in_rank_order() {
+    let Some(ctx) = Ctx::new() else { return };
+    let mut rng = Rng(21);
+    let (ranks, n) = (3, 10_007);
+    let parts = rng.vec(ranks * n);
+    let pbuf = ctx.upload(&parts);
+    let mut out = ctx.poisoned::<f32>(n);
+    cuda::sum_parts(&ctx.device, pbuf.as_slice(), &mut out.as_mut_slice()).unwrap();
+    let want: Vec<u32> = (0..n)
+        .map(|i| ((parts[i] + parts[n + i]) + parts[2 * n + i]).to_bits())
+        .collect();
+    let got: Vec<u32> = ctx.download::<f32>(&out).iter().map(|x| x.to_bits()).collect();
+    assert!(got == want, "the rank-order sums, bit for bit");
+}

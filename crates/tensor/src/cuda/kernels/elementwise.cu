@@ -69,6 +69,19 @@ extern "C" __global__ void add_f32(float* x, const float* __restrict__ y, long l
         x[i] += y[i];
 }
 
+// out[i] = ((parts[i] + parts[n + i]) + parts[2n + i]) + ...: a tensor-parallel group's
+// partial sums, gathered rank after rank, added in rank order (the host group's order).
+extern "C" __global__ void sum_parts_f32(const float* __restrict__ parts, float* out,
+                                         long long n, int ranks) {
+    grid_dependency_wait();
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        float sum = parts[i];
+        for (int r = 1; r < ranks; ++r) sum += parts[(long long)r * n + i];
+        out[i] = sum;
+    }
+}
+
 // out[i] = (O) in[i]: activations to bf16 for a GEMM, keys and values into a 16-bit cache.
 template <typename I, typename O>
 __device__ __forceinline__ void convert(const I* __restrict__ in, O* __restrict__ out,
