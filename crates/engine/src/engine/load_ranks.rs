@@ -163,14 +163,7 @@ impl RankDevices {
     /// GPUs there are. Fewer GPUs than ranks is refused otherwise, saying so.
     pub(super) fn open(options: &EngineOptions, lead: &CudaDevice, ranks: usize) -> Result<Self> {
         let (first, count) = (lead.ordinal(), lead.info().count);
-        let own_gpus = first + ranks <= count;
-        if !own_gpus && options.collectives != Collectives::Host {
-            return Err(Error::TensorParallel(format!(
-                "--tensor-parallel {ranks} needs {ranks} GPUs from cuda:{first}, and this \
-                 machine has {count} (--collectives host lets ranks share GPUs, slowly: for \
-                 checking a split)"
-            )));
-        }
+        let ordinals = rank_ordinals(first, count, ranks, options.collectives)?;
         let nccl = match options.collectives {
             Collectives::Host => None,
             Collectives::Nccl => Some(nccl_version().map_err(|e| {
@@ -181,8 +174,8 @@ impl RankDevices {
             })?),
         };
         let mut devices = vec![lead.clone()];
-        for rank in 1..ranks {
-            let device = CudaDevice::open((first + rank) % count).map_err(Error::Cuda)?;
+        for &ordinal in &ordinals[1..] {
+            let device = CudaDevice::open(ordinal).map_err(Error::Cuda)?;
             // The kernels come from the disk cache rank 0's compiled into.
             device.load_all().map_err(Error::Cuda)?;
             devices.push(device);
@@ -214,6 +207,24 @@ impl RankDevices {
             how,
         })
     }
+}
+
+/// The GPU of each rank: `first + r` for rank `r`, a GPU each; with host collectives, in turn
+/// over the `count` GPUs there are. Fewer GPUs than ranks is refused otherwise, saying so.
+fn rank_ordinals(
+    first: usize,
+    count: usize,
+    ranks: usize,
+    collectives: Collectives,
+) -> Result<Vec<usize>> {
+    if first + ranks > count && collectives != Collectives::Host {
+        return Err(Error::TensorParallel(format!(
+            "--tensor-parallel {ranks} needs {ranks} GPUs from cuda:{first}, and this machine \
+             has {count} (--collectives host lets ranks share GPUs, slowly: for checking a \
+             split)"
+        )));
+    }
+    Ok((0..ranks).map(|rank| (first + rank) % count).collect())
 }
 
 /// A split model's ranks on their GPUs, joined to their collectives, each with a KV pool of
@@ -286,3 +297,33 @@ pub(super) fn load_cuda_ranks(
 /// Why `--expert-parallel` does not run on CUDA.
 pub(super) const EXPERT_PARALLEL_ON_CPU: &str = "expert parallelism (--expert-parallel) runs \
      on the CPU only: CUDA's expert kernels route among every expert";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranks_take_a_gpu_each_or_share_them_through_host_memory() {
+        assert_eq!(
+            rank_ordinals(0, 4, 4, Collectives::Nccl).unwrap(),
+            [0, 1, 2, 3]
+        );
+        assert_eq!(rank_ordinals(2, 4, 2, Collectives::Nccl).unwrap(), [2, 3]);
+        let refused = rank_ordinals(1, 2, 2, Collectives::Nccl)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            refused.contains("needs 2 GPUs from cuda:1, and this machine has 2"),
+            "{refused}"
+        );
+        assert!(refused.contains("--collectives host"), "{refused}");
+        assert_eq!(
+            rank_ordinals(0, 1, 4, Collectives::Host).unwrap(),
+            [0, 0, 0, 0]
+        );
+        assert_eq!(
+            rank_ordinals(1, 2, 3, Collectives::Host).unwrap(),
+            [1, 0, 1]
+        );
+    }
+}

@@ -100,6 +100,10 @@ fn sum_parts_adds_in_rank_order() {
     let want: Vec<u32> = (0..n)
         .map(|i| ((parts[i] + parts[n + i]) + parts[2 * n + i]).to_bits())
         .collect();
-    let got: Vec<u32> = ctx.download::<f32>(&out).iter().map(|x| x.to_bits()).collect();
+    let got: Vec<u32> = ctx
+        .download::<f32>(&out)
+        .iter()
+        .map(|x| x.to_bits())
+        .collect();
     assert!(got == want, "the rank-order sums, bit for bit");
 }
