@@ -467,6 +467,19 @@ const SPLIT_LOGIT_TOLERANCE: f32 = 1e-5;
 /// after it by a few of them.
 const SPLIT_LOGIT_TOLERANCE_CUDA_BF16: f32 = 2e-2;
 
+/// The gap between a row's largest logit and the next.
+fn top_two_gap(row: &[f32]) -> f32 {
+    let (mut first, mut second) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+    for &x in row {
+        if x > first {
+            (first, second) = (x, first);
+        } else if x > second {
+            second = x;
+        }
+    }
+    first - second
+}
+
 /// Split two ways against whole, 32 greedy tokens from every golden prompt: the same tokens,
 /// every step's logits within [`SPLIT_LOGIT_TOLERANCE`] (CUDA's bf16 checkpoints within
 /// [`SPLIT_LOGIT_TOLERANCE_CUDA_BF16`]).
@@ -514,11 +527,11 @@ fn split_two_ways_agrees_with_whole_for_32_tokens() {
             let mut step = 0;
             let got = split
                 .generate(&prompt, &params, |s| {
-                    let (got, want) = (s.logits.unwrap(), &rows[step]);
-                    let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+                    let (got, want_row) = (s.logits.unwrap(), &rows[step]);
+                    let scale = want_row.iter().fold(0f32, |m, x| m.max(x.abs()));
                     let off = got
                         .iter()
-                        .zip(want)
+                        .zip(want_row)
                         .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
                     worst = worst.max(off / scale);
                     let tolerance = match device() != Device::Cpu && name.ends_with("bf16") {
@@ -528,6 +541,14 @@ fn split_two_ways_agrees_with_whole_for_32_tokens() {
                     assert!(
                         off <= tolerance * scale,
                         "{name} case {case} step {step}: logits {off} apart (largest {scale})"
+                    );
+                    // Logits this close picking apart: a near tie, how near said.
+                    assert_eq!(
+                        s.token,
+                        want.tokens[step],
+                        "{name} case {case} step {step}: the whole model's top two {} apart, \
+                         logits {off} apart",
+                        top_two_gap(want_row)
                     );
                     step += 1;
                     ControlFlow::Continue(())

@@ -628,17 +628,25 @@ impl CudaDevice {
         );
         self.bind()?;
         let t = size_of::<T>();
+        // Every field named: the memory types are enums with no zero value, so the struct has
+        // no all-zero form to start from.
         let copy = drv_sys::CUDA_MEMCPY2D {
+            srcXInBytes: 0,
+            srcY: 0,
             srcMemoryType: drv_sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            srcHost: std::ptr::null(),
             srcDevice: src.device_ptr(),
+            srcArray: std::ptr::null_mut(),
             srcPitch: src_pitch * t,
+            dstXInBytes: 0,
+            dstY: 0,
             dstMemoryType: drv_sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            dstHost: std::ptr::null_mut(),
             dstDevice: dst.device_ptr(),
+            dstArray: std::ptr::null_mut(),
             dstPitch: dst_pitch * t,
             WidthInBytes: width * t,
             Height: rows,
-            // SAFETY: an all-zero CUDA_MEMCPY2D is valid (no host or array pointers, offset 0).
-            ..unsafe { std::mem::zeroed() }
         };
         // SAFETY: both spans were checked against live device ranges above.
         unsafe { drv_sys::cuMemcpy2DAsync_v2(&copy, self.inner.stream.cu_stream()) }
