@@ -466,14 +466,7 @@ impl Backend for CpuBackend {
         let (group, shard) = self.group()?;
         let logits = self.ws.logits.as_mut_slice::<f32>();
         let mine = logits[..rows * shard.part(vocab).len()].to_vec();
-        group.all_gather(shard.rank, &mine, |rank, theirs| {
-            let cols = Shard { rank, ..shard }.part(vocab);
-            for row in 0..rows {
-                let at = row * vocab + cols.start;
-                logits[at..at + cols.len()]
-                    .copy_from_slice(&theirs[row * cols.len()..(row + 1) * cols.len()]);
-            }
-        })?;
+        group.all_gather_columns(shard, &mine, [rows, vocab], logits)?;
         Ok(())
     }
 

@@ -6,7 +6,6 @@
 //! ([`NcclGroup::all_reduce_in_rank_order`]): the same bits whatever the batch, and the same
 //! bits as the host group's ([`HostGroup`], the CPU's).
 
-use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use ember_tensor::cuda::{CudaDevice, DeviceBuffer, NcclGroup};
@@ -203,11 +202,9 @@ impl CudaBackend {
             shard,
             scratch,
         } = group.as_mut().ok_or_else(outside_a_group)?;
-        let parts: Vec<Range<usize>> = (0..shard.ranks)
-            .map(|rank| Shard { rank, ..*shard }.part(vocab))
-            .collect();
+        let part = |rank| Shard { rank, ..*shard }.part(vocab);
         let widest = vocab.div_ceil(shard.ranks);
-        let mine = parts[shard.rank].len();
+        let mine = shard.part(vocab).len();
         let mut logits = logits.as_mut_slice::<f32>();
         match (collectives, scratch) {
             (CudaCollectives::Nccl(nccl), Scratch::Gathered(gathered)) => {
@@ -220,7 +217,8 @@ impl CudaBackend {
                 let send = logits.as_slice().slice(0..step);
                 nccl.group.all_gather(shard.rank, device, send, &mut all)?;
                 let all = all.as_slice();
-                for (rank, part) in parts.iter().enumerate() {
+                for rank in 0..shard.ranks {
+                    let part = part(rank);
                     let mut to = logits.slice_mut(part.start..rows * vocab);
                     let from = all.slice(rank * step..(rank + 1) * step);
                     device.copy_rows(from, part.len(), &mut to, vocab, [rows, part.len()])?;
@@ -230,14 +228,7 @@ impl CudaBackend {
                 let (whole, own) = staging.as_mut_slice::<f32>().split_at_mut(rows * vocab);
                 let own = &mut own[..rows * mine];
                 device.download(logits.as_slice().slice(0..rows * mine), own)?;
-                host.all_gather(shard.rank, own, |rank, theirs| {
-                    let cols = &parts[rank];
-                    for row in 0..rows {
-                        let at = row * vocab + cols.start;
-                        whole[at..at + cols.len()]
-                            .copy_from_slice(&theirs[row * cols.len()..(row + 1) * cols.len()]);
-                    }
-                })?;
+                host.all_gather_columns(*shard, own, [rows, vocab], whole)?;
                 device.upload(&mut logits.slice_mut(0..rows * vocab), whole)?;
             }
             _ => unreachable!("scratch made for the group's collectives"),

@@ -3,6 +3,8 @@
 
 use std::sync::{Condvar, Mutex, MutexGuard};
 
+use super::Shard;
+
 /// A rank stopped the group ([`HostGroup::abort`]): every collective after fails with why, so
 /// that no rank waits forever on one that is gone.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -71,6 +73,26 @@ impl HostGroup {
         self.gather(rank, &mut own, |inputs, _| {
             for (r, input) in inputs.iter().enumerate() {
                 take(r, input);
+            }
+        })
+    }
+
+    /// Every rank's columns of `rows` rows `width` wide (rank `r` holding
+    /// `Shard { rank: r, .. }.part(width)`; `mine` this rank's, `rows ×` its part) gathered
+    /// into whole rows in `whole`, on every rank: a split vocabulary's logits.
+    pub fn all_gather_columns(
+        &self,
+        shard: Shard,
+        mine: &[f32],
+        [rows, width]: [usize; 2],
+        whole: &mut [f32],
+    ) -> Result<(), GroupAborted> {
+        self.all_gather(shard.rank, mine, |rank, theirs| {
+            let cols = Shard { rank, ..shard }.part(width);
+            for row in 0..rows {
+                let at = row * width + cols.start;
+                whole[at..at + cols.len()]
+                    .copy_from_slice(&theirs[row * cols.len()..(row + 1) * cols.len()]);
             }
         })
     }
