@@ -165,16 +165,16 @@ impl Engine {
         // The device the residency set registers staging memory with, and the memory it
         // bounds each GPU's buffers by.
         let mut residency_device = None;
+        let shapes = RankShapes {
+            max_batch,
+            context,
+            logit_rows,
+            parallel,
+            kv_dtype,
+        };
         let (runner, keepalive_scratch, weights, plan): (Box<dyn Runner>, _, _, PoolPlan) =
             match cuda {
                 None if ranks > 1 => {
-                    let shapes = RankShapes {
-                        max_batch,
-                        context,
-                        logit_rows,
-                        parallel,
-                        kv_dtype,
-                    };
                     let (runner, plan, owned) =
                         load_cpu_ranks(&config, &weights, &owner, options, threads, ranks, shapes)?;
                     if let (DraftKind::Model, Some(path)) = (draft.kind, &options.draft_model) {
@@ -280,13 +280,6 @@ impl Engine {
                             let target = draft_target(&config);
                             drafter = Some(Box::new(load_draft_model(path, target, &owner)?));
                         }
-                        let shapes = RankShapes {
-                            max_batch,
-                            context,
-                            logit_rows,
-                            parallel,
-                            kv_dtype,
-                        };
                         let (runner, plan) = load_cuda_ranks(
                             &config,
                             source,

@@ -25,6 +25,7 @@ use crate::error::{Error, Result};
 use crate::runner::{AbortGroup, ModelRunner, Runner, TensorParallelRunner};
 
 /// What every rank is made for: the same on each.
+#[derive(Clone, Copy)]
 pub(super) struct RankShapes {
     pub max_batch: usize,
     pub context: usize,
@@ -74,15 +75,7 @@ pub(super) fn load_cpu_ranks(
         loaded.push((backend, model));
     }
     // After every rank's weights: the pools take what room they leave.
-    let plan = PoolPlan::new(
-        options,
-        KvLayout::new(&loaded[0].1.config, shapes.kv_dtype),
-        shapes.context,
-        shapes.parallel,
-        owner,
-        None,
-        ranks,
-    );
+    let plan = rank_pools_plan(options, &loaded[0].1.config, shapes, owner, None, ranks);
     let mut runners: Vec<Box<dyn Runner>> = Vec::with_capacity(ranks);
     for (backend, model) in loaded {
         let kv = KvPool::new(plan.layout, plan.blocks, plan.host_blocks, owner)?;
@@ -101,6 +94,29 @@ pub(super) fn load_cpu_ranks(
         split_summary(config, ranks, experts)?
     );
     Ok((Box::new(runner), plan, owned))
+}
+
+/// The plan of `ranks` pools alike, each of a rank's heads (`rank_config`'s), in the host's
+/// memory or `device_memory`.
+fn rank_pools_plan(
+    options: &EngineOptions,
+    rank_config: &ModelConfig,
+    shapes: RankShapes,
+    owner: &BufferOwner,
+    device_memory: Option<u64>,
+    ranks: usize,
+) -> PoolPlan {
+    let layout = KvLayout::new(rank_config, shapes.kv_dtype);
+    let (context, parallel) = (shapes.context, shapes.parallel);
+    PoolPlan::new(
+        options,
+        layout,
+        context,
+        parallel,
+        owner,
+        device_memory,
+        ranks,
+    )
 }
 
 fn expert_split(options: &EngineOptions) -> ExpertSplit {
@@ -263,11 +279,10 @@ pub(super) fn load_cuda_ranks(
         model.tune_products(&mut backend)?;
         loaded.push((backend, model));
     }
-    let plan = PoolPlan::new(
+    let plan = rank_pools_plan(
         options,
-        KvLayout::new(&loaded[0].1.config, shapes.kv_dtype),
-        shapes.context,
-        shapes.parallel,
+        &loaded[0].1.config,
+        shapes,
         owner,
         Some(gpus.memory_bytes),
         ranks,
