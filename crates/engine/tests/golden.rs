@@ -482,7 +482,11 @@ fn top_two_gap(row: &[f32]) -> f32 {
 
 /// Split two ways against whole, 32 greedy tokens from every golden prompt: the same tokens,
 /// every step's logits within [`SPLIT_LOGIT_TOLERANCE`] (CUDA's bf16 checkpoints within
-/// [`SPLIT_LOGIT_TOLERANCE_CUDA_BF16`]).
+/// [`SPLIT_LOGIT_TOLERANCE_CUDA_BF16`]). Under that wider bound two picks may part at a near
+/// tie (H200: llama-bf16's top two 0.0017 apart, the rows 0.075 apart); that is allowed only
+/// where the whole model's top two are within twice the rows' largest difference (no closer
+/// rows could pick apart otherwise), the case then ends there, and at most one case in four
+/// may end so.
 #[test]
 fn split_two_ways_agrees_with_whole_for_32_tokens() {
     // On CUDA the batch-invariant kernels only: the default's products cut by rows may take
@@ -491,7 +495,7 @@ fn split_two_ways_agrees_with_whole_for_32_tokens() {
         eprintln!("split against whole on CUDA: run with EMBER_TEST_BATCH_INVARIANT=1");
         return;
     }
-    let mut worst = 0f32;
+    let (mut worst, mut cases, mut near_ties) = (0f32, 0, 0);
     for name in [
         "llama-bf16",
         "qwen2-f32",
@@ -524,7 +528,11 @@ fn split_two_ways_agrees_with_whole_for_32_tokens() {
                     ControlFlow::Continue(())
                 })
                 .unwrap();
-            let mut step = 0;
+            let tolerance = match device() != Device::Cpu && name.ends_with("bf16") {
+                true => SPLIT_LOGIT_TOLERANCE_CUDA_BF16,
+                false => SPLIT_LOGIT_TOLERANCE,
+            };
+            let (mut step, mut tied_at) = (0, None);
             let got = split
                 .generate(&prompt, &params, |s| {
                     let (got, want_row) = (s.logits.unwrap(), &rows[step]);
@@ -534,32 +542,51 @@ fn split_two_ways_agrees_with_whole_for_32_tokens() {
                         .zip(want_row)
                         .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
                     worst = worst.max(off / scale);
-                    let tolerance = match device() != Device::Cpu && name.ends_with("bf16") {
-                        true => SPLIT_LOGIT_TOLERANCE_CUDA_BF16,
-                        false => SPLIT_LOGIT_TOLERANCE,
-                    };
                     assert!(
                         off <= tolerance * scale,
                         "{name} case {case} step {step}: logits {off} apart (largest {scale})"
                     );
-                    // Logits this close picking apart: a near tie, how near said.
-                    assert_eq!(
-                        s.token,
-                        want.tokens[step],
-                        "{name} case {case} step {step}: the whole model's top two {} apart, \
-                         logits {off} apart",
-                        top_two_gap(want_row)
-                    );
+                    if s.token != want.tokens[step] {
+                        // Rows `off` apart pick apart only where the top two are within
+                        // 2·off; the wider bound's near ties end the case.
+                        let gap = top_two_gap(want_row);
+                        assert!(
+                            tolerance > SPLIT_LOGIT_TOLERANCE && gap <= 2.0 * off,
+                            "{name} case {case} step {step}: token {} for {}, the whole \
+                             model's top two {gap} apart, logits {off} apart",
+                            s.token,
+                            want.tokens[step]
+                        );
+                        tied_at = Some(step);
+                        return ControlFlow::Break(());
+                    }
                     step += 1;
                     ControlFlow::Continue(())
                 })
                 .unwrap();
+            cases += 1;
+            let agreed = match tied_at {
+                Some(step) => {
+                    eprintln!("{name} case {case}: a near tie at step {step}");
+                    near_ties += 1;
+                    step
+                }
+                None => 32,
+            };
             assert_eq!(
-                got.tokens, want.tokens,
-                "{name} case {case}: 32 greedy tokens"
+                got.tokens[..agreed],
+                want.tokens[..agreed],
+                "{name} case {case}: greedy tokens"
             );
-            assert_eq!(got.tokens.len(), 32);
+            assert!(got.tokens.len() >= agreed && want.tokens.len() == 32);
         }
     }
-    eprintln!("split against whole: logits at most {worst:.2e} of the row's largest apart");
+    assert!(
+        near_ties * 4 <= cases,
+        "{near_ties} of {cases} cases parted at near ties"
+    );
+    eprintln!(
+        "split against whole: logits at most {worst:.2e} of the row's largest apart; \
+         {near_ties} of {cases} cases parted at a near tie"
+    );
 }
