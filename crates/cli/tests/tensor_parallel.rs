@@ -152,17 +152,6 @@ fn splits_run_or_say_why_not() {
             "rank 2",
         ),
         (
-            "qwen3moe-f32",
-            &[
-                "--tensor-parallel",
-                "2",
-                "--expert-parallel",
-                "--device",
-                "cuda",
-            ],
-            "expert parallelism (--expert-parallel) runs on the CPU only",
-        ),
-        (
             "qwen3-f32",
             &["--tensor-parallel", "2", "--collectives", "gloo"],
             "expected nccl or host",

@@ -422,7 +422,7 @@ fn llama_bf16() {
 /// Every fixture split two ways (tensor parallelism: ranks as threads on the CPU, GPUs on
 /// CUDA, each with its share of the heads, MLP columns and vocabulary), and four where its
 /// four query heads allow (each of the two key-value heads then held by two ranks), the
-/// mixtures of experts also by experts on the CPU (each rank four of the eight whole):
+/// mixtures of experts also by experts (each rank four of the eight whole):
 /// transformers' ids and log-probabilities, held to the same tolerance (the ranks' partial
 /// sums are added in another order than one product's: f32 differences far below it). On one
 /// GPU the ranks share it, meeting through host memory (`EMBER_TEST_COLLECTIVES`).
@@ -446,8 +446,7 @@ fn every_fixture_split_two_and_four_ways() {
             let split = runs(name).into_iter().map(|run| Run { ranks, ..run });
             check_runs(name, &split.collect::<Vec<_>>());
         }
-        // CUDA's expert kernels route among every expert: expert parallelism is the CPU's.
-        if name.starts_with("qwen3moe") && device() == Device::Cpu {
+        if name.starts_with("qwen3moe") {
             let by_experts = runs(name).into_iter().map(|run| Run {
                 ranks: 2,
                 expert_parallel: true,

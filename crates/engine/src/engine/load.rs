@@ -18,9 +18,7 @@ use ember_tensor::{BufferKind, BufferOwner, DType, ThreadPool};
 use serde_json::Value;
 
 use super::load_draft::{DraftDevice, DraftTarget, load_draft_model};
-use super::load_ranks::{
-    EXPERT_PARALLEL_ON_CPU, RankDevices, RankShapes, load_cpu_ranks, load_cuda_ranks,
-};
+use super::load_ranks::{RankDevices, RankShapes, load_cpu_ranks, load_cuda_ranks};
 use super::pool_plan::PoolPlan;
 use super::{
     DEFAULT_CONTEXT, DEFAULT_PARALLEL_CPU, DEFAULT_PARALLEL_CUDA, DEFAULT_PREFILL_CHUNK_CPU,
@@ -563,9 +561,7 @@ fn choose_device(
     config: &ModelConfig,
 ) -> Result<Option<CudaDevice>> {
     // What the CUDA backend cannot run yet, said before anything is uploaded.
-    let cpu_only = if options.tensor_parallel > 1 && options.expert_parallel {
-        Some(EXPERT_PARALLEL_ON_CPU)
-    } else if matches!(weights, WeightFiles::Gguf(_)) {
+    let cpu_only = if matches!(weights, WeightFiles::Gguf(_)) {
         Some("GGUF (quantized) models run on the CPU; quantized CUDA kernels come later")
     } else if config.moe.as_ref().is_some_and(|m| {
         m.num_experts > cuda::MAX_EXPERTS || m.num_experts_per_tok > cuda::MAX_TOP_K

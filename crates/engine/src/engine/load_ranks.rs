@@ -257,9 +257,6 @@ pub(super) fn load_cuda_ranks(
 ) -> Result<(Box<dyn Runner>, PoolPlan)> {
     let ranks = gpus.devices.len();
     let experts = expert_split(options);
-    if experts == ExpertSplit::Experts {
-        return Err(Error::NotOnCuda(EXPERT_PARALLEL_ON_CPU));
-    }
     check_splits(config, ranks, experts)?;
     let mut loaded = Vec::with_capacity(ranks);
     for (rank, device) in gpus.devices.iter().enumerate() {
@@ -308,10 +305,6 @@ pub(super) fn load_cuda_ranks(
     warm_up(&mut runner)?;
     Ok((Box::new(runner), plan))
 }
-
-/// Why `--expert-parallel` does not run on CUDA.
-pub(super) const EXPERT_PARALLEL_ON_CPU: &str = "expert parallelism (--expert-parallel) runs \
-     on the CPU only: CUDA's expert kernels route among every expert";
 
 #[cfg(test)]
 mod tests {

@@ -681,17 +681,12 @@ impl Backend for CudaBackend {
         norm: &CudaVector,
         eps: f32,
     ) -> Result<()> {
-        if moe.experts.len() != moe.router.rows {
-            return Err(Error::Unsupported {
-                what: "expert parallelism (a share of the experts on each rank)".into(),
-                backend: "CUDA",
-            });
-        }
         if !self.in_group() {
             return self.moe_layer(moe, rows, norm, eps, MoeSum::ToResidual);
         }
-        // A rank's experts hold its share of their columns: its weighted sum is a partial
-        // one, added up across the ranks before the residual takes it.
+        // A rank's experts hold its share of their columns, or it holds a share of the
+        // experts: either way its weighted sum is a partial one, added up across the ranks
+        // before the residual takes it.
         let len = rows.len() * moe.router.cols;
         let offset = rows.start * moe.router.cols;
         let mut partial = self.slots[Slot::BlockOut.index()].as_mut_slice::<f32>();

@@ -49,11 +49,8 @@ impl MoeWorkspace {
         let Some(moe) = &config.moe else {
             return Ok(None);
         };
-        let routing = Routing {
-            experts: moe.num_experts,
-            top_k: moe.num_experts_per_tok,
-            normalize: moe.norm_topk_prob,
-        };
+        // Tiles for every expert: a bound for any share of them a rank holds.
+        let routing = Routing::new(moe.num_experts, moe.num_experts_per_tok, moe.norm_topk_prob);
         let pairs = tokens * routing.top_k;
         // One token takes a tile per pair, more take tiles of 8 or 64: the most tiles.
         let tiles = routing
@@ -124,10 +121,11 @@ impl CudaBackend {
         })
     }
 
-    /// Routed on the device (the weighted sum going where `sum` says): router logits in f32 from the f32 normed rows (normalised inside
+    /// Routed on the device: router logits in f32 from the f32 normed rows (normalised inside
     /// the router's and gate/up's products off the tensor cores), top-k and grouping by expert
-    /// in one block, each routed pair's SwiGLU and down products in one launch each (tensor
-    /// cores for the prompts of bf16 experts), and the weighted sum added to the residual.
+    /// in one block, each routed pair of the experts held here through its SwiGLU and down
+    /// products in one launch each (tensor cores for the prompts of bf16 experts), and the
+    /// weighted sum added where `sum` says.
     pub(super) fn moe_layer(
         &mut self,
         moe: &Moe<Self>,
@@ -138,11 +136,9 @@ impl CudaBackend {
     ) -> Result<()> {
         let (offset, n) = (rows.start, rows.len());
         let experts = &moe.prepared;
-        let routing = Routing {
-            experts: moe.experts.len(),
-            top_k: moe.top_k,
-            normalize: moe.norm_topk_prob,
-        };
+        // The router scores every expert; this rank's tables hold `moe.experts` of them.
+        let routing = Routing::new(moe.router.rows, moe.top_k, moe.norm_topk_prob)
+            .holding(moe.first_expert, moe.experts.len());
         let (hidden, width) = (experts.down.rows(), experts.gate_up.rows());
         let pairs = n * routing.top_k;
         // Prompts of bf16 experts on the tensor cores (their input rounded to bf16, as the
@@ -236,6 +232,7 @@ impl CudaBackend {
             )?;
         }
         let weights = routes.weights.as_slice().slice(0..pairs);
+        let ids = routes.ids.as_slice().slice(0..pairs);
         let (mut out, out_rows) = match sum {
             MoeSum::ToResidual => (residual.as_mut_slice::<f32>(), offset..offset + n),
             MoeSum::Partial => (block_out.as_mut_slice::<f32>(), 0..n),
@@ -243,8 +240,9 @@ impl CudaBackend {
         let mut out = out.slice_mut(out_rows.start * hidden..out_rows.end * hidden);
         cuda::moe_combine(
             dev,
+            (weights, ids),
+            routing.held,
             expert_out.as_slice(),
-            weights,
             routing.top_k,
             &mut out,
             hidden,

@@ -168,19 +168,52 @@ pub fn max_tiles(pairs: usize, experts: usize, tile_rows: usize) -> usize {
 }
 
 /// How a layer routes: `top_k` of `experts`, the chosen probabilities renormalised to sum to 1
-/// with `normalize` (Qwen3-MoE's `norm_topk_prob`).
+/// with `normalize` (Qwen3-MoE's `norm_topk_prob`), to the experts `held` here.
 #[derive(Clone, Copy, Debug)]
 pub struct Routing {
     pub experts: usize,
     pub top_k: usize,
     pub normalize: bool,
+    pub held: HeldExperts,
+}
+
+/// The experts whose weights this device's [`ExpertTable`]s hold, `first..first + count` of
+/// the router's: all of them, or one rank's share under expert parallelism. Pairs routed to
+/// the others get no tile and add nothing in [`moe_combine`]: the rank holding their expert
+/// adds them, and the ranks' sums are added up after.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeldExperts {
+    pub first: usize,
+    pub count: usize,
 }
 
 impl Routing {
-    /// Values of the tile list for `tokens` on `road` (see [`ExpertTiles::tiles`]).
+    /// `top_k` of `experts`, all of them held.
+    pub fn new(experts: usize, top_k: usize, normalize: bool) -> Routing {
+        Routing {
+            experts,
+            top_k,
+            normalize,
+            held: HeldExperts {
+                first: 0,
+                count: experts,
+            },
+        }
+    }
+
+    /// The same routing with only `count` experts from `first` held here.
+    pub fn holding(self, first: usize, count: usize) -> Routing {
+        Routing {
+            held: HeldExperts { first, count },
+            ..self
+        }
+    }
+
+    /// Values of the tile list for `tokens` on `road` (see [`ExpertTiles::tiles`]): tiles for
+    /// the held experts only.
     pub fn tiles_len(&self, tokens: usize, road: ExpertRoad) -> usize {
         let pairs = tokens * self.top_k;
-        1 + 3 * max_tiles(pairs, self.experts, road.tile_rows())
+        1 + 3 * max_tiles(pairs, self.held.count, road.tile_rows())
     }
 }
 
@@ -208,7 +241,8 @@ impl Routes<'_> {
 
 /// Routes each of `tokens` rows of router `logits` (`[tokens, experts]`) to its top-k experts
 /// (softmax, then the k most probable, ties to the lower index as `torch.topk`), and groups
-/// the pairs into tiles for the road `out` names.
+/// the pairs of held experts into tiles for the road `out` names, each tile naming its expert
+/// by its place in the held ones (the [`ExpertTable`]'s index).
 pub fn moe_route(
     device: &CudaDevice,
     logits: DevSlice<'_, f32>,
@@ -221,11 +255,19 @@ pub fn moe_route(
         experts,
         top_k,
         normalize,
+        held,
     } = *routing;
     ensure!(
         (1..=MAX_EXPERTS).contains(&experts),
         OP,
         "{experts} experts, 1..={MAX_EXPERTS} route"
+    );
+    ensure!(
+        held.count >= 1 && held.first + held.count <= experts,
+        OP,
+        "{} experts held from {} of {experts}",
+        held.count,
+        held.first
     );
     ensure!(
         (1..=experts.min(MAX_TOP_K)).contains(&top_k),
@@ -268,6 +310,7 @@ pub fn moe_route(
     );
     let (n, e, k) = (int(OP, "tokens", tokens)?, experts as i32, top_k as i32);
     let (norm, tile_rows) = (i32::from(normalize), out.road.tile_rows() as i32);
+    let (held_first, held_end) = (held.first as i32, (held.first + held.count) as i32);
     // A warp per token to pick experts, a thread per expert to group pairs; one warp for
     // a single token with a tile per pair, which it lays out itself (moe.cu).
     let threads = if tokens == 1 && tile_rows == 1 {
@@ -279,19 +322,23 @@ pub fn moe_route(
             .min(ROUTE_THREADS) as u32
     };
     launch!(device, Kernel::MoeRoute, config((1, 1), threads, 0);
-        lp, n, e, k, norm, tile_rows, ip, wp, op, tp)
+        lp, n, e, k, norm, tile_rows, held_first, held_end, ip, wp, op, tp)
 }
 
 /// `out[t] += Σ_r weights[t·top_k + r] · expert_out[t·top_k + r]` for `out` `[tokens, hidden]`
-/// (the residual stream) and `expert_out` `[tokens · top_k, hidden]`, summed in rank order.
+/// (the residual stream, or a rank's partial sum) and `expert_out` `[tokens · top_k, hidden]`,
+/// summed in rank order over the pairs whose expert (`ids`, as [`moe_route`] wrote them) is
+/// `held`.
 pub fn moe_combine(
     device: &CudaDevice,
+    routes: (DevSlice<'_, f32>, DevSlice<'_, i32>),
+    held: HeldExperts,
     expert_out: DevSlice<'_, f32>,
-    weights: DevSlice<'_, f32>,
     top_k: usize,
     out: &mut DevSliceMut<'_, f32>,
     hidden: usize,
 ) -> Result<(), CudaError> {
+    let (weights, ids) = routes;
     const OP: &str = "moe_combine";
     ensure!(
         hidden > 0 && out.len().is_multiple_of(hidden),
@@ -301,27 +348,33 @@ pub fn moe_combine(
     );
     let tokens = out.len() / hidden;
     ensure!(
-        expert_out.len() == tokens * top_k * hidden && weights.len() == tokens * top_k,
+        expert_out.len() == tokens * top_k * hidden
+            && weights.len() == tokens * top_k
+            && ids.len() == weights.len(),
         OP,
-        "{} expert outputs and {} weights for {tokens} tokens of top {top_k}",
+        "{} expert outputs, {} weights and {} ids for {tokens} tokens of top {top_k}",
         expert_out.len(),
-        weights.len()
+        weights.len(),
+        ids.len()
     );
     if tokens == 0 {
         return Ok(());
     }
-    let (xp, wp, op) = (
+    let (xp, wp, ip, op) = (
         expert_out.device_ptr(),
         weights.device_ptr(),
+        ids.device_ptr(),
         out.device_ptr(),
     );
+    let held_first = int(OP, "held experts", held.first)?;
+    let held_end = int(OP, "held experts", held.first + held.count)?;
     let (n, k, h) = (
         int(OP, "tokens", tokens)?,
         int(OP, "top_k", top_k)?,
         int(OP, "hidden", hidden)?,
     );
     let cfg = config((stride_blocks(device, out.len()), 1), THREADS, 0);
-    launch!(device, Kernel::MoeCombine, cfg; xp, wp, n, k, h, op)
+    launch!(device, Kernel::MoeCombine, cfg; xp, wp, ip, held_first, held_end, n, k, h, op)
 }
 
 /// `y[p] = W_e · x[p / x_div]` for each routed pair `p` and its expert `e` (with two matrices,

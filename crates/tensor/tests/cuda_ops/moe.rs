@@ -107,8 +107,9 @@ fn moe_reference(
 }
 
 /// Runs a MoE layer on the device: route, gate and up with SwiGLU (the RMS norm by `norm`'s
-/// weight inside, where given), down, combine into a residual that starts as `x`. Returns the
-/// experts chosen per pair, the tile list and order, and the residual.
+/// weight inside, where given), down, combine into `residual` (`x`, or zeros for a rank's
+/// partial sum), the experts `routing.held` in the tables. Returns the experts chosen per
+/// pair, the tile list and order, and the residual.
 struct MoeRun {
     ids: Vec<i32>,
     tiles: Vec<i32>,
@@ -120,7 +121,7 @@ struct MoeRun {
 fn run_moe(
     ctx: &Ctx,
     logits: &[f32],
-    x: &[f32],
+    (x, residual): (&[f32], &[f32]),
     (gate_up, down): (&DeviceBuffer, &DeviceBuffer),
     routing: cuda::Routing,
     (hidden, width): (usize, usize),
@@ -133,7 +134,9 @@ fn run_moe(
     let gate_up_mat =
         DevMat::from_slice(gate_up.as_slice::<bf16>(), experts * 2 * width, hidden).unwrap();
     let down_mat = DevMat::from_slice(down.as_slice::<bf16>(), experts * hidden, width).unwrap();
-    let first: Vec<Vec<DevMat<'_>>> = (0..experts)
+    let held = routing.held.first..routing.held.first + routing.held.count;
+    let first: Vec<Vec<DevMat<'_>>> = held
+        .clone()
         .map(|e| {
             let base = e * 2 * width;
             vec![
@@ -142,7 +145,7 @@ fn run_moe(
             ]
         })
         .collect();
-    let second: Vec<Vec<DevMat<'_>>> = (0..experts)
+    let second: Vec<Vec<DevMat<'_>>> = held
         .map(|e| vec![down_mat.slice_rows(e * hidden..(e + 1) * hidden)])
         .collect();
     // SAFETY: the weight buffers outlive the tables (all live until this function returns).
@@ -157,7 +160,7 @@ fn run_moe(
     let mut buffers = RouteBuffers::new(ctx, &routing, tokens, road);
     let mut act = ctx.poisoned::<f32>(pairs * width);
     let mut expert_out = ctx.poisoned::<f32>(pairs * hidden);
-    let mut out = ctx.upload(x);
+    let mut out = ctx.upload(residual);
     let mut routes = buffers.routes(road);
     let dev = &ctx.device;
     cuda::moe_route(dev, logits_buf.as_slice(), tokens, &routing, &mut routes).unwrap();
@@ -178,11 +181,12 @@ fn run_moe(
         let out = &mut expert_out.as_mut_slice();
         cuda::matvec_experts(dev, &down_table, t, act.as_slice(), 1, None, out).unwrap();
     }
-    let w = routes.weights.as_slice();
+    let routed = (routes.weights.as_slice(), routes.ids.as_slice());
     cuda::moe_combine(
         dev,
+        routed,
+        routing.held,
         expert_out.as_slice(),
-        w,
         k,
         &mut out.as_mut_slice(),
         hidden,
@@ -204,11 +208,7 @@ fn moe_routing_takes_every_size_of_expert_set() {
     let Some(ctx) = Ctx::new() else { return };
     let mut rng = Rng(5);
     for experts in [60, 200, 512, 1024] {
-        let routing = cuda::Routing {
-            experts,
-            top_k: 8,
-            normalize: true,
-        };
+        let routing = cuda::Routing::new(experts, 8, true);
         for tokens in [1, 5] {
             let logits: Vec<f32> = rng.vec(tokens * experts).iter().map(|v| v * 4.0).collect();
             let (want_ids, want_weights): (Vec<i32>, Vec<f64>) = logits
@@ -245,11 +245,7 @@ fn moe_routes_on_the_device_and_matches_the_reference() {
     for (experts, top_k, normalize, hidden, width) in
         [(8, 2, false, 64, 32), (128, 8, true, 256, 96)]
     {
-        let routing = cuda::Routing {
-            experts,
-            top_k,
-            normalize,
-        };
+        let routing = cuda::Routing::new(experts, top_k, normalize);
         let gate_up: Vec<bf16> = round(&rng.vec(experts * 2 * width * hidden));
         let down: Vec<bf16> = round(&rng.vec(experts * hidden * width));
         let (gate_up_f, down_f) = (widen(&gate_up), widen(&down));
@@ -300,7 +296,8 @@ fn moe_routes_on_the_device_and_matches_the_reference() {
                 }
                 let weights = (&gate_up_buf, &down_buf);
                 let shape = (hidden, width);
-                let run = run_moe(&ctx, &logits, &x, weights, routing, shape, road, norm_buf);
+                let xs = (&x[..], &x[..]);
+                let run = run_moe(&ctx, &logits, xs, weights, routing, shape, road, norm_buf);
                 let what = format!(
                     "{experts} experts top {top_k}, {tokens} tokens, {road:?}, norm {normed}"
                 );
@@ -340,10 +337,11 @@ fn moe_routes_on_the_device_and_matches_the_reference() {
                         alone_roads.push(ExpertRoad::Decode);
                     }
                     for alone_road in alone_roads {
+                        let xt = &x[t * hidden..(t + 1) * hidden];
                         let alone = run_moe(
                             &ctx,
                             &logits[t * experts..(t + 1) * experts],
-                            &x[t * hidden..(t + 1) * hidden],
+                            (xt, xt),
                             weights,
                             routing,
                             shape,
@@ -356,6 +354,87 @@ fn moe_routes_on_the_device_and_matches_the_reference() {
                             "{what}: token {t} alone on {alone_road:?}"
                         );
                     }
+                }
+            }
+        }
+    }
+}
+
+/// Expert parallelism's kernels: each rank's tables hold a share of the experts, its routing
+/// tiles only their pairs (naming each expert by its place in the share) and its combine adds
+/// only theirs, into a partial sum. The ranks' partial sums added in rank order to the
+/// residual are the whole layer's output, on every road, for shares of 2 and 4 ranks.
+#[test]
+fn moe_shares_of_the_experts_add_up_to_the_whole() {
+    let Some(ctx) = Ctx::new() else { return };
+    let mut rng = Rng(23);
+    for (experts, top_k, hidden, width) in [(8, 2, 64, 32), (128, 8, 256, 96)] {
+        let routing = cuda::Routing::new(experts, top_k, true);
+        let gate_up: Vec<bf16> = round(&rng.vec(experts * 2 * width * hidden));
+        let down: Vec<bf16> = round(&rng.vec(experts * hidden * width));
+        let (gate_up_buf, down_buf) = (ctx.upload(&gate_up), ctx.upload(&down));
+        let weights = (&gate_up_buf, &down_buf);
+        let shape = (hidden, width);
+        for tokens in [1, 37, 300] {
+            let logits: Vec<f32> = rng.vec(tokens * experts).iter().map(|v| v * 4.0).collect();
+            let x = rng.vec(tokens * hidden);
+            let zeros = vec![0f32; x.len()];
+            let roads = match tokens {
+                1 => vec![ExpertRoad::Decode],
+                _ => vec![ExpertRoad::Matvec, ExpertRoad::TensorCores],
+            };
+            for road in roads {
+                let whole = run_moe(&ctx, &logits, (&x, &x), weights, routing, shape, road, None);
+                for ranks in [2, 4] {
+                    let what =
+                        format!("{experts} experts, {tokens} tokens, {road:?}, {ranks} ranks");
+                    let mut sum = x.clone();
+                    let mut pairs_tiled = 0;
+                    for rank in 0..ranks {
+                        let (first, end) = (experts * rank / ranks, experts * (rank + 1) / ranks);
+                        let share = routing.holding(first, end - first);
+                        let run = run_moe(
+                            &ctx,
+                            &logits,
+                            (&x, &zeros),
+                            weights,
+                            share,
+                            shape,
+                            road,
+                            None,
+                        );
+                        assert_eq!(run.ids, whole.ids, "{what}: rank {rank}'s routing");
+                        let mut seen = Vec::new();
+                        for tile in run.tiles[1..].chunks(3).take(run.tiles[0] as usize) {
+                            let (e, at, n) = (tile[0] as usize, tile[1] as usize, tile[2] as usize);
+                            assert!(e < end - first, "{what}: rank {rank} tiles expert {e}");
+                            for &p in &run.order[at..at + n] {
+                                assert_eq!(run.ids[p as usize] as usize, first + e, "{what}");
+                                seen.push(p);
+                            }
+                        }
+                        let held = |&id: &i32| (first..end).contains(&(id as usize));
+                        assert_eq!(
+                            seen.len(),
+                            run.ids.iter().filter(|id| held(id)).count(),
+                            "{what}: rank {rank}'s pairs in tiles"
+                        );
+                        pairs_tiled += seen.len();
+                        for (s, p) in sum.iter_mut().zip(&run.out) {
+                            *s += p;
+                        }
+                    }
+                    assert_eq!(
+                        pairs_tiled,
+                        tokens * top_k,
+                        "{what}: every pair on one rank"
+                    );
+                    let want: Vec<f64> = whole.out.iter().map(|&v| v as f64).collect();
+                    let err = rel_err(&sum, &want);
+                    assert!(
+                        err < 1e-5,
+                        "{what}: the ranks' sum off the whole by {err:e}"
+                    );
                 }
             }
         }

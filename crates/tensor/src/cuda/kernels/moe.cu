@@ -15,8 +15,13 @@
 // sizes it to the batch and the experts. A single token with a tile per pair (decode) takes
 // one warp for both, from registers.
 //
+// Only the experts held here, [held_first, held_end), get tiles (naming an expert by its
+// place among them, the expert table's index): under expert parallelism each rank holds a
+// share of the experts, and the others' pairs are another rank's to compute.
+//
 // moe_combine: out[t] += sum over ranks r of weight[t, r] · expert_out[t · top_k + r], in rank
-// order, one thread per output value: the layer's output added to the residual stream.
+// order over the pairs of held experts, one thread per output value: the layer's output added
+// to the residual stream (or to a rank's partial sum).
 
 #define MOE_THREADS 1024
 #define MOE_MAX_EXPERTS 1024
@@ -103,7 +108,8 @@ __device__ __forceinline__ void pick_top_k(const float* __restrict__ row, int ex
 
 extern "C" __global__ void __launch_bounds__(MOE_THREADS)
     moe_route(const float* __restrict__ logits, int tokens, int experts, int top_k, int normalize,
-              int tile_rows, int* __restrict__ ids, float* __restrict__ weights,
+              int tile_rows, int held_first, int held_end, int* __restrict__ ids,
+              float* __restrict__ weights,
               int* __restrict__ order, int* __restrict__ tiles) {
     grid_dependency_wait();
     __shared__ int run_start[MOE_MAX_EXPERTS];   // pairs per expert, then where its run starts
@@ -117,25 +123,30 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS)
         // (and of its own expert with lower ranks, which only the all-NaN fallback makes):
         // the tiles and order the general path below makes, without its rounds of shared
         // and global memory (H200, qwen3-30b-a3b: 8.4 us a layer under Nsight Compute).
+        // Only held pairs count and get a tile.
         if (warp != 0) return;
         int id;
         float weight;
         pick_top_k(logits, experts, top_k, normalize, lane, id, weight);
+        const bool held = lane < top_k && id >= held_first && id < held_end;
+        const unsigned held_lanes = __ballot_sync(FULL_MASK, held);
         int place = 0;
         for (int j = 0; j < top_k; ++j) {
             const int other = __shfl_sync(FULL_MASK, id, j);
-            place += other < id || (other == id && j < lane);
+            place += ((held_lanes >> j) & 1u) && (other < id || (other == id && j < lane));
         }
         if (lane < top_k) {
             ids[lane] = id;
             weights[lane] = weight;
+        }
+        if (held) {
             order[place] = lane;
             int* tile = tiles + 1 + 3 * place;
-            tile[0] = id;
+            tile[0] = id - held_first;
             tile[1] = place;
             tile[2] = 1;
         }
-        if (lane == 0) tiles[0] = top_k;
+        if (lane == 0) tiles[0] = __popc(held_lanes);
         return;
     }
     for (int t = warp; t < tokens; t += warps) {
@@ -155,15 +166,16 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS)
     __syncthreads();
     for (int p = threadIdx.x; p < pairs; p += blockDim.x) atomicAdd(&run_start[ids[p]], 1);
     __syncthreads();
-    // Where each expert's pairs and tiles start: exclusive sums over experts, lane l of warp 0
-    // taking a contiguous share of them.
+    // Where each expert's pairs and tiles start: exclusive sums over experts (tiles over the
+    // held ones), lane l of warp 0 taking a contiguous share of them.
     if (warp == 0) {
         const int per = (experts + 31) / 32;
         const int lo = min(experts, lane * per), hi = min(experts, lo + per);
         int pair_sum = 0, tile_sum = 0;
         for (int e = lo; e < hi; ++e) {
             pair_sum += run_start[e];
-            tile_sum += (run_start[e] + tile_rows - 1) / tile_rows;
+            if (e >= held_first && e < held_end)
+                tile_sum += (run_start[e] + tile_rows - 1) / tile_rows;
         }
         int pair_incl = pair_sum, tile_incl = tile_sum;
 #pragma unroll
@@ -182,17 +194,17 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS)
             cursor[e] = p;
             tile_start[e] = t;
             p += n;
-            t += (n + tile_rows - 1) / tile_rows;
+            if (e >= held_first && e < held_end) t += (n + tile_rows - 1) / tile_rows;
         }
         if (lane == 31) tiles[0] = tile_incl;
     }
     __syncthreads();
-    // Each expert's tiles, a thread per expert.
-    for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+    // Each held expert's tiles, a thread per expert.
+    for (int e = held_first + threadIdx.x; e < held_end; e += blockDim.x) {
         const int start = run_start[e], n = (e + 1 < experts ? run_start[e + 1] : pairs) - start;
         int* tile = tiles + 1 + 3 * tile_start[e];
         for (int j = 0; j < n; j += tile_rows, tile += 3) {
-            tile[0] = e;
+            tile[0] = e - held_first;
             tile[1] = start + j;
             tile[2] = min(tile_rows, n - j);
         }
@@ -214,8 +226,10 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS)
 }
 
 extern "C" __global__ void moe_combine(const float* __restrict__ expert_out,
-                                       const float* __restrict__ weights, int tokens, int top_k,
-                                       int hidden, float* __restrict__ out) {
+                                       const float* __restrict__ weights,
+                                       const int* __restrict__ ids, int held_first, int held_end,
+                                       int tokens, int top_k, int hidden,
+                                       float* __restrict__ out) {
     grid_dependency_wait();
     const size_t n = (size_t)tokens * hidden;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
@@ -224,7 +238,8 @@ extern "C" __global__ void moe_combine(const float* __restrict__ expert_out,
         float s = 0.0f;
         for (int r = 0; r < top_k; ++r) {
             const size_t p = t * top_k + r;
-            s = fmaf(weights[p], expert_out[p * hidden + h], s);
+            if (ids[p] >= held_first && ids[p] < held_end)
+                s = fmaf(weights[p], expert_out[p * hidden + h], s);
         }
         out[i] += s;
     }
