@@ -40,7 +40,10 @@
 // warpgroups multiplies 64 weight rows by the block's 128 tokens, one m64n128k16 step a 16
 // values, both operands read from shared memory by the tensor cores. A wgmma step adds an
 // element the bits an m16n8k16 mma.sync adds it (scripts/wgmma_bits.py: every element equal,
-// bf16 and f16, N 8 to 256), so the slices and their order are those above, unchanged.
+// bf16 and f16, N 8 to 256), so the slices and their order are those above, unchanged. With
+// stages of two steps a shared row is 128 bytes, its pieces placed as above: exactly the
+// layout of wgmma's 128-byte swizzle, which the tensor cores read as it is. Longer stages
+// use wgmma's layout without swizzle instead (core matrices padded apart: SG_CORE_LBO).
 
 #define SG_STEP 32
 // Bytes of one step of a row: 32 16-bit values.
@@ -186,7 +189,8 @@ struct SgStager {
     }
 };
 
-extern __shared__ __align__(128) unsigned char sg_smem[];
+// 1024 bytes: the period of the 128-byte swizzle, which wgmma reads from absolute addresses.
+extern __shared__ __align__(1024) unsigned char sg_smem[];
 
 // The weights of the first AHEAD stages, requested before the kernel waits for the one before it.
 template <int WM, int WN, int WARPS_M, int WARPS_N, int STAGES, int KS, bool SPLIT, bool CORE,
@@ -412,13 +416,17 @@ __device__ __forceinline__ void sliced_gemm(const SlicedGemmArgs& a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define SG_WGMMA 1
 
-// wgmma's descriptor of a matrix in shared memory without swizzle: its start, the bytes
-// between core matrices adjacent in k (leading) and between 8-row groups (stride), in 16s.
+// wgmma's descriptor of a matrix in shared memory: its start, the bytes between core
+// matrices adjacent in k (leading; unused under a swizzle) and between 8-row groups (stride),
+// in 16s, and with SWIZZLED the 128-byte swizzle (mode 1 in bits 62-63). A k16 step inside a
+// swizzled 128-byte row starts 32 bytes on: the swizzle applies to the address as computed.
+template <bool SWIZZLED>
 __device__ __forceinline__ unsigned long long sg_descriptor(unsigned addr, unsigned lbo,
                                                             unsigned sbo) {
     return (unsigned long long)((addr >> 4) & 0x3fff) |
            (unsigned long long)((lbo >> 4) & 0x3fff) << 16 |
-           (unsigned long long)((sbo >> 4) & 0x3fff) << 32;
+           (unsigned long long)((sbo >> 4) & 0x3fff) << 32 |
+           (unsigned long long)(SWIZZLED ? 1 : 0) << 62;
 }
 
 // d += A · Bᵀ for A 64 × 16 and B 128 × 16, both k-major in shared memory (descriptors `a`,
@@ -477,6 +485,9 @@ __device__ __forceinline__ void wgmma_hold(float (&d)[1][WN][4]) {
 }
 #endif
 
+// Whether the wg tiles of KS steps a stage read the swizzled layout (rows of 128 bytes).
+#define SG_WG_SWIZZLED(KS) ((KS) == 2)
+
 // The wg tiles: 8 warps, two warpgroups of 64 weight rows each by the block's 8·WN = 128
 // tokens. Stage s sits in buffer s % STAGES; the steps of stage s run while the kernel waits
 // for stage s + 1, so the buffer refilled at stage s is that of s - 2 (its steps done by every
@@ -485,21 +496,24 @@ template <typename T, int WN, int STAGES, int KS, bool SPLIT>
 __device__ __forceinline__ void sliced_gemm_wgmma(const SlicedGemmArgs& a) {
 #ifdef SG_WGMMA
     static_assert(WN == 16 && STAGES >= 3, "m64n128 steps, a stage computed while one loads");
-    using Block = SgBlock<1, WN, 8, 1, STAGES, KS, SPLIT, true>;
+    constexpr bool SWIZZLED = SG_WG_SWIZZLED(KS), CORE = !SWIZZLED;
+    using Block = SgBlock<1, WN, 8, 1, STAGES, KS, SPLIT, CORE>;
     const Block blk(a);
     const int warp = threadIdx.x >> 5;
     const int steps = blk.steps, stages = blk.stages, steps_per_slice = a.slice / SG_STEP;
-    const SgStager<Block::BM, Block::THREADS, KS, true> w_stager(a.w, blk.r0, a.n, a.k,
+    const SgStager<Block::BM, Block::THREADS, KS, CORE> w_stager(a.w, blk.r0, a.n, a.k,
                                                                   blk.k_begin);
-    const SgStager<Block::BN, Block::THREADS, KS, true> x_stager(a.x, blk.t0, a.m, a.k,
+    const SgStager<Block::BN, Block::THREADS, KS, CORE> x_stager(a.x, blk.t0, a.m, a.k,
                                                                   blk.k_begin);
     const unsigned smem = shared_address(sg_smem);
     sliced_x_ahead<Block, STAGES - 2>(a, blk, x_stager, smem);
     float acc[1][WN][4], total[1][WN][4];
     sliced_zero(acc, total);
 
-    // Core matrices adjacent in k SG_CORE_LBO bytes apart, 8-row groups 8 rows apart.
-    constexpr unsigned LBO = SG_CORE_LBO, SBO = 8 * Block::SMEM_ROW;
+    // Padded: core matrices adjacent in k SG_CORE_LBO bytes apart, a k16 step two of them.
+    // Swizzled: a k16 step 32 bytes along the row. Either way 8-row groups 8 rows apart.
+    constexpr unsigned LBO = CORE ? SG_CORE_LBO : 16, SBO = 8 * Block::SMEM_ROW;
+    constexpr unsigned K16_BYTES = CORE ? 2 * SG_CORE_LBO : 32;
     // This warpgroup's 64 weight rows: 8 row groups in.
     const unsigned w_rows = (warp >> 2) * 8 * SBO;
     int left_in_slice = steps_per_slice;
@@ -525,9 +539,9 @@ __device__ __forceinline__ void sliced_gemm_wgmma(const SlicedGemmArgs& a) {
             if (q < in_stage)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    const unsigned at = (4 * q + 2 * h) * LBO;
-                    SgWgmma<T>::n128(&acc[0][0][0], sg_descriptor(ws + at, LBO, SBO),
-                                     sg_descriptor(xs + at, LBO, SBO));
+                    const unsigned at = (2 * q + h) * K16_BYTES;
+                    SgWgmma<T>::n128(&acc[0][0][0], sg_descriptor<SWIZZLED>(ws + at, LBO, SBO),
+                                     sg_descriptor<SWIZZLED>(xs + at, LBO, SBO));
                 }
         wgmma_commit();
         wgmma_wait<1>();  // stage s - 1's steps are done: its buffer may be refilled next
@@ -550,8 +564,8 @@ __device__ __forceinline__ void sliced_gemm_wgmma(const SlicedGemmArgs& a) {
 }
 
 // The tiles the host picks from (`SlicedTile` in sliced_gemm.rs): a name, then WM, WN,
-// WARPS_M, WARPS_N, STAGES, KS. Shared memory: STAGES · (BM + BN) · 64 · KS bytes (the wg
-// tiles' 72 · KS: SG_CORE_LBO's padding).
+// WARPS_M, WARPS_N, STAGES, KS. Shared memory: STAGES · (BM + BN) · 64 · KS bytes (the padded
+// wg tiles' 72 · KS: SG_CORE_LBO's padding).
 #define SLICED_GEMM_KERNEL(tname, T, tile, WM, WN, WARPS_M, WARPS_N, STAGES, KS)                   \
     extern "C" __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N)                           \
         sliced_gemm_##tname##_##tile(const __grid_constant__ SlicedGemmArgs a) {                   \
@@ -573,13 +587,15 @@ __device__ __forceinline__ void sliced_gemm_wgmma(const SlicedGemmArgs& a) {
     static_assert(WM == 1 && WARPS_M == 8 && WARPS_N == 1, "two warpgroups of 64 rows");           \
     extern "C" __global__ void __launch_bounds__(256)                                              \
         sliced_gemm_##tname##_##tile(const __grid_constant__ SlicedGemmArgs a) {                   \
-        sliced_gemm_weights_ahead<1, WN, 8, 1, STAGES, KS, false, true, STAGES - 2>(a);            \
+        sliced_gemm_weights_ahead<1, WN, 8, 1, STAGES, KS, false, !SG_WG_SWIZZLED(KS),             \
+                                  STAGES - 2>(a);                                                  \
         grid_dependency_wait();                                                                    \
         sliced_gemm_wgmma<T, WN, STAGES, KS, false>(a);                                            \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(256)                                              \
         sliced_gemm_##tname##_##tile##_split(const __grid_constant__ SlicedGemmArgs a) {           \
-        sliced_gemm_weights_ahead<1, WN, 8, 1, STAGES, KS, true, true, STAGES - 2>(a);             \
+        sliced_gemm_weights_ahead<1, WN, 8, 1, STAGES, KS, true, !SG_WG_SWIZZLED(KS),              \
+                                  STAGES - 2>(a);                                                  \
         grid_dependency_wait();                                                                    \
         sliced_gemm_wgmma<T, WN, STAGES, KS, true>(a);                                             \
     }
@@ -593,6 +609,7 @@ __device__ __forceinline__ void sliced_gemm_wgmma(const SlicedGemmArgs& a) {
     SLICED_GEMM_KERNEL(tname, T, m128n128k2, 2, 8, 4, 2, 3, 2)                                     \
     SLICED_GEMM_KERNEL(tname, T, m128n128w16k2, 2, 4, 4, 4, 3, 2)                                  \
     SLICED_GEMM_WG_KERNEL(tname, T, wg128n128k2, 1, 16, 8, 1, 5, 2)                                \
+    SLICED_GEMM_WG_KERNEL(tname, T, wg128n128k2s3, 1, 16, 8, 1, 3, 2)                              \
     SLICED_GEMM_WG_KERNEL(tname, T, wg128n128k4, 1, 16, 8, 1, 3, 4)
 
 SLICED_GEMM_ALL(bf16, bf16_t)
