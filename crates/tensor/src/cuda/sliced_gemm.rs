@@ -13,9 +13,6 @@ use crate::buffer::{BufferKind, BufferOwner};
 /// Values a step of the kernel takes (`SG_STEP`): slices are whole steps.
 const STEP: usize = 32;
 
-/// Bytes between wgmma's core matrices adjacent in k, padding included (`SG_CORE_LBO`).
-const CORE_LBO: usize = 144;
-
 /// Slice lengths the host picks from, longest first.
 const SLICE_LENS: [usize; 5] = [2048, 1024, 512, 256, 128];
 
@@ -58,12 +55,10 @@ pub enum SlicedTile {
     M128N128K2,
     M128N128W16K2,
     Wg128N128K2,
-    Wg128N128K2S3,
-    Wg128N128K4,
 }
 
 impl SlicedTile {
-    pub const ALL: [SlicedTile; 10] = [
+    pub const ALL: [SlicedTile; 8] = [
         SlicedTile::M128N8K2,
         SlicedTile::M64N16K4,
         SlicedTile::M64N32K4,
@@ -72,31 +67,13 @@ impl SlicedTile {
         SlicedTile::M128N128K2,
         SlicedTile::M128N128W16K2,
         SlicedTile::Wg128N128K2,
-        SlicedTile::Wg128N128K2S3,
-        SlicedTile::Wg128N128K4,
     ];
 
-    /// Whether the tile multiplies by wgmma (sm_90a), not mma.sync (sm_80 and later).
+    /// Whether the tile multiplies by wgmma (sm_90a), not mma.sync (sm_80 and later). On an
+    /// H100 its 128-byte-swizzled stages took 0.73 of the best mma.sync tile's time at 2,048
+    /// tokens (qwen3-8b's q/o 182 µs against 249), the same bits.
     pub fn is_wgmma(self) -> bool {
-        matches!(
-            self,
-            SlicedTile::Wg128N128K2 | SlicedTile::Wg128N128K2S3 | SlicedTile::Wg128N128K4
-        )
-    }
-
-    /// Whether a wgmma tile stages its rows in wgmma's padded layout without swizzle: those
-    /// of more than two steps a stage. Two steps make a 128-byte row, which the kernel lays
-    /// out as wgmma's 128-byte swizzle does (`SG_WG_SWIZZLED` in sliced_gemm.cu).
-    fn is_padded(self) -> bool {
-        self.is_wgmma() && self.shape().4 != 2
-    }
-
-    /// Whether the tile is timed for serving ([`SlicedGemm::tune`]). The wgmma tiles are
-    /// not: the padded ones give the mma.sync tiles' bits but took twice their time on an
-    /// H200 (qwen3-8b's q/o at 2048 tokens: 511 µs against m128n64k2's 257), and the
-    /// swizzled ones are unmeasured; tests and probes run them by [`SlicedGemm::force_tile`].
-    pub fn serves(self) -> bool {
-        !self.is_wgmma()
+        self == SlicedTile::Wg128N128K2
     }
 
     /// Whether a device of compute capability `cc` runs the tile. wgmma is one of sm_90's
@@ -116,8 +93,6 @@ impl SlicedTile {
             SlicedTile::M128N128K2 => (128, 128, 8, 3, 2),
             SlicedTile::M128N128W16K2 => (128, 128, 16, 3, 2),
             SlicedTile::Wg128N128K2 => (128, 128, 8, 5, 2),
-            SlicedTile::Wg128N128K2S3 => (128, 128, 8, 3, 2),
-            SlicedTile::Wg128N128K4 => (128, 128, 8, 3, 4),
         }
     }
 
@@ -131,8 +106,6 @@ impl SlicedTile {
             SlicedTile::M128N128K2 => "m128n128k2",
             SlicedTile::M128N128W16K2 => "m128n128w16k2",
             SlicedTile::Wg128N128K2 => "wg128n128k2",
-            SlicedTile::Wg128N128K2S3 => "wg128n128k2s3",
-            SlicedTile::Wg128N128K4 => "wg128n128k4",
         }
     }
 
@@ -164,16 +137,10 @@ impl SlicedTile {
         self.shape().1 * 16 >= m
     }
 
-    /// Shared memory a block takes: its stages of weight and token rows, 64 bytes a step each
-    /// (72 in wgmma's padded layout: `SG_CORE_LBO` in sliced_gemm.cu).
+    /// Shared memory a block takes: its stages of weight and token rows, 64 bytes a step each.
     pub fn smem_bytes(self) -> usize {
         let (rows, tokens, _, stages, steps) = self.shape();
-        let step_bytes = if self.is_padded() {
-            CORE_LBO * 4 / 8
-        } else {
-            STEP * 2
-        };
-        stages * (rows + tokens) * steps * step_bytes
+        stages * (rows + tokens) * steps * STEP * 2
     }
 }
 
@@ -332,8 +299,7 @@ impl SlicedGemm {
                 let a = input.slice(0..m * k);
                 let mut y = out.slice_mut(0..m * n);
                 let mut best: Option<TunedPlan> = None;
-                let candidates = self.tiles().into_iter().filter(|t| t.serves());
-                for tile in candidates.filter(|t| t.worth_timing(m)) {
+                for tile in self.tiles().into_iter().filter(|t| t.worth_timing(m)) {
                     for split in [false, true] {
                         // A split the sums do not fit runs unsplit: timed already.
                         let plan =
@@ -607,7 +573,6 @@ mod tests {
     fn constants_match_the_kernel() {
         assert_eq!(Module::SlicedGemm.define("SG_STEP"), STEP);
         assert_eq!(Module::SlicedGemm.define("SG_MAX_OUTS"), MAX_OUTPUTS);
-        assert_eq!(Module::SlicedGemm.define("SG_CORE_LBO"), CORE_LBO);
         assert!(SLICE_LENS.iter().all(|s| s.is_multiple_of(STEP)));
         // Every tile fits the shared memory a block can have where it runs (sm_86: 99 KiB;
         // sm_90: 227 KiB), and its steps a stage divide every slice.

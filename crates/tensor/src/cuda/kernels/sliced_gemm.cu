@@ -40,10 +40,11 @@
 // warpgroups multiplies 64 weight rows by the block's 128 tokens, one m64n128k16 step a 16
 // values, both operands read from shared memory by the tensor cores. A wgmma step adds an
 // element the bits an m16n8k16 mma.sync adds it (scripts/wgmma_bits.py: every element equal,
-// bf16 and f16, N 8 to 256), so the slices and their order are those above, unchanged. With
-// stages of two steps a shared row is 128 bytes, its pieces placed as above: exactly the
-// layout of wgmma's 128-byte swizzle, which the tensor cores read as it is. Longer stages
-// use wgmma's layout without swizzle instead (core matrices padded apart: SG_CORE_LBO).
+// bf16 and f16, N 8 to 256), so the slices and their order are those above, unchanged. Their
+// stages are two steps, so a shared row is 128 bytes, its pieces placed as above: exactly the
+// layout of wgmma's 128-byte swizzle, which the tensor cores read as it is. (wgmma's layout
+// without swizzle, core matrices padded 144 bytes apart, gave the same bits at 2.9 times the
+// time on an H100.)
 
 #define SG_STEP 32
 // Bytes of one step of a row: 32 16-bit values.
@@ -95,31 +96,14 @@ __device__ __forceinline__ int sg_piece_offset(int row, int piece) {
     return row * (SG_ROW_BYTES * KS) + ((piece ^ (row & 7)) << 4);
 }
 
-// Bytes between core matrices adjacent in k in wgmma's layout (below): the matrix's 128 and
-// 16 of padding, so that the 8 pieces of one row (a 128-byte run of it, staged by 8
-// neighbouring threads in one phase of a warp's copy) fall in 8 distinct bank groups.
-#define SG_CORE_LBO 144
-
-// Byte offset of piece `piece` of shared row `row` in wgmma's layout without swizzle: rows in
-// groups of 8, a group's pieces as core matrices of 8 rows by 16 bytes (128 contiguous bytes),
-// SG_CORE_LBO apart in k, the groups 4·KS of them apart.
-template <int KS>
-__device__ __forceinline__ int sg_core_offset(int row, int piece) {
-    return (row >> 3) * (SG_CORE_LBO * 4 * KS) + piece * SG_CORE_LBO + ((row & 7) << 4);
-}
-
 // A block's place: BM = 16·WM·WARPS_M weight rows by BN = 8·WN·WARPS_N tokens (a warp takes
 // WM 16-row tiles by WN 8-token tiles), and the values it sums: all of k, or its slice.
-// CORE: the stages in wgmma's layout, whose rows take SG_CORE_LBO / 8 bytes a piece.
-template <int WM, int WN, int WARPS_M, int WARPS_N, int STAGES, int KS, bool SPLIT,
-          bool CORE = false>
+template <int WM, int WN, int WARPS_M, int WARPS_N, int STAGES, int KS, bool SPLIT>
 struct SgBlock {
     static constexpr int BM = 16 * WM * WARPS_M, BN = 8 * WN * WARPS_N;
     static constexpr int THREADS = 32 * WARPS_M * WARPS_N;
     static constexpr int ROW_BYTES = SG_ROW_BYTES * KS, PIECES = 4 * KS;
-    // Shared bytes a row of a stage takes.
-    static constexpr int SMEM_ROW = CORE ? SG_CORE_LBO * PIECES / 8 : ROW_BYTES;
-    static constexpr int W_BYTES = BM * SMEM_ROW, STAGE_BYTES = (BM + BN) * SMEM_ROW;
+    static constexpr int W_BYTES = BM * ROW_BYTES, STAGE_BYTES = (BM + BN) * ROW_BYTES;
     int r0, t0, k_begin, k_end, steps, stages;
 
     __device__ __forceinline__ explicit SgBlock(const SlicedGemmArgs& a) {
@@ -144,13 +128,11 @@ struct SgBlock {
 // memory, 16 bytes a piece: piece p = thread + i·THREADS of the ROWS·PIECES is row p / PIECES,
 // piece p % PIECES, so a thread keeps one piece of every R-th row (THREADS is a multiple of
 // PIECES) and what it needs is worked out once a block; a stage only adds its columns. Pieces
-// past `limit` rows or past the block's values read nothing and stage zeros. CORE: into
-// wgmma's layout (sg_core_offset) instead of ldmatrix's.
-template <int ROWS, int THREADS, int KS, bool CORE>
+// past `limit` rows or past the block's values read nothing and stage zeros.
+template <int ROWS, int THREADS, int KS>
 struct SgStager {
     static constexpr int PIECES = 4 * KS, R = THREADS / PIECES, N = (ROWS + R - 1) / R;
-    // Shared bytes from a row to the next (in wgmma's layout, an eighth of a group's).
-    static constexpr int ROW_STRIDE = CORE ? SG_CORE_LBO * PIECES / 8 : SG_ROW_BYTES * KS;
+    static constexpr int ROW_STRIDE = SG_ROW_BYTES * KS;
     static_assert(THREADS % PIECES == 0 && R % 8 == 0, "a thread's rows share their swizzle");
     static_assert(ROWS % R == 0 || ROWS < R, "a thread stages every R-th row of the tile");
     const unsigned char* first_piece;  // the thread's piece of its first row at the block's first value
@@ -164,8 +146,8 @@ struct SgStager {
         const unsigned t = threadIdx.x, r = t / PIECES, piece = t % PIECES;
         c0 = k_begin + (int)piece * 8;
         first_piece = (const unsigned char*)src + ((size_t)(first + (int)r) * k + c0) * 2;
-        // Row r + i·R sits i·R row strides further in either layout (R is a multiple of 8).
-        to = CORE ? sg_core_offset<KS>((int)r, (int)piece) : sg_piece_offset<KS>((int)r, (int)piece);
+        // Row r + i·R sits i·R row strides further, its swizzle the same (R a multiple of 8).
+        to = sg_piece_offset<KS>((int)r, (int)piece);
         in_tile = ROWS % R == 0 || (int)r < ROWS;
         valid_rows = 0;
 #pragma unroll
@@ -193,12 +175,11 @@ struct SgStager {
 extern __shared__ __align__(1024) unsigned char sg_smem[];
 
 // The weights of the first AHEAD stages, requested before the kernel waits for the one before it.
-template <int WM, int WN, int WARPS_M, int WARPS_N, int STAGES, int KS, bool SPLIT, bool CORE,
-          int AHEAD>
+template <int WM, int WN, int WARPS_M, int WARPS_N, int STAGES, int KS, bool SPLIT, int AHEAD>
 __device__ __forceinline__ void sliced_gemm_weights_ahead(const SlicedGemmArgs& a) {
-    using Block = SgBlock<WM, WN, WARPS_M, WARPS_N, STAGES, KS, SPLIT, CORE>;
+    using Block = SgBlock<WM, WN, WARPS_M, WARPS_N, STAGES, KS, SPLIT>;
     const Block blk(a);
-    const SgStager<Block::BM, Block::THREADS, KS, CORE> w(a.w, blk.r0, a.n, a.k, blk.k_begin);
+    const SgStager<Block::BM, Block::THREADS, KS> w(a.w, blk.r0, a.n, a.k, blk.k_begin);
     const unsigned smem = shared_address(sg_smem);
 #pragma unroll
     for (int s = 0; s < AHEAD; ++s)
@@ -336,10 +317,8 @@ __device__ __forceinline__ void sliced_gemm(const SlicedGemmArgs& a) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int warp_m = warp % WARPS_M, warp_n = warp / WARPS_M;
     const int steps = blk.steps, stages = blk.stages, steps_per_slice = a.slice / SG_STEP;
-    const SgStager<Block::BM, Block::THREADS, KS, false> w_stager(a.w, blk.r0, a.n, a.k,
-                                                                   blk.k_begin);
-    const SgStager<Block::BN, Block::THREADS, KS, false> x_stager(a.x, blk.t0, a.m, a.k,
-                                                                   blk.k_begin);
+    const SgStager<Block::BM, Block::THREADS, KS> w_stager(a.w, blk.r0, a.n, a.k, blk.k_begin);
+    const SgStager<Block::BN, Block::THREADS, KS> x_stager(a.x, blk.t0, a.m, a.k, blk.k_begin);
     const unsigned smem = shared_address(sg_smem);
 
     sliced_x_ahead<Block, STAGES - 1>(a, blk, x_stager, smem);
@@ -416,17 +395,13 @@ __device__ __forceinline__ void sliced_gemm(const SlicedGemmArgs& a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define SG_WGMMA 1
 
-// wgmma's descriptor of a matrix in shared memory: its start, the bytes between core
-// matrices adjacent in k (leading; unused under a swizzle) and between 8-row groups (stride),
-// in 16s, and with SWIZZLED the 128-byte swizzle (mode 1 in bits 62-63). A k16 step inside a
-// swizzled 128-byte row starts 32 bytes on: the swizzle applies to the address as computed.
-template <bool SWIZZLED>
-__device__ __forceinline__ unsigned long long sg_descriptor(unsigned addr, unsigned lbo,
-                                                            unsigned sbo) {
-    return (unsigned long long)((addr >> 4) & 0x3fff) |
-           (unsigned long long)((lbo >> 4) & 0x3fff) << 16 |
-           (unsigned long long)((sbo >> 4) & 0x3fff) << 32 |
-           (unsigned long long)(SWIZZLED ? 1 : 0) << 62;
+// wgmma's descriptor of k-major rows of 128 bytes in shared memory under the 128-byte
+// swizzle (mode 1, bits 62-63): the start, in 16s; the leading offset, unused by that swizzle
+// (1); the stride between 8-row groups, 1024 bytes. A k16 step inside the rows starts 32
+// bytes on: the swizzle applies to the address as computed, from 1024-byte boundaries.
+__device__ __forceinline__ unsigned long long sg_descriptor(unsigned addr) {
+    return (unsigned long long)((addr >> 4) & 0x3fff) | 1ull << 16 | (1024ull >> 4) << 32 |
+           1ull << 62;
 }
 
 // d += A · Bᵀ for A 64 × 16 and B 128 × 16, both k-major in shared memory (descriptors `a`,
@@ -485,9 +460,6 @@ __device__ __forceinline__ void wgmma_hold(float (&d)[1][WN][4]) {
 }
 #endif
 
-// Whether the wg tiles of KS steps a stage read the swizzled layout (rows of 128 bytes).
-#define SG_WG_SWIZZLED(KS) ((KS) == 2)
-
 // The wg tiles: 8 warps, two warpgroups of 64 weight rows each by the block's 8·WN = 128
 // tokens. Stage s sits in buffer s % STAGES; the steps of stage s run while the kernel waits
 // for stage s + 1, so the buffer refilled at stage s is that of s - 2 (its steps done by every
@@ -496,26 +468,20 @@ template <typename T, int WN, int STAGES, int KS, bool SPLIT>
 __device__ __forceinline__ void sliced_gemm_wgmma(const SlicedGemmArgs& a) {
 #ifdef SG_WGMMA
     static_assert(WN == 16 && STAGES >= 3, "m64n128 steps, a stage computed while one loads");
-    constexpr bool SWIZZLED = SG_WG_SWIZZLED(KS), CORE = !SWIZZLED;
-    using Block = SgBlock<1, WN, 8, 1, STAGES, KS, SPLIT, CORE>;
+    static_assert(KS == 2, "rows of 128 bytes: the 128-byte swizzle's");
+    using Block = SgBlock<1, WN, 8, 1, STAGES, KS, SPLIT>;
     const Block blk(a);
     const int warp = threadIdx.x >> 5;
     const int steps = blk.steps, stages = blk.stages, steps_per_slice = a.slice / SG_STEP;
-    const SgStager<Block::BM, Block::THREADS, KS, CORE> w_stager(a.w, blk.r0, a.n, a.k,
-                                                                  blk.k_begin);
-    const SgStager<Block::BN, Block::THREADS, KS, CORE> x_stager(a.x, blk.t0, a.m, a.k,
-                                                                  blk.k_begin);
+    const SgStager<Block::BM, Block::THREADS, KS> w_stager(a.w, blk.r0, a.n, a.k, blk.k_begin);
+    const SgStager<Block::BN, Block::THREADS, KS> x_stager(a.x, blk.t0, a.m, a.k, blk.k_begin);
     const unsigned smem = shared_address(sg_smem);
     sliced_x_ahead<Block, STAGES - 2>(a, blk, x_stager, smem);
     float acc[1][WN][4], total[1][WN][4];
     sliced_zero(acc, total);
 
-    // Padded: core matrices adjacent in k SG_CORE_LBO bytes apart, a k16 step two of them.
-    // Swizzled: a k16 step 32 bytes along the row. Either way 8-row groups 8 rows apart.
-    constexpr unsigned LBO = CORE ? SG_CORE_LBO : 16, SBO = 8 * Block::SMEM_ROW;
-    constexpr unsigned K16_BYTES = CORE ? 2 * SG_CORE_LBO : 32;
-    // This warpgroup's 64 weight rows: 8 row groups in.
-    const unsigned w_rows = (warp >> 2) * 8 * SBO;
+    // This warpgroup's 64 weight rows.
+    const unsigned w_rows = (warp >> 2) * 64 * Block::ROW_BYTES;
     int left_in_slice = steps_per_slice;
     for (int s = 0, buf = 0; s < stages; ++s, buf = buf + 1 == STAGES ? 0 : buf + 1) {
         cp_async_wait<STAGES - 3>();
@@ -539,9 +505,8 @@ __device__ __forceinline__ void sliced_gemm_wgmma(const SlicedGemmArgs& a) {
             if (q < in_stage)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    const unsigned at = (2 * q + h) * K16_BYTES;
-                    SgWgmma<T>::n128(&acc[0][0][0], sg_descriptor<SWIZZLED>(ws + at, LBO, SBO),
-                                     sg_descriptor<SWIZZLED>(xs + at, LBO, SBO));
+                    const unsigned at = (2 * q + h) * 32;
+                    SgWgmma<T>::n128(&acc[0][0][0], sg_descriptor(ws + at), sg_descriptor(xs + at));
                 }
         wgmma_commit();
         wgmma_wait<1>();  // stage s - 1's steps are done: its buffer may be refilled next
@@ -564,20 +529,17 @@ __device__ __forceinline__ void sliced_gemm_wgmma(const SlicedGemmArgs& a) {
 }
 
 // The tiles the host picks from (`SlicedTile` in sliced_gemm.rs): a name, then WM, WN,
-// WARPS_M, WARPS_N, STAGES, KS. Shared memory: STAGES · (BM + BN) · 64 · KS bytes (the padded
-// wg tiles' 72 · KS: SG_CORE_LBO's padding).
+// WARPS_M, WARPS_N, STAGES, KS. Shared memory: STAGES · (BM + BN) · 64 · KS bytes.
 #define SLICED_GEMM_KERNEL(tname, T, tile, WM, WN, WARPS_M, WARPS_N, STAGES, KS)                   \
     extern "C" __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N)                           \
         sliced_gemm_##tname##_##tile(const __grid_constant__ SlicedGemmArgs a) {                   \
-        sliced_gemm_weights_ahead<WM, WN, WARPS_M, WARPS_N, STAGES, KS, false, false,              \
-                                  STAGES - 1>(a);                                                  \
+        sliced_gemm_weights_ahead<WM, WN, WARPS_M, WARPS_N, STAGES, KS, false, STAGES - 1>(a);     \
         grid_dependency_wait();                                                                    \
         sliced_gemm<T, WM, WN, WARPS_M, WARPS_N, STAGES, KS, false>(a);                            \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N)                           \
         sliced_gemm_##tname##_##tile##_split(const __grid_constant__ SlicedGemmArgs a) {           \
-        sliced_gemm_weights_ahead<WM, WN, WARPS_M, WARPS_N, STAGES, KS, true, false,               \
-                                  STAGES - 1>(a);                                                  \
+        sliced_gemm_weights_ahead<WM, WN, WARPS_M, WARPS_N, STAGES, KS, true, STAGES - 1>(a);      \
         grid_dependency_wait();                                                                    \
         sliced_gemm<T, WM, WN, WARPS_M, WARPS_N, STAGES, KS, true>(a);                             \
     }
@@ -587,15 +549,13 @@ __device__ __forceinline__ void sliced_gemm_wgmma(const SlicedGemmArgs& a) {
     static_assert(WM == 1 && WARPS_M == 8 && WARPS_N == 1, "two warpgroups of 64 rows");           \
     extern "C" __global__ void __launch_bounds__(256)                                              \
         sliced_gemm_##tname##_##tile(const __grid_constant__ SlicedGemmArgs a) {                   \
-        sliced_gemm_weights_ahead<1, WN, 8, 1, STAGES, KS, false, !SG_WG_SWIZZLED(KS),             \
-                                  STAGES - 2>(a);                                                  \
+        sliced_gemm_weights_ahead<1, WN, 8, 1, STAGES, KS, false, STAGES - 2>(a);                  \
         grid_dependency_wait();                                                                    \
         sliced_gemm_wgmma<T, WN, STAGES, KS, false>(a);                                            \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(256)                                              \
         sliced_gemm_##tname##_##tile##_split(const __grid_constant__ SlicedGemmArgs a) {           \
-        sliced_gemm_weights_ahead<1, WN, 8, 1, STAGES, KS, true, !SG_WG_SWIZZLED(KS),              \
-                                  STAGES - 2>(a);                                                  \
+        sliced_gemm_weights_ahead<1, WN, 8, 1, STAGES, KS, true, STAGES - 2>(a);                   \
         grid_dependency_wait();                                                                    \
         sliced_gemm_wgmma<T, WN, STAGES, KS, true>(a);                                             \
     }
@@ -608,9 +568,7 @@ __device__ __forceinline__ void sliced_gemm_wgmma(const SlicedGemmArgs& a) {
     SLICED_GEMM_KERNEL(tname, T, m128n64k2, 2, 4, 4, 2, 4, 2)                                      \
     SLICED_GEMM_KERNEL(tname, T, m128n128k2, 2, 8, 4, 2, 3, 2)                                     \
     SLICED_GEMM_KERNEL(tname, T, m128n128w16k2, 2, 4, 4, 4, 3, 2)                                  \
-    SLICED_GEMM_WG_KERNEL(tname, T, wg128n128k2, 1, 16, 8, 1, 5, 2)                                \
-    SLICED_GEMM_WG_KERNEL(tname, T, wg128n128k2s3, 1, 16, 8, 1, 3, 2)                              \
-    SLICED_GEMM_WG_KERNEL(tname, T, wg128n128k4, 1, 16, 8, 1, 3, 4)
+    SLICED_GEMM_WG_KERNEL(tname, T, wg128n128k2, 1, 16, 8, 1, 5, 2)
 
 SLICED_GEMM_ALL(bf16, bf16_t)
 SLICED_GEMM_ALL(f16, f16_t)
