@@ -476,6 +476,9 @@ __device__ __forceinline__ void sliced_gemm_wgmma(const SlicedGemmArgs& a) {
     const SgStager<Block::BM, Block::THREADS, KS> w_stager(a.w, blk.r0, a.n, a.k, blk.k_begin);
     const SgStager<Block::BN, Block::THREADS, KS> x_stager(a.x, blk.t0, a.m, a.k, blk.k_begin);
     const unsigned smem = shared_address(sg_smem);
+    // The swizzle is of absolute addresses: stages off 1024-byte boundaries would be read in
+    // another order than they were written (wrong sums, silently).
+    if (smem & 1023u) __trap();
     sliced_x_ahead<Block, STAGES - 2>(a, blk, x_stager, smem);
     float acc[1][WN][4], total[1][WN][4];
     sliced_zero(acc, total);
