@@ -52,8 +52,9 @@ use crate::transformer::{Mlp, Moe};
 /// Prompt rows a launch of the decode kernel takes when they attend as decode rows.
 const PROMPT_ROWS_A_LAUNCH: usize = 64;
 /// (row, chunk) pairs of prompt rows the batch-invariant prompt attention's scratch holds:
-/// 128 rows of a 2,048-token prompt's end a launch (each of its 16 chunks kept for the merge).
-const PROMPT_ROW_CHUNKS: usize = 2048;
+/// 512 rows of a 2,048-token prompt's end a launch (each of its 16 chunks kept for the merge),
+/// so that a launch has waves enough to hide its tail (136 MiB for qwen3-8b's 32 heads).
+const PROMPT_ROW_CHUNKS: usize = 8192;
 
 /// Choices of how a CUDA backend runs; every one gives a request's greedy tokens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

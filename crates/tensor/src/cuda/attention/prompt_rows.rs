@@ -16,7 +16,7 @@ use super::{AttentionPrecision, PagedCache, THREADS, check_shape};
 use crate::cpu::AttentionShape;
 
 /// Query rows a block takes (`PR_TILE_ROWS` in attention_prompt_rows.cu).
-const TILE_ROWS: usize = 16;
+const TILE_ROWS: usize = 32;
 
 /// The longest context (a row's position + 1) [`attention_prompt_rows`] takes a row at, or
 /// 0 where it takes none: decode must run on the tensor cores for a cache of `T` at

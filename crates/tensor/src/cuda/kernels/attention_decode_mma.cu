@@ -55,19 +55,15 @@ __device__ __forceinline__ void mma_query_fragments(const float (*q_s)[D], int g
     }
 }
 
-// One warp step of 16 keys: the scores of keys g and g + 8 (`in0`, `in8`: whether they are
-// in the chunk; those not are masked) for columns 2t and 2t + 1, the running maxima and sums
-// rescaled (online softmax), and the weighted values added to `o`. The operands as loaded
-// (see the top). Shared by the decode kernel and the prompt rows' (attention_prompt_rows.cu).
+// One warp step of 16 keys, in two halves: first the scores of keys g and g + 8 (`in0`,
+// `in8`: whether they are in the chunk; those not are masked) for columns 2t and 2t + 1...
 template <typename KV, int D>
-__device__ __forceinline__ void mma_attend_step(const uint4 (&kw)[2][D / 32],
-                                                const uint4 (&vw)[4][D / 64],
+__device__ __forceinline__ void mma_step_scores(const uint4 (&kw)[2][D / 32],
                                                 const unsigned (&qb)[D / 16][2], bool in0,
-                                                bool in8, float scale, float (&o)[D / 16][4],
-                                                float (&m_run)[2], float (&l_run)[2]) {
+                                                bool in8, float scale, float (&s)[4]) {
     using Mma = Mma16<KV>;
     // s: keys g, g + 8 × heads 2t, 2t + 1 (c0 c1, c2 c3).
-    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    s[0] = s[1] = s[2] = s[3] = 0.0f;
 #pragma unroll
     for (int i = 0; i < D / 32; ++i) {
         const unsigned a0[4] = {kw[0][i].x, kw[1][i].x, kw[0][i].y, kw[1][i].y};
@@ -79,6 +75,17 @@ __device__ __forceinline__ void mma_attend_step(const uint4 (&kw)[2][D / 32],
     s[1] = in0 ? s[1] * scale : NEG_INF;
     s[2] = in8 ? s[2] * scale : NEG_INF;
     s[3] = in8 ? s[3] * scale : NEG_INF;
+}
+
+// ... then, from them, the running maxima and sums rescaled (online softmax) and the weighted
+// values added to `o`. The operands as loaded (see the top). Both halves are shared by the
+// decode kernel and the prompt rows' (attention_prompt_rows.cu), which computes a chunk's
+// scores before its values: the same instructions on the same operands, so the same bits.
+template <typename KV, int D>
+__device__ __forceinline__ void mma_step_values(const float (&s)[4], const uint4 (&vw)[4][D / 64],
+                                                float (&o)[D / 16][4], float (&m_run)[2],
+                                                float (&l_run)[2]) {
+    using Mma = Mma16<KV>;
     float correction[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -114,6 +121,32 @@ __device__ __forceinline__ void mma_attend_step(const uint4 (&kw)[2][D / 32],
     }
 }
 
+// A whole step (the decode kernel's).
+template <typename KV, int D>
+__device__ __forceinline__ void mma_attend_step(const uint4 (&kw)[2][D / 32],
+                                                const uint4 (&vw)[4][D / 64],
+                                                const unsigned (&qb)[D / 16][2], bool in0,
+                                                bool in8, float scale, float (&o)[D / 16][4],
+                                                float (&m_run)[2], float (&l_run)[2]) {
+    float s[4];
+    mma_step_scores<KV, D>(kw, qb, in0, in8, scale, s);
+    mma_step_values<KV, D>(s, vw, o, m_run, l_run);
+}
+
+// The sums of a warp's running sums over the 8 lanes of a t (every lane gets them).
+__device__ __forceinline__ void mma_row_sums(float (&l_run)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int o_ = 4; o_ < 32; o_ *= 2) l_run[r] += __shfl_xor_sync(FULL_MASK, l_run[r], o_);
+}
+
+// Where value (m, c) of a lane's accumulator lies in its column's row of d values: the
+// offset of values δ and δ + 1 (rows g and g + 8 of d tile m; c / 2 picks).
+__device__ __forceinline__ int mma_value_offset(int m, int g) {
+    return 64 * (m / 4) + 8 * g + 2 * (m % 4);
+}
+
 // A warp's running maxima, sums (over the 8 lanes of a t) and values of its 8 columns to
 // shared memory, for the block's merge (chunk_value).
 template <int D>
@@ -122,10 +155,7 @@ __device__ __forceinline__ void mma_warp_rows(int warp, int g, int t, const floa
                                               float (*warp_m)[DEC_MMA_ROWS],
                                               float (*warp_l)[DEC_MMA_ROWS],
                                               float (*warp_acc)[DEC_MMA_ROWS][D]) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-#pragma unroll
-        for (int o_ = 4; o_ < 32; o_ *= 2) l_run[r] += __shfl_xor_sync(FULL_MASK, l_run[r], o_);
+    mma_row_sums(l_run);
     if (g == 0) {
         warp_m[warp][2 * t] = m_run[0];
         warp_m[warp][2 * t + 1] = m_run[1];
@@ -134,8 +164,8 @@ __device__ __forceinline__ void mma_warp_rows(int warp, int g, int t, const floa
     }
 #pragma unroll
     for (int m = 0; m < D / 16; ++m) {
-        // Values δ and δ + 1 (rows g and g + 8 of d tile m) of heads 2t and 2t + 1.
-        const int delta = 64 * (m / 4) + 8 * g + 2 * (m % 4);
+        // Values δ and δ + 1 of heads 2t and 2t + 1.
+        const int delta = mma_value_offset(m, g);
         *(float2*)&warp_acc[warp][2 * t][delta] = make_float2(o[m][0], o[m][2]);
         *(float2*)&warp_acc[warp][2 * t + 1][delta] = make_float2(o[m][1], o[m][3]);
     }
