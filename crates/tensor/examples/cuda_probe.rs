@@ -498,7 +498,7 @@ fn products(probe: &mut Probe, copy: f64, batches: &[usize]) -> Result<(), CudaE
                 sliced.tiles()
             };
             for tile in tiles {
-                for split in [false, true] {
+                for split in [false, true].into_iter().filter(|&s| !s || tile.splits()) {
                     sliced.force_tile(Some((tile, split)));
                     let us = probe.product_us(m, n, k, |a, w, y| sliced.matmul(a, w, y, false))?;
                     line(

@@ -476,7 +476,7 @@ impl Kernel {
         }
         for weights in [Float::Bf16, Float::F16] {
             for tile in SlicedTile::ALL {
-                for split in [false, true] {
+                for split in [false, true].into_iter().filter(|&s| !s || tile.splits()) {
                     kernels.push(Kernel::SlicedGemm {
                         weights,
                         tile,
@@ -709,13 +709,12 @@ mod tests {
                     } else {
                         "sliced_gemm_##tname##_##tile("
                     };
-                    let table = if tile.is_wgmma() {
-                        "SLICED_GEMM_WG_KERNEL"
-                    } else {
-                        "SLICED_GEMM_KERNEL"
-                    };
                     source.contains(name)
-                        && source.contains(&format!("{table}(tname, T, {},", tile.name()))
+                        && source.contains(&format!(
+                            "{}(tname, T, {},",
+                            tile.kernel_table(),
+                            tile.name()
+                        ))
                         && source.contains(&format!("SLICED_GEMM_ALL({weights},"))
                 }
                 _ => false,

@@ -9,6 +9,7 @@ use super::{
     int,
 };
 use crate::buffer::{BufferKind, BufferOwner};
+use cudarc::driver::sys as drv_sys;
 
 /// Values a step of the kernel takes (`SG_STEP`): slices are whole steps.
 const STEP: usize = 32;
@@ -55,10 +56,11 @@ pub enum SlicedTile {
     M128N128K2,
     M128N128W16K2,
     Wg128N128K2,
+    Tma128N128K2,
 }
 
 impl SlicedTile {
-    pub const ALL: [SlicedTile; 8] = [
+    pub const ALL: [SlicedTile; 9] = [
         SlicedTile::M128N8K2,
         SlicedTile::M64N16K4,
         SlicedTile::M64N32K4,
@@ -67,13 +69,38 @@ impl SlicedTile {
         SlicedTile::M128N128K2,
         SlicedTile::M128N128W16K2,
         SlicedTile::Wg128N128K2,
+        SlicedTile::Tma128N128K2,
     ];
 
     /// Whether the tile multiplies by wgmma (sm_90a), not mma.sync (sm_80 and later). On an
-    /// H100 its 128-byte-swizzled stages took 0.73 of the best mma.sync tile's time at 2,048
-    /// tokens (qwen3-8b's q/o 182 µs against 249), the same bits.
+    /// H100 the wg tile's 128-byte-swizzled stages took 0.73 of the best mma.sync tile's time
+    /// at 2,048 tokens (qwen3-8b's q/o 182 µs against 249), the TMA tile 176, the same bits.
     pub fn is_wgmma(self) -> bool {
-        self == SlicedTile::Wg128N128K2
+        matches!(self, SlicedTile::Wg128N128K2 | SlicedTile::Tma128N128K2)
+    }
+
+    /// Whether the tensor memory accelerator fills the tile's stages, asked by a warp of its
+    /// own while two warpgroups only multiply, buffers handed over by mbarriers
+    /// (`SLICED_GEMM_TMA_KERNEL`): the kernel takes tensor maps of W and x
+    /// ([`TmaKernelArgs`]), and has no split form.
+    pub fn uses_tma(self) -> bool {
+        self == SlicedTile::Tma128N128K2
+    }
+
+    /// The table in sliced_gemm.cu that defines the tile's kernels.
+    pub fn kernel_table(self) -> &'static str {
+        if self.uses_tma() {
+            "SLICED_GEMM_TMA_KERNEL"
+        } else if self.is_wgmma() {
+            "SLICED_GEMM_WG_KERNEL"
+        } else {
+            "SLICED_GEMM_KERNEL"
+        }
+    }
+
+    /// Whether the tile's slices may run in blocks of their own (`_split`).
+    pub fn splits(self) -> bool {
+        !self.uses_tma()
     }
 
     /// Whether a device of compute capability `cc` runs the tile. wgmma is one of sm_90's
@@ -93,6 +120,8 @@ impl SlicedTile {
             SlicedTile::M128N128K2 => (128, 128, 8, 3, 2),
             SlicedTile::M128N128W16K2 => (128, 128, 16, 3, 2),
             SlicedTile::Wg128N128K2 => (128, 128, 8, 5, 2),
+            // 8 multiplying warps, 1 asking the TMA.
+            SlicedTile::Tma128N128K2 => (128, 128, 9, 6, 2),
         }
     }
 
@@ -106,6 +135,7 @@ impl SlicedTile {
             SlicedTile::M128N128K2 => "m128n128k2",
             SlicedTile::M128N128W16K2 => "m128n128w16k2",
             SlicedTile::Wg128N128K2 => "wg128n128k2",
+            SlicedTile::Tma128N128K2 => "tma128n128k2",
         }
     }
 
@@ -137,10 +167,12 @@ impl SlicedTile {
         self.shape().1 * 16 >= m
     }
 
-    /// Shared memory a block takes: its stages of weight and token rows, 64 bytes a step each.
+    /// Shared memory a block takes: its stages of weight and token rows, 64 bytes a step each,
+    /// and a TMA tile's two mbarriers a stage after them.
     pub fn smem_bytes(self) -> usize {
         let (rows, tokens, _, stages, steps) = self.shape();
-        stages * (rows + tokens) * steps * STEP * 2
+        let barriers = if self.uses_tma() { 2 * stages * 8 } else { 0 };
+        stages * (rows + tokens) * steps * STEP * 2 + barriers
     }
 }
 
@@ -188,6 +220,67 @@ struct KernelArgs {
     out_bf16: i32,
 }
 const _: () = assert!(size_of::<KernelArgs>() == 112);
+
+/// The TMA tile's argument, field for field `SlicedTmaArgs` in sliced_gemm.cu: tensor maps of
+/// W and x, then the others' argument.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct TmaKernelArgs {
+    w_map: drv_sys::CUtensorMap,
+    x_map: drv_sys::CUtensorMap,
+    args: KernelArgs,
+}
+const _: () = assert!(size_of::<TmaKernelArgs>() == 384);
+
+/// Values and rows of the boxes the TMA tile asks for (`SG_STEP · KS` by its 128 rows).
+const TMA_BOX: (u32, u32) = (64, 128);
+
+/// A tensor map of the 16-bit matrix `[rows, cols]` at `ptr` in boxes of [`TMA_BOX`], under
+/// the 128-byte swizzle the wgmma descriptors read; the TMA fills what lies past the matrix
+/// with zeros.
+fn tensor_map(
+    float: Float,
+    ptr: u64,
+    rows: usize,
+    cols: usize,
+) -> Result<drv_sys::CUtensorMap, CudaError> {
+    use drv_sys::{
+        CUtensorMapDataType as Ty, CUtensorMapFloatOOBfill as Fill,
+        CUtensorMapInterleave as Interleave, CUtensorMapL2promotion as L2,
+        CUtensorMapSwizzle as Swizzle,
+    };
+    let ty = match float {
+        Float::Bf16 => Ty::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        Float::F16 => Ty::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+        Float::F32 => unreachable!("the products take 16-bit operands (checked)"),
+    };
+    let dims = [cols as u64, rows as u64];
+    let strides = [(cols * 2) as u64];
+    let boxes = [TMA_BOX.0, TMA_BOX.1];
+    let element_strides = [1u32, 1];
+    let mut map = drv_sys::CUtensorMap { opaque: [0; 16] };
+    // SAFETY: valid out-pointer and arrays of the rank's lengths; the address is a device
+    // allocation on 16 bytes with rows of a multiple of 16 bytes (checked by the caller).
+    unsafe {
+        drv_sys::cuTensorMapEncodeTiled(
+            &mut map,
+            ty,
+            2,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            element_strides.as_ptr(),
+            Interleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            Swizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            L2::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            Fill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    }
+    .result()
+    .map_err(CudaError::driver("cuTensorMapEncodeTiled"))?;
+    Ok(map)
+}
 
 /// Runs `out = a · Wᵀ` (or `out += a · Wᵀ`) for 16-bit activations `a [m, k]` and weights
 /// `W [n, k]` of the same type into f32 or bf16 `out [m, n]`, each row's sums in one fixed
@@ -493,7 +586,16 @@ impl SlicedGemm {
             int(OP, "token tiles", plan.grid.1)? as u32,
             if plan.split { plan.slices as u32 } else { 1 },
         );
-        launch!(self.device, kernel, config3(grid, (warps * 32) as u32, plan.tile.smem_bytes()); args)
+        let config = config3(grid, (warps * 32) as u32, plan.tile.smem_bytes());
+        if plan.tile.uses_tma() {
+            let tma = TmaKernelArgs {
+                w_map: tensor_map(input, args.w, n, k)?,
+                x_map: tensor_map(input, args.x, m, k)?,
+                args,
+            };
+            return launch!(self.device, kernel, config; tma);
+        }
+        launch!(self.device, kernel, config; args)
     }
 }
 
@@ -525,6 +627,7 @@ impl Plan {
         let (rows, tokens, ..) = tile.shape();
         let grid = (n.div_ceil(rows), m.div_ceil(tokens));
         let split = split
+            && tile.splits()
             && self.slices > 1
             && grid.0 * grid.1 <= TICKETS
             && self.slices * m * n <= partials;
@@ -588,13 +691,9 @@ mod tests {
     #[test]
     fn tiles_match_the_kernel_table() {
         let source = Module::SlicedGemm.source();
+        let producers = Module::SlicedGemm.define("SG_TMA_PRODUCER_WARPS");
         for tile in SlicedTile::ALL {
-            let table = if tile.is_wgmma() {
-                "SLICED_GEMM_WG_KERNEL"
-            } else {
-                "SLICED_GEMM_KERNEL"
-            };
-            let prefix = format!("{table}(tname, T, {}, ", tile.name());
+            let prefix = format!("{}(tname, T, {}, ", tile.kernel_table(), tile.name());
             let line = source
                 .lines()
                 .find_map(|l| l.trim().strip_prefix(prefix.as_str()))
@@ -607,10 +706,12 @@ mod tests {
             let [wm, wn, warps_m, warps_n, stages, steps] = v[..] else {
                 panic!("{tile:?}: {line}")
             };
+            // A TMA tile's table gives its multiplying warps.
+            let staging = if tile.uses_tma() { producers } else { 0 };
             let shape = (
                 16 * wm * warps_m,
                 8 * wn * warps_n,
-                warps_m * warps_n,
+                warps_m * warps_n + staging,
                 stages,
                 steps,
             );
