@@ -106,9 +106,13 @@ struct SgBlock {
     static constexpr int W_BYTES = BM * ROW_BYTES, STAGE_BYTES = (BM + BN) * ROW_BYTES;
     int r0, t0, k_begin, k_end, steps, stages;
 
-    __device__ __forceinline__ explicit SgBlock(const SlicedGemmArgs& a) {
-        r0 = blockIdx.x * BM;
-        t0 = blockIdx.y * BN;
+    // The block's tile: row tile blockIdx.x, token tile blockIdx.y.
+    __device__ __forceinline__ explicit SgBlock(const SlicedGemmArgs& a)
+        : SgBlock(a, blockIdx.x, blockIdx.y) {}
+
+    __device__ __forceinline__ SgBlock(const SlicedGemmArgs& a, int row_tile, int token_tile) {
+        r0 = row_tile * BM;
+        t0 = token_tile * BN;
         k_begin = SPLIT ? blockIdx.z * a.slice : 0;
         k_end = SPLIT ? min(a.k, k_begin + a.slice) : a.k;
         steps = (k_end - k_begin + SG_STEP - 1) / SG_STEP;
@@ -614,8 +618,16 @@ __device__ __forceinline__ void sliced_gemm_tma(const SlicedTmaArgs& args, Wait 
     constexpr int KS = 2, WN = 16, CONSUMER_WARPS = 8;
     const SlicedGemmArgs& a = args.a;
     using Block = SgBlock<1, WN, 8, 1, STAGES, KS, false>;
-    const Block blk(a);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    // Blocks in launch order take every token tile of a row tile before the next row tile, so
+    // that a row tile's weights come from memory once and are read from L2 by the others (in
+    // the grid's order, gate/up's 100 MB of weights were read once per token tile: 538 µs at
+    // 2,048 tokens, bound by HBM).
+    const int launched = blockIdx.x + blockIdx.y * gridDim.x;
+    const Block blk(a, launched / gridDim.y, launched % gridDim.y);
+    // The warp's index from lane 0, so that the compiler sees it is the same across the warp:
+    // otherwise the roles' branch is a divergent path to it, and it serialises every wgmma
+    // (ptxas C7520: a wait after each step).
+    const int warp = __shfl_sync(0xffffffffu, threadIdx.x >> 5, 0), lane = threadIdx.x & 31;
     const int steps = blk.steps, stages = blk.stages, steps_per_slice = a.slice / SG_STEP;
     const unsigned smem = shared_address(sg_smem);
     if (smem & 1023u) __trap();  // the swizzle is of absolute addresses (as in the wg tile)
