@@ -55,12 +55,11 @@ pub enum SlicedTile {
     M128N64K2,
     M128N128K2,
     M128N128W16K2,
-    Wg128N128K2,
     Tma128N128K2,
 }
 
 impl SlicedTile {
-    pub const ALL: [SlicedTile; 9] = [
+    pub const ALL: [SlicedTile; 8] = [
         SlicedTile::M128N8K2,
         SlicedTile::M64N16K4,
         SlicedTile::M64N32K4,
@@ -68,15 +67,14 @@ impl SlicedTile {
         SlicedTile::M128N64K2,
         SlicedTile::M128N128K2,
         SlicedTile::M128N128W16K2,
-        SlicedTile::Wg128N128K2,
         SlicedTile::Tma128N128K2,
     ];
 
     /// Whether the tile multiplies by wgmma (sm_90a), not mma.sync (sm_80 and later). On an
-    /// H100 the wg tile's 128-byte-swizzled stages took 0.73 of the best mma.sync tile's time
-    /// at 2,048 tokens (qwen3-8b's q/o 182 µs against 249), the TMA tile 176, the same bits.
+    /// H100 the TMA tile took 136 µs for qwen3-8b's q/o at 2,048 tokens against the best
+    /// mma.sync tile's 249 (gate/up 421 against 774), the same bits.
     pub fn is_wgmma(self) -> bool {
-        matches!(self, SlicedTile::Wg128N128K2 | SlicedTile::Tma128N128K2)
+        self == SlicedTile::Tma128N128K2
     }
 
     /// Whether the tensor memory accelerator fills the tile's stages, asked by a warp of its
@@ -91,8 +89,6 @@ impl SlicedTile {
     pub fn kernel_table(self) -> &'static str {
         if self.uses_tma() {
             "SLICED_GEMM_TMA_KERNEL"
-        } else if self.is_wgmma() {
-            "SLICED_GEMM_WG_KERNEL"
         } else {
             "SLICED_GEMM_KERNEL"
         }
@@ -119,7 +115,6 @@ impl SlicedTile {
             SlicedTile::M128N64K2 => (128, 64, 8, 4, 2),
             SlicedTile::M128N128K2 => (128, 128, 8, 3, 2),
             SlicedTile::M128N128W16K2 => (128, 128, 16, 3, 2),
-            SlicedTile::Wg128N128K2 => (128, 128, 8, 5, 2),
             // 8 multiplying warps, 1 asking the TMA.
             SlicedTile::Tma128N128K2 => (128, 128, 9, 6, 2),
         }
@@ -134,7 +129,6 @@ impl SlicedTile {
             SlicedTile::M128N64K2 => "m128n64k2",
             SlicedTile::M128N128K2 => "m128n128k2",
             SlicedTile::M128N128W16K2 => "m128n128w16k2",
-            SlicedTile::Wg128N128K2 => "wg128n128k2",
             SlicedTile::Tma128N128K2 => "tma128n128k2",
         }
     }

@@ -36,15 +36,15 @@
 // A shared row holds 4·KS pieces of 16 bytes, piece c of row r at c ^ (r % 8): the 8 rows an
 // ldmatrix phase reads at one piece fall in 8 distinct 16-byte bank groups.
 //
-// On Hopper (sm_90a) the `wg` tiles take the same k16 products by wgmma instead: each of two
+// On Hopper (sm_90a) the TMA tile takes the same k16 products by wgmma instead: each of two
 // warpgroups multiplies 64 weight rows by the block's 128 tokens, one m64n128k16 step a 16
 // values, both operands read from shared memory by the tensor cores. A wgmma step adds an
 // element the bits an m16n8k16 mma.sync adds it (scripts/wgmma_bits.py: every element equal,
-// bf16 and f16, N 8 to 256), so the slices and their order are those above, unchanged. Their
+// bf16 and f16, N 8 to 256), so the slices and their order are those above, unchanged. Its
 // stages are two steps, so a shared row is 128 bytes, its pieces placed as above: exactly the
-// layout of wgmma's 128-byte swizzle, which the tensor cores read as it is. (wgmma's layout
-// without swizzle, core matrices padded 144 bytes apart, gave the same bits in twice the best
-// mma.sync tile's time on an H200; this one takes 0.73 of it on an H100.)
+// layout of wgmma's 128-byte swizzle, which the tensor cores read as it is and the TMA writes.
+// (wgmma's layout without swizzle, core matrices padded 144 bytes apart, gave the same bits in
+// twice the best mma.sync tile's time on an H200.)
 
 #define SG_STEP 32
 // Bytes of one step of a row: 32 16-bit values.
@@ -395,7 +395,7 @@ __device__ __forceinline__ void sliced_gemm(const SlicedGemmArgs& a) {
 }
 
 // Hopper's warpgroup products: the `a` features of sm_90 (NVRTC's sm_90a), which no other
-// architecture runs; elsewhere the wg tiles' kernels trap and the host never picks them.
+// architecture runs; elsewhere the TMA tile's kernels trap and the host never picks them.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define SG_WGMMA 1
 
@@ -448,11 +448,6 @@ __device__ __forceinline__ void wgmma_commit() {
 template <int N> __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
-// Makes this thread's writes to shared memory (cp.async's included) visible to the tensor
-// cores' reads through the async proxy.
-__device__ __forceinline__ void fence_async_shared() {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
 // Pins the accumulators in place: no read or write of them moves across this point (after a
 // wait, nothing reads a value a step in flight has yet to write).
 template <int WN>
@@ -463,77 +458,6 @@ __device__ __forceinline__ void wgmma_hold(float (&d)[1][WN][4]) {
         for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[0][j][e])::"memory");
 }
 #endif
-
-// The wg tiles: 8 warps, two warpgroups of 64 weight rows each by the block's 8·WN = 128
-// tokens. Stage s sits in buffer s % STAGES; the steps of stage s run while the kernel waits
-// for stage s + 1, so the buffer refilled at stage s is that of s - 2 (its steps done by every
-// warpgroup before the barrier), STAGES - 2 stages ahead.
-template <typename T, int WN, int STAGES, int KS, bool SPLIT>
-__device__ __forceinline__ void sliced_gemm_wgmma(const SlicedGemmArgs& a) {
-#ifdef SG_WGMMA
-    static_assert(WN == 16 && STAGES >= 3, "m64n128 steps, a stage computed while one loads");
-    static_assert(KS == 2, "rows of 128 bytes: the 128-byte swizzle's");
-    using Block = SgBlock<1, WN, 8, 1, STAGES, KS, SPLIT>;
-    const Block blk(a);
-    const int warp = threadIdx.x >> 5;
-    const int steps = blk.steps, stages = blk.stages, steps_per_slice = a.slice / SG_STEP;
-    const SgStager<Block::BM, Block::THREADS, KS> w_stager(a.w, blk.r0, a.n, a.k, blk.k_begin);
-    const SgStager<Block::BN, Block::THREADS, KS> x_stager(a.x, blk.t0, a.m, a.k, blk.k_begin);
-    const unsigned smem = shared_address(sg_smem);
-    // The swizzle is of absolute addresses: stages off 1024-byte boundaries would be read in
-    // another order than they were written (wrong sums, silently).
-    if (smem & 1023u) __trap();
-    sliced_x_ahead<Block, STAGES - 2>(a, blk, x_stager, smem);
-    float acc[1][WN][4], total[1][WN][4];
-    sliced_zero(acc, total);
-
-    // This warpgroup's 64 weight rows.
-    const unsigned w_rows = (warp >> 2) * 64 * Block::ROW_BYTES;
-    int left_in_slice = steps_per_slice;
-    for (int s = 0, buf = 0; s < stages; ++s, buf = buf + 1 == STAGES ? 0 : buf + 1) {
-        cp_async_wait<STAGES - 3>();
-        fence_async_shared();
-        // Stage s is in, and every warpgroup is done with stage s - 2 (its wait below).
-        __syncthreads();
-        if (s + STAGES - 2 < stages) {
-            const int refill = buf >= 2 ? buf - 2 : buf + STAGES - 2;
-            w_stager.stage(Block::w_buffer(smem, refill), a.w, a.k, blk.k_end, s + STAGES - 2);
-            x_stager.stage(Block::x_buffer(smem, refill), a.x, a.k, blk.k_end, s + STAGES - 2);
-        }
-        cp_async_commit();
-
-        const unsigned ws = Block::w_buffer(smem, buf) + w_rows, xs = Block::x_buffer(smem, buf);
-        // A 32-value step is two k16 steps, values 0-15 then 16-31: pieces 0-1, then 2-3. As
-        // in the mma.sync form, the last stage's steps past the values are never taken.
-        const int in_stage = min(KS, steps - s * KS);
-        wgmma_fence();
-#pragma unroll
-        for (int q = 0; q < KS; ++q)
-            if (q < in_stage)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const unsigned at = (2 * q + h) * 32;
-                    SgWgmma<T>::n128(&acc[0][0][0], sg_descriptor(ws + at), sg_descriptor(xs + at));
-                }
-        wgmma_commit();
-        wgmma_wait<1>();  // stage s - 1's steps are done: its buffer may be refilled next
-        left_in_slice -= in_stage;
-        if (!SPLIT && (left_in_slice == 0 || s + 1 == stages)) {
-            left_in_slice = steps_per_slice;
-            wgmma_wait<0>();
-            wgmma_hold(acc);
-            sliced_slice_done(acc, total);
-            wgmma_hold(acc);
-        }
-    }
-    wgmma_wait<0>();
-    wgmma_hold(acc);
-    cp_async_wait<0>();
-    sliced_gemm_finish<1, WN, SPLIT>(a, acc, total, blk.r0 + warp * 16, blk.t0);
-#else
-    __trap();
-#endif
-}
 
 // A tensor map (CUtensorMap, made by the host's cuTensorMapEncodeTiled): a matrix in global
 // memory as the tensor memory accelerator (TMA) reads it.
@@ -595,22 +519,22 @@ __device__ __forceinline__ void tma_load_box(unsigned dst, const SgTensorMap* ma
 
 #define SG_TMA_PRODUCER_WARPS 1
 
-// The TMA tile: the wg tile's products and slices, its stages filled by the tensor memory
-// accelerator. One thread of a producer warp asks for a stage in two instructions (W's 128
-// rows and x's 128 tokens, 64 values each, written by the TMA in the 128-byte swizzle the
-// descriptors read), STAGES buffers deep, while two warpgroups only multiply, 64 weight rows
-// each by the 128 tokens (warps 0-7, since a warpgroup's first warp is a multiple of 4; the
-// producer is warp 8). They hand buffers over by mbarriers: `full[b]` completes when the
-// stage's bytes have landed in b, `empty[b]` when each multiplying warp is done with it. The
-// products, their order, the slices and the finish are the wg tile's: the same bits.
+// The TMA tile: stages filled by the tensor memory accelerator. One thread of a producer
+// warp asks for a stage in two instructions (W's 128 rows and x's 128 tokens, 64 values each,
+// written by the TMA in the 128-byte swizzle the descriptors read), STAGES buffers deep, while
+// two warpgroups only multiply, 64 weight rows each by the 128 tokens (warps 0-7, since a
+// warpgroup's first warp is a multiple of 4; the producer is warp 8). They hand buffers over
+// by mbarriers: `full[b]` completes when the stage's bytes have landed in b, `empty[b]` when
+// each multiplying warp is done with it. A warpgroup keeps one stage's steps in flight while
+// it waits for the next.
 //
-// Measured (H100, qwen3-8b's q/o at 2,048 tokens): 176 µs against the wg tile's 181 and
-// cuBLASLt's 91-94. The wg tile's 256 threads issue 8 cp.async each a stage and meet at a
-// block barrier (ncu: tensor pipe 37% busy, 63% of cycles with no warp eligible), yet taking
-// all of that off the multiplying warps gained 3%: the staging is not what holds them. A
-// cp.async producer warpgroup instead was slower (224 µs), and two m64n64 chains a
-// warpgroup instead of one m64n128 too (197 µs). `wait` is the entry point's
-// grid_dependency_wait().
+// Measured (H100, qwen3-8b's products at 2,048 tokens): q/o 136 µs, gate/up 421, against
+// cuBLASLt's 91 and 266; the tile before it (all 256 threads staging by cp.async, a block
+// barrier a stage) took 179 and 577. Two things held this one back at first: ptxas waited
+// after every wgmma where the roles' branch looked divergent to it (C7520; 176 µs), and blocks
+// in the grid's order read gate/up's 100 MB of weights once per token tile (538 µs). A
+// cp.async producer warpgroup (224 µs) and two m64n64 chains a warpgroup (197 µs, while
+// serialised) were tried and are not kept. `wait` is the entry point's grid_dependency_wait().
 template <typename T, int STAGES, typename Wait>
 __device__ __forceinline__ void sliced_gemm_tma(const SlicedTmaArgs& args, Wait wait) {
 #ifdef SG_WGMMA
@@ -630,7 +554,9 @@ __device__ __forceinline__ void sliced_gemm_tma(const SlicedTmaArgs& args, Wait 
     const int warp = __shfl_sync(0xffffffffu, threadIdx.x >> 5, 0), lane = threadIdx.x & 31;
     const int steps = blk.steps, stages = blk.stages, steps_per_slice = a.slice / SG_STEP;
     const unsigned smem = shared_address(sg_smem);
-    if (smem & 1023u) __trap();  // the swizzle is of absolute addresses (as in the wg tile)
+    // The swizzle is of absolute addresses: stages off 1024-byte boundaries would be read in
+    // another order than they were written (wrong sums, silently).
+    if (smem & 1023u) __trap();
     // The barriers after the stages: full[b] at b · 8, empty[b] at (STAGES + b) · 8.
     const unsigned bars = smem + STAGES * Block::STAGE_BYTES;
     auto full = [&](int b) { return bars + 8 * b; };
@@ -725,22 +651,6 @@ __device__ __forceinline__ void sliced_gemm_tma(const SlicedTmaArgs& args, Wait 
         sliced_gemm<T, WM, WN, WARPS_M, WARPS_N, STAGES, KS, true>(a);                             \
     }
 
-// Hopper's (sm_90a): the same table's columns, two warpgroups by 128 tokens only.
-#define SLICED_GEMM_WG_KERNEL(tname, T, tile, WM, WN, WARPS_M, WARPS_N, STAGES, KS)                \
-    static_assert(WM == 1 && WARPS_M == 8 && WARPS_N == 1, "two warpgroups of 64 rows");           \
-    extern "C" __global__ void __launch_bounds__(256)                                              \
-        sliced_gemm_##tname##_##tile(const __grid_constant__ SlicedGemmArgs a) {                   \
-        sliced_gemm_weights_ahead<1, WN, 8, 1, STAGES, KS, false, STAGES - 2>(a);                  \
-        grid_dependency_wait();                                                                    \
-        sliced_gemm_wgmma<T, WN, STAGES, KS, false>(a);                                            \
-    }                                                                                              \
-    extern "C" __global__ void __launch_bounds__(256)                                              \
-        sliced_gemm_##tname##_##tile##_split(const __grid_constant__ SlicedGemmArgs a) {           \
-        sliced_gemm_weights_ahead<1, WN, 8, 1, STAGES, KS, true, STAGES - 2>(a);                   \
-        grid_dependency_wait();                                                                    \
-        sliced_gemm_wgmma<T, WN, STAGES, KS, true>(a);                                             \
-    }
-
 // The TMA tile (sm_90a): the multiplying warps' shape in the table's columns (two warpgroups
 // of 64 rows by 128 tokens), a producer warp beside them; its own argument; no split form.
 #define SLICED_GEMM_TMA_KERNEL(tname, T, tile, WM, WN, WARPS_M, WARPS_N, STAGES, KS)               \
@@ -759,7 +669,6 @@ __device__ __forceinline__ void sliced_gemm_tma(const SlicedTmaArgs& args, Wait 
     SLICED_GEMM_KERNEL(tname, T, m128n64k2, 2, 4, 4, 2, 4, 2)                                      \
     SLICED_GEMM_KERNEL(tname, T, m128n128k2, 2, 8, 4, 2, 3, 2)                                     \
     SLICED_GEMM_KERNEL(tname, T, m128n128w16k2, 2, 4, 4, 4, 3, 2)                                  \
-    SLICED_GEMM_WG_KERNEL(tname, T, wg128n128k2, 1, 16, 8, 1, 5, 2)                               \
     SLICED_GEMM_TMA_KERNEL(tname, T, tma128n128k2, 1, 16, 8, 1, 6, 2)
 
 SLICED_GEMM_ALL(bf16, bf16_t)
