@@ -82,6 +82,18 @@ pub fn arch_name((major, minor): (i32, i32)) -> String {
 /// Compiles a module's `source` to a CUBIN for `arch` (`sm_90`). Check [`nvrtc_present`]
 /// first.
 pub fn compile_cubin(source: &str, module: Module, arch: &str) -> Result<Vec<u8>, CudaError> {
+    compile_with_log(source, module, arch, &[]).map(|(cubin, _)| cubin)
+}
+
+/// [`compile_cubin`] with `extra` options after ember's own, returning NVRTC's log beside the
+/// CUBIN: with `-Xptxas=-v`, ptxas's account of each kernel (registers, spills, and its
+/// performance warnings, such as C7520 when it serialises a kernel's wgmma steps).
+pub fn compile_with_log(
+    source: &str,
+    module: Module,
+    arch: &str,
+    extra: &[&str],
+) -> Result<(Vec<u8>, String), CudaError> {
     let nvrtc_err = |op| move |source| CudaError::Nvrtc { op, source };
     let src = CString::new(source).map_err(|_| CudaError::Compile {
         module: module.name(),
@@ -95,17 +107,19 @@ pub fn compile_cubin(source: &str, module: Module, arch: &str) -> Result<Vec<u8>
     );
     let mut options: Vec<String> = OPTIONS.iter().map(|o| o.to_string()).collect();
     options.push(format!("--gpu-architecture={arch}"));
+    options.extend(extra.iter().map(|o| o.to_string()));
     // SAFETY: `prog` is a live program; the options are plain strings.
-    if unsafe { nvrtc::compile_program(prog.0, &options) }.is_err() {
-        // SAFETY: as above.
-        let log = unsafe { nvrtc::get_program_log(prog.0) }
-            .map(|raw| {
-                // SAFETY: NVRTC's log is NUL-terminated.
-                unsafe { CStr::from_ptr(raw.as_ptr()) }
-                    .to_string_lossy()
-                    .into_owned()
-            })
-            .unwrap_or_else(|e| format!("(no log: {e})"));
+    let compiled = unsafe { nvrtc::compile_program(prog.0, &options) };
+    // SAFETY: as above.
+    let log = unsafe { nvrtc::get_program_log(prog.0) }
+        .map(|raw| {
+            // SAFETY: NVRTC's log is NUL-terminated.
+            unsafe { CStr::from_ptr(raw.as_ptr()) }
+                .to_string_lossy()
+                .into_owned()
+        })
+        .unwrap_or_else(|e| format!("(no log: {e})"));
+    if compiled.is_err() {
         return Err(CudaError::Compile {
             module: module.name(),
             arch: arch.into(),
@@ -122,7 +136,7 @@ pub fn compile_cubin(source: &str, module: Module, arch: &str) -> Result<Vec<u8>
     unsafe { nvrtc_sys::nvrtcGetCUBIN(prog.0, cubin.as_mut_ptr().cast()) }
         .result()
         .map_err(nvrtc_err("nvrtcGetCUBIN"))?;
-    Ok(cubin)
+    Ok((cubin, log))
 }
 
 /// Destroys the program however compilation ends.

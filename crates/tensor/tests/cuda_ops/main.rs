@@ -239,6 +239,35 @@ fn every_module_compiles_with_nvrtc() {
     }
 }
 
+/// ptxas serialises a kernel's wgmma steps (a wait after each: C7520) where it cannot prove
+/// their warpgroup runs them together, silently: the TMA tile ran at 0.77 of its speed so until
+/// its roles' branch was made warp-uniform. Every Hopper module must compile without it.
+#[test]
+fn no_wgmma_step_is_serialised() {
+    if !compile::nvrtc_present() {
+        assert!(std::env::var_os("CI").is_none(), "CI must install NVRTC");
+        println!("skipped: no NVRTC");
+        return;
+    }
+    let hopper: Vec<Module> = Module::ALL
+        .into_iter()
+        .filter(|m| m.source().contains("wgmma.mma_async"))
+        .collect();
+    assert!(!hopper.is_empty(), "no module multiplies by wgmma");
+    for module in hopper {
+        let (_, log) =
+            compile::compile_with_log(&module.source(), module, "sm_90a", &["-Xptxas=-v"])
+                .unwrap_or_else(|e| panic!("{e}"));
+        let serialised: Vec<&str> = log.lines().filter(|l| l.contains("C7520")).collect();
+        assert!(
+            serialised.is_empty(),
+            "{}.cu: ptxas serialises wgmma:\n{}",
+            module.name(),
+            serialised.join("\n")
+        );
+    }
+}
+
 #[test]
 fn device_buffers_are_listed_and_counted_by_the_residency_set() {
     let Some(ctx) = Ctx::new() else { return };
