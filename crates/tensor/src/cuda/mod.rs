@@ -45,6 +45,7 @@ mod residency;
 mod rms_norm;
 mod rope;
 mod sliced_gemm;
+mod tensor_map;
 
 pub use argmax::{argmax, argmax_scratch_len};
 pub use attention::{

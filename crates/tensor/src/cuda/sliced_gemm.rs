@@ -4,6 +4,7 @@
 use super::device::launch;
 use super::gemm::product_rows;
 use super::kernels::{Float, Kernel};
+use super::tensor_map::tensor_map;
 use super::{
     CudaDevice, CudaError, DevMat, DevSlice, DevSliceMut, DeviceBuffer, FloatElem, config3, ensure,
     int,
@@ -228,53 +229,6 @@ const _: () = assert!(size_of::<TmaKernelArgs>() == 384);
 
 /// Values and rows of the boxes the TMA tile asks for (`SG_STEP · KS` by its 128 rows).
 const TMA_BOX: (u32, u32) = (64, 128);
-
-/// A tensor map of the 16-bit matrix `[rows, cols]` at `ptr` in boxes of [`TMA_BOX`], under
-/// the 128-byte swizzle the wgmma descriptors read; the TMA fills what lies past the matrix
-/// with zeros.
-fn tensor_map(
-    float: Float,
-    ptr: u64,
-    rows: usize,
-    cols: usize,
-) -> Result<drv_sys::CUtensorMap, CudaError> {
-    use drv_sys::{
-        CUtensorMapDataType as Ty, CUtensorMapFloatOOBfill as Fill,
-        CUtensorMapInterleave as Interleave, CUtensorMapL2promotion as L2,
-        CUtensorMapSwizzle as Swizzle,
-    };
-    let ty = match float {
-        Float::Bf16 => Ty::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-        Float::F16 => Ty::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-        Float::F32 => unreachable!("the products take 16-bit operands (checked)"),
-    };
-    let dims = [cols as u64, rows as u64];
-    let strides = [(cols * 2) as u64];
-    let boxes = [TMA_BOX.0, TMA_BOX.1];
-    let element_strides = [1u32, 1];
-    let mut map = drv_sys::CUtensorMap { opaque: [0; 16] };
-    // SAFETY: valid out-pointer and arrays of the rank's lengths; the address is a device
-    // allocation on 16 bytes with rows of a multiple of 16 bytes (checked by the caller).
-    unsafe {
-        drv_sys::cuTensorMapEncodeTiled(
-            &mut map,
-            ty,
-            2,
-            ptr as *mut std::ffi::c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            boxes.as_ptr(),
-            element_strides.as_ptr(),
-            Interleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            Swizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-            L2::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            Fill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        )
-    }
-    .result()
-    .map_err(CudaError::driver("cuTensorMapEncodeTiled"))?;
-    Ok(map)
-}
 
 /// Runs `out = a · Wᵀ` (or `out += a · Wᵀ`) for 16-bit activations `a [m, k]` and weights
 /// `W [n, k]` of the same type into f32 or bf16 `out [m, n]`, each row's sums in one fixed
@@ -583,8 +537,8 @@ impl SlicedGemm {
         let config = config3(grid, (warps * 32) as u32, plan.tile.smem_bytes());
         if plan.tile.uses_tma() {
             let tma = TmaKernelArgs {
-                w_map: tensor_map(input, args.w, n, k)?,
-                x_map: tensor_map(input, args.x, m, k)?,
+                w_map: tensor_map(input, args.w, n, k, TMA_BOX)?,
+                x_map: tensor_map(input, args.x, m, k, TMA_BOX)?,
                 args,
             };
             return launch!(self.device, kernel, config; tma);

@@ -38,16 +38,18 @@ __device__ __forceinline__ unsigned word_of(const uint4& v, int w) {
     return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
 }
 
-// The queries' B fragments of the first product, from the block's 8 query rows in shared
-// memory (q_s[n] is column n of the product).
+// The queries' B fragments of the first product: this lane's of column g, whose D values
+// are at `col` (a query row, in shared memory for the decode kernel, in global memory for the
+// prompt rows'; zeros where `has` is false).
 template <typename KV, int D>
-__device__ __forceinline__ void mma_query_fragments(const float (*q_s)[D], int g, int t,
+__device__ __forceinline__ void mma_query_fragments(const float* col, bool has, int t,
                                                     unsigned (&qb)[D / 16][2]) {
     using Mma = Mma16<KV>;
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
     for (int i = 0; i < D / 32; ++i) {
-        const float4 a = *(const float4*)&q_s[g][8 * (4 * i + t)];
-        const float4 b = *(const float4*)&q_s[g][8 * (4 * i + t) + 4];
+        const float4 a = has ? *(const float4*)&col[8 * (4 * i + t)] : zero;
+        const float4 b = has ? *(const float4*)&col[8 * (4 * i + t) + 4] : zero;
         qb[2 * i][0] = Mma::pack(a.x, a.y);
         qb[2 * i][1] = Mma::pack(a.z, a.w);
         qb[2 * i + 1][0] = Mma::pack(b.x, b.y);
@@ -304,7 +306,7 @@ __device__ __forceinline__ void attention_decode_mma(
     }
     __syncthreads();
     unsigned qb[SLICES][2];
-    mma_query_fragments<KV, D>(q_s, g, t, qb);
+    mma_query_fragments<KV, D>(q_s[g], true, t, qb);
 
     int done = 0;
     for (int split = blockIdx.x; split < splits; split += gridDim.x, ++done) {

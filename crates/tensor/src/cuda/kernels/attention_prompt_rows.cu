@@ -106,23 +106,12 @@ __device__ __forceinline__ void attention_prompt_rows_mma(
         const int row0 = partial ? first_row + set : whole_from + (set - partial_sets) * per_set;
         const int set_rows = partial ? 1 : min(per_set, i1 - row0);
         const int t_end = partial ? pos0 + row0 + 1 : chunk0 + CHUNK;
-        // Column n = r · heads + h: head head0 + h of row row0 + r; zero past the set's. This
-        // lane's B fragments are of column g, packed as mma_query_fragments packs them.
+        // Column n = r · heads + h: head head0 + h of row row0 + r; zero past the set's.
         unsigned qb[SLICES][2];
         {
             const int r = g / heads, h = g - r * heads;
-            const float* qrow = q + ((size_t)(row0 + r) * n_heads + head0 + h) * D;
-            const bool has = r < set_rows;
-#pragma unroll
-            for (int i = 0; i < K_PARTS; ++i) {
-                const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                const float4 a = has ? *(const float4*)&qrow[8 * (4 * i + t)] : zero;
-                const float4 b = has ? *(const float4*)&qrow[8 * (4 * i + t) + 4] : zero;
-                qb[2 * i][0] = Mma16<KV>::pack(a.x, a.y);
-                qb[2 * i][1] = Mma16<KV>::pack(a.z, a.w);
-                qb[2 * i + 1][0] = Mma16<KV>::pack(b.x, b.y);
-                qb[2 * i + 1][1] = Mma16<KV>::pack(b.z, b.w);
-            }
+            const float* col = q + ((size_t)(row0 + r) * n_heads + head0 + h) * D;
+            mma_query_fragments<KV, D>(col, r < set_rows, t, qb);
         }
         // Every step's scores, and the chunk's maximum of each of this lane's two columns.
         float s[STEPS][4];

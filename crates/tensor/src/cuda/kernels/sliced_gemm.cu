@@ -596,10 +596,10 @@ __device__ __forceinline__ void sliced_gemm_tma(const SlicedTmaArgs& args, Wait 
     }
 
     wait();  // the finish may read y (accumulate)
-    const int cw = warp;  // warpgroup cw / 4's 16-row quarter cw % 4
     float acc[1][WN][4], total[1][WN][4];
     sliced_zero(acc, total);
-    const unsigned w_rows = (cw >> 2) * 64 * Block::ROW_BYTES;
+    // Warp w is warpgroup w / 4's 16-row quarter w % 4.
+    const unsigned w_rows = (warp >> 2) * 64 * Block::ROW_BYTES;
     int left_in_slice = steps_per_slice;
     for (int s = 0; s < stages; ++s) {
         const int buf = s % STAGES;
@@ -629,7 +629,7 @@ __device__ __forceinline__ void sliced_gemm_tma(const SlicedTmaArgs& args, Wait 
     }
     wgmma_wait<0>();
     wgmma_hold(acc);
-    sliced_gemm_finish<1, WN, false>(a, acc, total, blk.r0 + cw * 16, blk.t0);
+    sliced_gemm_finish<1, WN, false>(a, acc, total, blk.r0 + warp * 16, blk.t0);
 #else
     __trap();
 #endif
