@@ -37,10 +37,11 @@ pub fn nvrtc_version() -> Result<(i32, i32), CudaError> {
     Ok((major, minor))
 }
 
-/// `f` of every module, several at once (a thread each, up to the machine's cores): NVRTC
-/// compiles a program on one thread, and a fresh cache would otherwise wait for each module in
-/// turn (the decode attention's alone takes half a minute). Results in the order given.
-pub fn in_parallel<T: Send>(modules: &[Module], f: impl Fn(Module) -> T + Sync) -> Vec<T> {
+/// `f` of every module (or module and architecture, ...), several at once (a thread each, up to
+/// the machine's cores), taken in the order given as threads come free: NVRTC compiles a
+/// program on one thread, and a fresh cache would otherwise wait for each module in turn (the
+/// decode attention's alone takes half a minute). Results in the order given.
+pub fn in_parallel<M: Copy + Sync, T: Send>(modules: &[M], f: impl Fn(M) -> T + Sync) -> Vec<T> {
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .min(modules.len());
