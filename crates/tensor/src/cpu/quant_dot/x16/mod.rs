@@ -58,17 +58,21 @@ pub(crate) fn interleaves(dtype: DType) -> bool {
 }
 
 /// Whether `dtype`'s interleaved rows have a SIMD kernel on `isa` (the portable one computes
-/// them on any set, too slowly to be chosen). Without VNNI, the 32-value types' 256-bit
-/// kernels take a group as two halves of eight rows (see [`q41`]); Q8_0's (AVX2, one core,
-/// hot) ran 1.4-1.6 times its plain rows' rate for 1 to 4 activation rows, 576 to 8960 wide,
-/// and prompts 512x2048x1536 at 25 against 15 GMAC/s. Q4_K and Q5_K ones written so ran a
-/// 1536-wide matrix in L2 60% faster than their plain rows, but no faster from memory
-/// (0.80-0.90 of the probe against 0.89-1.14), and prompts of 8960-wide rows 18% slower (one
-/// activation row at a time, their sums filling the registers): not kept.
+/// them on any set, too slowly to be chosen). Without VNNI, the 256-bit kernels take a group
+/// as two halves of eight rows, one activation row at a time (see [`q41`]); Q8_0's (AVX2, one
+/// core, hot) ran 1.4-1.6 times its plain rows' rate for 1 to 4 activation rows, 576 to 8960
+/// wide, and prompts 512x2048x1536 at 25 against 15 GMAC/s. Q4_K's and Q5_K's, first dropped
+/// as no faster from memory on a machine whose two cores outran its memory, came back for one
+/// whose did not (Zen 3, 2 cores: hot 18.6 against 10.0 GB/s for Q4_K, 13.6 against 10.4 for
+/// Q5_K; Qwen2.5-Coder-1.5B Q4_K_M decode +20%, prompts no slower); the choice by timing
+/// decides per machine.
 pub(crate) fn runs_on(dtype: DType, isa: QIsa) -> bool {
     match isa {
         QIsa::Avx512Vnni => interleaves(dtype),
-        QIsa::Avx512 | QIsa::Avx2 => matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1),
+        QIsa::Avx512 | QIsa::Avx2 => matches!(
+            dtype,
+            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q4_K | DType::Q5_K
+        ),
         QIsa::Portable => false,
     }
 }

@@ -175,8 +175,14 @@ impl<const FIVE: bool> GroupKernel for Q45K<FIVE> {
         ahead: usize,
     ) -> [[f32; X16]; M] {
         #[cfg(target_arch = "x86_64")]
-        if isa == QIsa::Avx512Vnni {
-            return unsafe { group_vnni::<M, FIVE>(g, k / 256, a, lay, ahead) };
+        match isa {
+            QIsa::Avx512Vnni => return unsafe { group_vnni::<M, FIVE>(g, k / 256, a, lay, ahead) },
+            QIsa::Avx512 | QIsa::Avx2 => {
+                return std::array::from_fn(|i| unsafe {
+                    group_avx2::<FIVE>(g, k / 256, a[i], lay, ahead)
+                });
+            }
+            QIsa::Portable => {}
         }
         let _ = (isa, ahead);
         group_portable::<M, FIVE>(g, k / 256, a, lay)
@@ -285,6 +291,128 @@ unsafe fn group_vnni<const M: usize, const FIVE: bool>(
         let mut out = [[0f32; X16]; M];
         for i in 0..M {
             _mm512_storeu_ps(out[i].as_mut_ptr(), _mm512_sub_ps(acc[i], acc_min[i]));
+        }
+        out
+    }
+}
+
+/// [`group_vnni`] on AVX2 for one activation row: the group as two halves of eight rows (32
+/// bytes of each 64-byte step a half), the second finding the group's lines in cache, as
+/// [`super::q41`]'s. `vpmaddubsw` then `vpmaddwd` by ones gives each lane's four products as
+/// one exact i32 (weights below 32 against i8 activations: no pair reaches i16's limit), as
+/// `vpdpbusd` does, and `vpmaddwd` is `vpdpwssd` less its add; the float steps are the same.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn group_avx2<const FIVE: bool>(
+    g: *const u8,
+    nsb: usize,
+    a: *const u8,
+    lay: &ActLayout,
+    ahead: usize,
+) -> [f32; X16] {
+    use std::arch::x86_64::*;
+    unsafe {
+        let low = _mm256_set1_epi8(0x0F);
+        let six = _mm256_set1_epi32(0x3F);
+        let pair = _mm256_set1_epi32(0x003F_003F);
+        let bit = _mm256_set1_epi8(0x10);
+        let ones = _mm256_set1_epi16(1);
+        let load = |p: *const u8| _mm256_loadu_si256(p.cast());
+        let bcast = |p: *const u8| _mm256_set1_epi32(p.cast::<i32>().read_unaligned());
+        let dot4 = |w: __m256i, x: __m256i| _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+        let mut out = [0f32; X16];
+        for h in 0..2 {
+            let half = 32 * h;
+            let mut acc = _mm256_setzero_ps();
+            let mut acc_min = _mm256_setzero_ps();
+            for sb in 0..nsb {
+                let blk = g.add(sb * X16 * block(FIVE));
+                if h == 0 {
+                    for line in 0..OFF_QS / 64 {
+                        _mm_prefetch::<_MM_HINT_T1>(blk.add(ahead + 64 * line).cast());
+                    }
+                    if FIVE {
+                        for line in 0..8 {
+                            _mm_prefetch::<_MM_HINT_T1>(blk.add(ahead + OFF_QH + 64 * line).cast());
+                        }
+                    }
+                }
+                let v0 = load(blk.add(OFF_SCALES + half));
+                let v1 = load(blk.add(OFF_SCALES + 64 + half));
+                let v2 = load(blk.add(OFF_SCALES + 128 + half));
+                let v3 = _mm256_or_si256(
+                    _mm256_or_si256(
+                        _mm256_and_si256(
+                            _mm256_srli_epi32::<12>(v0),
+                            _mm256_set1_epi32(0x000F_000F),
+                        ),
+                        _mm256_and_si256(
+                            _mm256_srli_epi32::<8>(v1),
+                            _mm256_set1_epi32(0x00F0_00F0),
+                        ),
+                    ),
+                    _mm256_and_si256(_mm256_srli_epi32::<4>(v2), _mm256_set1_epi32(0x0F00_0F00)),
+                );
+                let mut isum = _mm256_setzero_si256();
+                let mut msum = _mm256_setzero_si256();
+                for (c, word) in [v0, v1, v2, v3].into_iter().enumerate() {
+                    let mut lo = _mm256_setzero_si256();
+                    let mut hi = _mm256_setzero_si256();
+                    for s in 0..8 {
+                        let at = OFF_QS + (8 * c + s) * 64;
+                        if h == 0 {
+                            _mm_prefetch::<_MM_HINT_T1>(blk.add(ahead + at).cast());
+                        }
+                        let v = load(blk.add(at + half));
+                        let mut wl = _mm256_and_si256(v, low);
+                        let mut wh = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
+                        if FIVE {
+                            // Bits 2c and 2c + 1 of the step's `qh` bytes to bit 4.
+                            let qh = load(blk.add(OFF_QH + 64 * s + half));
+                            let q = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c as i32));
+                            wl = _mm256_or_si256(
+                                wl,
+                                _mm256_and_si256(_mm256_slli_epi16::<4>(q), bit),
+                            );
+                            wh = _mm256_or_si256(
+                                wh,
+                                _mm256_and_si256(_mm256_slli_epi16::<3>(q), bit),
+                            );
+                        }
+                        let x = a.add(256 * sb + lo_offset(c) + 4 * s);
+                        lo = _mm256_add_epi32(lo, dot4(wl, bcast(x)));
+                        hi = _mm256_add_epi32(hi, dot4(wh, bcast(x.add(64))));
+                    }
+                    let sc_lo = _mm256_and_si256(word, six);
+                    let sc_hi = _mm256_and_si256(_mm256_srli_epi32::<16>(word), six);
+                    let mins = _mm256_and_si256(_mm256_srli_epi32::<6>(word), pair);
+                    let scaled = _mm256_add_epi32(
+                        _mm256_mullo_epi32(lo, sc_lo),
+                        _mm256_mullo_epi32(hi, sc_hi),
+                    );
+                    isum = _mm256_add_epi32(isum, scaled);
+                    // The activations' sums of sub-blocks 2c and 2c+1, an i16 pair.
+                    let bs = a.add(lay.b + 2 * (8 * sb + 2 * c));
+                    msum = _mm256_add_epi32(msum, _mm256_madd_epi16(mins, bcast(bs)));
+                }
+                let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16 * h).cast()));
+                let dmin = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(OFF_DMIN + 16 * h).cast()));
+                let dx = _mm256_set1_ps(rdf32(a.add(lay.d), sb));
+                let s1 = _mm256_cvtepi32_ps(isum);
+                let s2 = _mm256_cvtepi32_ps(msum);
+                if FIVE {
+                    // The Q5_K tile's order: `acc += (d·dx)·s1 − (dmin·dx)·s2`.
+                    let t = _mm256_sub_ps(
+                        _mm256_mul_ps(_mm256_mul_ps(dw, dx), s1),
+                        _mm256_mul_ps(_mm256_mul_ps(dmin, dx), s2),
+                    );
+                    acc = _mm256_add_ps(acc, t);
+                } else {
+                    acc = _mm256_fmadd_ps(s1, _mm256_mul_ps(dw, dx), acc);
+                    acc_min = _mm256_fmadd_ps(s2, _mm256_mul_ps(dmin, dx), acc_min);
+                }
+            }
+            _mm256_storeu_ps(out[8 * h..].as_mut_ptr(), _mm256_sub_ps(acc, acc_min));
         }
         out
     }
