@@ -6,7 +6,7 @@ mod common;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use common::{assert_names, load_error};
+use common::{Scratch, assert_names, load_error};
 
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
@@ -14,9 +14,9 @@ use safetensors::{Dtype, SafeTensors};
 const TENSOR: &str = "model.layers.1.self_attn.k_proj.weight";
 
 /// A fresh copy of the qwen3-f32 golden fixture that a test may break.
-fn copy_fixture(tag: &str) -> PathBuf {
+fn copy_fixture(tag: &str) -> Scratch {
     let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/golden/qwen3-f32");
-    let dst = std::env::temp_dir().join(format!("ember-bad-{tag}-{}", std::process::id()));
+    let dst = Scratch::new(&format!("bad-{tag}"), "");
     std::fs::create_dir_all(&dst).unwrap();
     for entry in std::fs::read_dir(&src).unwrap() {
         let entry = entry.unwrap();

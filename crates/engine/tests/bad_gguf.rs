@@ -3,9 +3,7 @@
 
 mod common;
 
-use std::path::PathBuf;
-
-use common::{assert_names, load_error};
+use common::{Scratch, assert_names, load_error};
 
 /// A minimal GGUF v3 writer: string/u32 metadata and one tensor description.
 struct Gguf {
@@ -88,9 +86,8 @@ impl Gguf {
         out
     }
 
-    fn write(&self, tag: &str) -> PathBuf {
-        let path =
-            std::env::temp_dir().join(format!("ember-bad-{tag}-{}.gguf", std::process::id()));
+    fn write(&self, tag: &str) -> Scratch {
+        let path = Scratch::new(&format!("bad-{tag}"), ".gguf");
         std::fs::write(&path, self.bytes()).unwrap();
         path
     }
@@ -122,7 +119,7 @@ fn unsupported_tensor_type() {
 
 #[test]
 fn not_gguf_and_truncated() {
-    let path = std::env::temp_dir().join(format!("ember-bad-magic-{}.gguf", std::process::id()));
+    let path = Scratch::new("bad-magic", ".gguf");
     std::fs::write(&path, b"GGML not really").unwrap();
     assert_names(&load_error(&path), &[".gguf", "GGUF"]);
 
@@ -135,8 +132,7 @@ fn not_gguf_and_truncated() {
     ));
     let mut bytes = g.bytes();
     bytes.truncate(bytes.len() - 100);
-    let path =
-        std::env::temp_dir().join(format!("ember-bad-truncated-{}.gguf", std::process::id()));
+    let path = Scratch::new("bad-truncated", ".gguf");
     std::fs::write(&path, bytes).unwrap();
     assert_names(
         &load_error(&path),

@@ -1,8 +1,11 @@
 //! Checkpoint layouts beyond one aligned file: sharded, misaligned, and F16.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use common::Scratch;
 use ember_engine::{Engine, EngineOptions};
 use ember_tensor::BufferKind;
 use safetensors::tensor::TensorView;
@@ -18,9 +21,9 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 /// A copy of a fixture without its weights file, and the weights it had.
-fn copy_without_weights(name: &str, tag: &str) -> (PathBuf, Tensors) {
+fn copy_without_weights(name: &str, tag: &str) -> (Scratch, Tensors) {
     let src = fixture(name);
-    let dst = std::env::temp_dir().join(format!("ember-format-{tag}-{}", std::process::id()));
+    let dst = Scratch::new(&format!("format-{tag}"), "");
     std::fs::create_dir_all(&dst).unwrap();
     for entry in std::fs::read_dir(&src).unwrap() {
         let entry = entry.unwrap();

@@ -1,6 +1,9 @@
-//! Helpers shared by the tests that load broken checkpoints.
+//! Helpers shared by the tests that load broken or unusual checkpoints.
+// Each test crate that includes this module uses part of it.
+#![allow(dead_code)]
 
-use std::path::Path;
+use std::ops::Deref;
+use std::path::{Path, PathBuf};
 
 use ember_engine::{Engine, EngineOptions};
 
@@ -25,5 +28,39 @@ pub fn assert_names(message: &str, parts: &[&str]) {
             message.contains(part),
             "error message {message:?} should name {part:?}"
         );
+    }
+}
+
+/// A file or directory under the system's temporary directory, named for this test process,
+/// removed when dropped (a failed test's too: its panic unwinds through the drop).
+pub struct Scratch(PathBuf);
+
+impl Scratch {
+    /// `ember-{stem}-{pid}{suffix}` in the temporary directory (a suffix such as `.gguf`, or
+    /// none); nothing is created.
+    pub fn new(stem: &str, suffix: &str) -> Self {
+        let file = format!("ember-{stem}-{}{suffix}", std::process::id());
+        Scratch(std::env::temp_dir().join(file))
+    }
+}
+
+impl Deref for Scratch {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for Scratch {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        // Whichever it became; a path never created is no error.
+        let _ = std::fs::remove_dir_all(&self.0);
+        let _ = std::fs::remove_file(&self.0);
     }
 }
