@@ -23,6 +23,10 @@ pub(super) const MIN_KEYS_PER_SPLIT: usize = 128;
 pub(super) const KEY_ROUND: usize = 32;
 /// The most query heads a decode block takes for its kv head (`ROWS` in attention_decode.cu).
 pub(super) const MAX_DECODE_ROWS: usize = 8;
+/// Keys a tensor-core decode warp takes at once (`DEC_MMA_KEYS`): the kernel reads a step's
+/// rows from one block of the pool, so blocks must hold at least this many positions (they
+/// are powers of two: then a step from a multiple of 16 never crosses one).
+pub(super) const MMA_DECODE_KEYS: usize = 16;
 /// Decode blocks per multiprocessor the chunks are sized for (`DEC_BLOCKS_PER_SM`).
 pub(super) const DECODE_BLOCKS_PER_SM: usize = 3;
 /// Waves of blocks a launch of many rows' decode takes ([`DecodeRows`]).
@@ -474,6 +478,7 @@ pub(super) fn decode_on_tensor_cores<T: FloatElem>(
         && T::FLOAT != Float::F32
         && MMA_HEAD_DIMS.contains(&head_dim)
         && cache.vectorised(head_dim, n_kv_heads * head_dim) == 1
+        && cache.block_size >= MMA_DECODE_KEYS
         && device.info().compute_capability
             >= Module::AttentionDecodeMma(T::FLOAT).min_compute_capability()
 }

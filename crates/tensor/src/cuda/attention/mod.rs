@@ -261,6 +261,7 @@ mod tests {
         // The tensor-core form always takes eight query heads a block (the grid's rows).
         let mma = Module::AttentionDecodeMma(crate::cuda::Float::Bf16);
         assert_eq!(mma.define("DEC_MMA_ROWS"), MAX_DECODE_ROWS);
+        assert_eq!(mma.define("DEC_MMA_KEYS"), MMA_DECODE_KEYS);
         let p = Module::AttentionMma;
         assert_eq!(p.define("MMA_ROWS"), MMA_ROWS);
         assert_eq!(32 * p.define("MMA_WARPS"), MMA_THREADS as usize);

@@ -427,7 +427,7 @@ __device__ __forceinline__ void attention_decode(
     auto prefetch = [&](int t0) {
         const int t = t0 + (lane >> 1);
         if (vec && lane < 2 * KB && t < t_end && t <= last_cached)
-            prefetch_l2(((lane & 1) ? vh : kh) + kv_row(pages, t, stride), d * sizeof(KV));
+            prefetch_l2_lines(((lane & 1) ? vh : kh) + kv_row(pages, t, stride), d * sizeof(KV));
     };
     const int step = DEC_WARPS * KB;
     int first = blockIdx.x * keys_per_split + warp * KB;

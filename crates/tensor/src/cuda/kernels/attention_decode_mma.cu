@@ -34,6 +34,16 @@
 #define DEC_MMA_ROWS 8
 #define DEC_MMA_KEYS 16
 
+// A step's 16 keys (from a multiple of 16) lie in one block of the pool, whose blocks hold 16
+// positions or more (the host takes this kernel only then): the table is read once a step, not
+// once a row and 16-byte part.
+__device__ __forceinline__ size_t step_block(const KvPages& p, int t0) {
+    return (size_t)p.table[t0 >> p.shift] * (size_t)p.block_stride;
+}
+__device__ __forceinline__ size_t step_row(const KvPages& p, size_t block, int t, int row_stride) {
+    return block + (size_t)(t & ((1 << p.shift) - 1)) * (size_t)row_stride;
+}
+
 __device__ __forceinline__ unsigned word_of(const uint4& v, int w) {
     return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
 }
@@ -212,7 +222,7 @@ __device__ __forceinline__ void attention_decode_mma(
     auto prefetch = [&](int t0) {
         const int tk = t0 + (lane >> 1);
         if (tk < t_end && tk <= last_cached)
-            prefetch_l2(((lane & 1) ? vh : kh) + kv_row(pages, tk, stride), D * sizeof(KV));
+            prefetch_l2_lines(((lane & 1) ? vh : kh) + kv_row(pages, tk, stride), D * sizeof(KV));
     };
     const int step = DEC_WARPS * KEYS;
     int first = blockIdx.x * keys_per_split + warp * KEYS;
@@ -226,23 +236,25 @@ __device__ __forceinline__ void attention_decode_mma(
     // chunk: finite, and masked), `patch` then the step's own row from shared memory.
     uint4 kw[2][K_PARTS], vw[4][V_PARTS];
     auto fetch = [&](int t0) {
+        // t0 is a multiple of KEYS (chunks and warps start on them).
+        const size_t block = t0 < t_end && t0 <= last_cached ? step_block(pages, t0) : 0;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int tk = t0 + g + 8 * h;
             const bool cached = tk < t_end && tk <= last_cached;
+            const KV* row = kh + (cached ? step_row(pages, block, tk, stride) : 0);
 #pragma unroll
             for (int i = 0; i < K_PARTS; ++i)
-                kw[h][i] = cached ? load_stream16(kh + kv_row(pages, tk, stride) + 8 * (4 * i + t))
-                                  : make_uint4(0u, 0u, 0u, 0u);
+                kw[h][i] = cached ? load_stream16(row + 8 * (4 * i + t)) : make_uint4(0u, 0u, 0u, 0u);
         }
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const int tk = t0 + 2 * t + (k & 1) + 8 * (k >> 1);
             const bool cached = tk < t_end && tk <= last_cached;
+            const KV* row = vh + (cached ? step_row(pages, block, tk, stride) : 0);
 #pragma unroll
             for (int p = 0; p < V_PARTS; ++p)
-                vw[k][p] = cached ? load_stream16(vh + kv_row(pages, tk, stride) + 64 * p + 8 * g)
-                                  : make_uint4(0u, 0u, 0u, 0u);
+                vw[k][p] = cached ? load_stream16(row + 64 * p + 8 * g) : make_uint4(0u, 0u, 0u, 0u);
         }
     };
     __shared__ __align__(16) KV new_s[2][D];  // the step's key and value as the cache holds them
