@@ -550,7 +550,6 @@ mod tests {
         assert_eq!(want, LONGEST_SPELL);
         // A clean window, then a straggle: back to the first spell.
         assert_eq!(window(&mut pace, 0), (false, None));
-        assert_eq!(window(&mut pace, 0), (false, None));
         assert_eq!(window(&mut pace, 20), (true, Some(FIRST_SPELL)));
         // Waits under the limit never start one.
         assert_eq!(window(&mut pace, 0), (false, None));
