@@ -129,6 +129,19 @@ pub(crate) unsafe fn plain_rows8(dtype: DType, sb: *const u8, r0: usize, out: *m
     }
 }
 
+/// `vpdpbusd`'s products without its add, on AVX2: each i32 lane the sum of its four
+/// products of unsigned bytes `w` and signed bytes `x` (`vpmaddubsw`, then `vpmaddwd` by
+/// ones). Exact where no pair of products passes i16's range, as with weights below 128.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn dot4_avx2(
+    w: std::arch::x86_64::__m256i,
+    x: std::arch::x86_64::__m256i,
+) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    unsafe { _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)) }
+}
+
 /// llama.cpp's `hsum_float_8` of eight accumulators, lane by lane: sixteen rows' sums of
 /// their eight lanes, in its order.
 #[cfg(target_arch = "x86_64")]

@@ -16,9 +16,9 @@
 use super::super::act::ActLayout;
 use super::super::rows::QIsa;
 use super::super::tiles::rdf32;
-#[cfg(target_arch = "x86_64")]
-use super::hsum_float_8_lanes;
 use super::{GroupKernel, X16};
+#[cfg(target_arch = "x86_64")]
+use super::{dot4_avx2, hsum_float_8_lanes};
 
 /// Bytes of one plain Q4_1 block.
 const BLOCK: usize = 20;
@@ -147,7 +147,6 @@ unsafe fn group_avx2(
     use std::arch::x86_64::*;
     unsafe {
         let low = _mm256_set1_epi8(0x0F);
-        let ones = _mm256_set1_epi16(1);
         let bcast = |p: *const u8| _mm256_set1_epi32(p.cast::<i32>().read_unaligned());
         let mut out = [0f32; X16];
         for h in 0..2 {
@@ -168,8 +167,8 @@ unsafe fn group_avx2(
                     let lo = _mm256_and_si256(v, low);
                     let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
                     let x = a.add(32 * b + 4 * t);
-                    let l0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, bcast(x)), ones);
-                    let l1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, bcast(x.add(16))), ones);
+                    let l0 = dot4_avx2(lo, bcast(x));
+                    let l1 = dot4_avx2(hi, bcast(x.add(16)));
                     acc[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(l0), acc[t]);
                     acc[t + 4] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(l1), acc[t + 4]);
                 }

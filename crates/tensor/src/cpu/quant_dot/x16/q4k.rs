@@ -32,6 +32,8 @@
 use super::super::act::ActLayout;
 use super::super::rows::QIsa;
 use super::super::tiles::rdf32;
+#[cfg(target_arch = "x86_64")]
+use super::dot4_avx2;
 use super::{GroupKernel, X16};
 use crate::quant::scales_mins_k4_u64;
 
@@ -317,10 +319,8 @@ unsafe fn group_avx2<const FIVE: bool>(
         let six = _mm256_set1_epi32(0x3F);
         let pair = _mm256_set1_epi32(0x003F_003F);
         let bit = _mm256_set1_epi8(0x10);
-        let ones = _mm256_set1_epi16(1);
         let load = |p: *const u8| _mm256_loadu_si256(p.cast());
         let bcast = |p: *const u8| _mm256_set1_epi32(p.cast::<i32>().read_unaligned());
-        let dot4 = |w: __m256i, x: __m256i| _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
         let mut out = [0f32; X16];
         for h in 0..2 {
             let half = 32 * h;
@@ -381,8 +381,8 @@ unsafe fn group_avx2<const FIVE: bool>(
                             );
                         }
                         let x = a.add(256 * sb + lo_offset(c) + 4 * s);
-                        lo = _mm256_add_epi32(lo, dot4(wl, bcast(x)));
-                        hi = _mm256_add_epi32(hi, dot4(wh, bcast(x.add(64))));
+                        lo = _mm256_add_epi32(lo, dot4_avx2(wl, bcast(x)));
+                        hi = _mm256_add_epi32(hi, dot4_avx2(wh, bcast(x.add(64))));
                     }
                     let sc_lo = _mm256_and_si256(word, six);
                     let sc_hi = _mm256_and_si256(_mm256_srli_epi32::<16>(word), six);
