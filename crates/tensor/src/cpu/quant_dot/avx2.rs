@@ -438,7 +438,7 @@ unsafe impl Qv for Avx2 {
     unsafe fn scales4(p: *const i8) -> Y2 {
         unsafe {
             // The four as i16 in both lanes, then each spread over its half: five instructions
-            // where a broadcast a scale took twelve (a tenth of a Q6_K row's super-block).
+            // where a scalar load and broadcast a scale took twelve.
             let s = _mm_cvtepi8_epi16(_mm_cvtsi32_si128(p.cast::<i32>().read_unaligned()));
             let s = _mm256_broadcastq_epi64(s);
             let spread = |lo: i8, hi: i8| {

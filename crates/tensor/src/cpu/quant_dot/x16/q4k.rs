@@ -328,11 +328,11 @@ unsafe fn group_avx2<const FIVE: bool>(
         let mut accs = [_mm256_setzero_ps(); 2];
         let mut acc_mins = [_mm256_setzero_ps(); 2];
         for sb in 0..nsb {
+            let blk = g.add(sb * X16 * block(FIVE));
             for h in 0..2 {
                 let half = 32 * h;
                 let mut acc = accs[h];
                 let mut acc_min = acc_mins[h];
-                let blk = g.add(sb * X16 * block(FIVE));
                 if h == 0 {
                     for line in 0..OFF_QS / 64 {
                         _mm_prefetch::<_MM_HINT_T1>(blk.add(ahead + 64 * line).cast());
