@@ -435,22 +435,29 @@ unsafe impl Qv for Avx2 {
         }
     }
     #[inline(always)]
-    unsafe fn scales4(p: *const i8) -> Y2 {
+    unsafe fn scales8_i8(p: *const i8) -> Y2 {
         unsafe {
-            // The four as i16 in both lanes, then each spread over its half: five instructions
-            // where a scalar load and broadcast a scale took twelve.
-            let s = _mm_cvtepi8_epi16(_mm_cvtsi32_si128(p.cast::<i32>().read_unaligned()));
-            let s = _mm256_broadcastq_epi64(s);
-            let spread = |lo: i8, hi: i8| {
-                let (l0, l1, h0, h1) = (lo, lo + 1, hi, hi + 1);
+            // The eight as i16 in both 128-bit lanes, so that one in-lane byte shuffle spreads
+            // any two of them over a vector's halves ([`Qv::scales4`]): a super-block's
+            // sixteen take two widenings and eight shuffles, not four loads and 28 shuffles.
+            let s = _mm256_cvtepi8_epi16(_mm_set1_epi64x(p.cast::<i64>().read_unaligned()));
+            Y2(s, s)
+        }
+    }
+    #[inline(always)]
+    unsafe fn scales4(t: Y2, s: usize) -> Y2 {
+        unsafe {
+            let spread = |lo: usize, hi: usize| {
+                let (l0, l1) = ((2 * lo) as i8, (2 * lo + 1) as i8);
+                let (h0, h1) = ((2 * hi) as i8, (2 * hi + 1) as i8);
                 _mm256_setr_epi8(
                     l0, l1, l0, l1, l0, l1, l0, l1, l0, l1, l0, l1, l0, l1, l0, l1, //
                     h0, h1, h0, h1, h0, h1, h0, h1, h0, h1, h0, h1, h0, h1, h0, h1,
                 )
             };
             Y2(
-                _mm256_shuffle_epi8(s, spread(0, 2)),
-                _mm256_shuffle_epi8(s, spread(4, 6)),
+                _mm256_shuffle_epi8(t.0, spread(4 * s, 4 * s + 1)),
+                _mm256_shuffle_epi8(t.1, spread(4 * s + 2, 4 * s + 3)),
             )
         }
     }

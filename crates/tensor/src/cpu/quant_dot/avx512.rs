@@ -279,20 +279,18 @@ unsafe impl<const VNNI: bool> Qv for Avx512<VNNI> {
         }
     }
     #[inline(always)]
-    unsafe fn scales4(p: *const i8) -> __m512i {
+    unsafe fn scales8_i8(p: *const i8) -> __m512i {
         unsafe {
-            let s = _mm_cvtepi8_epi16(_mm_cvtsi32_si128(p.cast::<i32>().read_unaligned()));
-            let idx = _mm512_set_epi64(
-                0x0003_0003_0003_0003,
-                0x0003_0003_0003_0003,
-                0x0002_0002_0002_0002,
-                0x0002_0002_0002_0002,
-                0x0001_0001_0001_0001,
-                0x0001_0001_0001_0001,
-                0,
-                0,
-            );
-            _mm512_permutexvar_epi16(idx, _mm512_castsi128_si512(s))
+            let s = _mm_cvtepi8_epi16(_mm_loadl_epi64(p.cast()));
+            _mm512_castsi128_si512(s)
+        }
+    }
+    #[inline(always)]
+    unsafe fn scales4(t: __m512i, s: usize) -> __m512i {
+        unsafe {
+            let q = |q: usize| (0x0001_0001_0001_0001 * (4 * s + q) as u64) as i64;
+            let idx = _mm512_set_epi64(q(3), q(3), q(2), q(2), q(1), q(1), q(0), q(0));
+            _mm512_permutexvar_epi16(idx, t)
         }
     }
     #[inline(always)]

@@ -303,8 +303,19 @@ unsafe impl Qv for Portable {
         }))
     }
     #[inline(always)]
-    unsafe fn scales4(p: *const i8) -> Pv {
-        Pv::from_i16(std::array::from_fn(|l| (unsafe { *p.add(l / 8) }) as i16))
+    unsafe fn scales8_i8(p: *const i8) -> Pv {
+        Pv::from_i16(std::array::from_fn(|l| {
+            if l < 8 {
+                (unsafe { *p.add(l) }) as i16
+            } else {
+                0
+            }
+        }))
+    }
+    #[inline(always)]
+    unsafe fn scales4(t: Pv, s: usize) -> Pv {
+        let t = t.i16s();
+        Pv::from_i16(std::array::from_fn(|l| t[4 * s + l / 8]))
     }
     #[inline(always)]
     unsafe fn reduce(v: &[Pv; QR]) -> ([i32; 8], [i32; 8]) {

@@ -60,8 +60,12 @@ pub(crate) unsafe trait Qv: Copy {
     /// i16 lanes, per quarter `q` of 8: the first four scale `j[2·(q/2)]`, the last four
     /// `j[2·(q/2) + 1]` — the scales of a [`Qv::packs32`] of two `g0`/`g1` vectors.
     unsafe fn scale_pick4(s: Self::V, j: [usize; 4]) -> Self::V;
-    /// i16 lanes: the 16-byte quarter `q` all `p[q]` (i8), `q < 4`.
-    unsafe fn scales4(p: *const i8) -> Self::V;
+    /// Eight i8 scales at `p` (half a Q6_K super-block's), widened once per block into the
+    /// form [`Qv::scales4`] spreads from.
+    unsafe fn scales8_i8(p: *const i8) -> Self::V;
+    /// i16 lanes: the 16-byte quarter `q` all scale `4s + q` of `t` (from
+    /// [`Qv::scales8_i8`]), `q < 4`, `s < 2`.
+    unsafe fn scales4(t: Self::V, s: usize) -> Self::V;
     /// For 8 vectors of i32 lanes: lane `r` of the first result is the sum of `v[r].g0`'s
     /// lanes, of the second the sum of `v[r].g1`'s.
     unsafe fn reduce(v: &[Self::V; QR]) -> (Self::I, Self::I);

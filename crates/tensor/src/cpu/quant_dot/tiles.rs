@@ -407,6 +407,7 @@ unsafe fn tile_q6k<Q: Qv, const M: usize>(
                         }
                         continue;
                     }
+                    let scales = Q::scales8_i8(sc.add(8 * h));
                     for s in 0..2 {
                         let (nib, hb) = if s == 0 {
                             (ql, Q::shl4(hv))
@@ -414,7 +415,7 @@ unsafe fn tile_q6k<Q: Qv, const M: usize>(
                             (Q::shr4(ql), hv)
                         };
                         let wv = Q::or(Q::and(nib, Q::splat8(0x0F)), Q::and(hb, Q::splat8(0x30)));
-                        let scv = Q::scales4(sc.add(8 * h + 4 * s));
+                        let scv = Q::scales4(scales, s);
                         for i in 0..M {
                             let x = Q::load(a[i].add(256 * sb + 128 * h + 64 * s));
                             ai[i] = Q::dpwssd(ai[i], Q::maddubs(wv, x), scv);
