@@ -2,7 +2,8 @@
 //! [quant | hot [type [k [m]]] | choice | matvec | gemm [type] | attention[-step]
 //! [positions [heads kv_heads head_dim]]]`. Prints the read bandwidth of the probe beside matrix-vector and
 //! matrix-matrix rates; with `quant`, only the quantized ones. The "hot" lines run one thread
-//! on a matrix that fits in L2: what one core's kernel can consume, which must exceed its share
+//! on a matrix of a million weights (0.56-1.06 MB: in L2 on Sapphire Rapids, mostly on Zen 4,
+//! in L3 on Zen 3's 512 KB): what one core's kernel can consume, which must exceed its share
 //! of the probe for decode to be bound by memory. `hot` runs only those (for `perf stat`),
 //! optionally only for one type, row length and batch (`hot q4_k 1536 4`). `choice` prints
 //! what the timing that picks each quantized type's kernels measured (the load log's line).
@@ -159,7 +160,7 @@ fn quant_kernels(pool: &ThreadPool, owner: &BufferOwner, threads: usize) {
     }
 }
 
-/// One core, weights in L2: the kernels' compute rate.
+/// One core, weights in cache (L2 or L3, see the module docs): the kernels' compute rate.
 fn hot_kernels(owner: &BufferOwner, only: Option<&str>) {
     let arg = |i: usize, default: usize| {
         std::env::args()
