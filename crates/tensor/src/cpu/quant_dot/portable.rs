@@ -304,13 +304,11 @@ unsafe impl Qv for Portable {
     }
     #[inline(always)]
     unsafe fn scales8_i8(p: *const i8) -> Pv {
-        Pv::from_i16(std::array::from_fn(|l| {
-            if l < 8 {
-                (unsafe { *p.add(l) }) as i16
-            } else {
-                0
-            }
-        }))
+        let mut t = [0i16; 32];
+        for (l, v) in t.iter_mut().take(8).enumerate() {
+            *v = (unsafe { *p.add(l) }) as i16;
+        }
+        Pv::from_i16(t)
     }
     #[inline(always)]
     unsafe fn scales4(t: Pv, s: usize) -> Pv {
